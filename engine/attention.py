@@ -1,0 +1,83 @@
+"""Attention over the paged KV cache for one flattened step of tokens.
+
+A step's tokens are ordered decodes first (one query token per sequence, handled by the
+paged decode kernel in one call), then prefill chunks (several query tokens per sequence,
+handled one sequence at a time by torch's fused SDPA over the sequence's gathered blocks).
+The KV cache of a layer is two tensors (num_blocks, block_size, num_kv_heads, head_dim)
+(flash-attention's paged layout); token t of a sequence lives in slot
+block_table[t // block_size] * block_size + t % block_size.
+"""
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import paged_decode_attention
+
+
+@dataclass
+class PrefillChunk:
+    q_start: int  # first row of this sequence's query tokens in the step
+    q_len: int
+    seq_len: int  # tokens in the cache after this step (context + q_len)
+    block_ids: Optional[torch.Tensor]  # (num_blocks,) int64; None when there is no context
+    mask: Optional[torch.Tensor] = None  # (q_len, seq_len) bool, True = attend; None = plain causal
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) int64
+    num_decodes: int = 0
+    decode_block_table: Optional[torch.Tensor] = None  # (num_decodes, max_blocks) int32
+    decode_seq_lens: Optional[torch.Tensor] = None  # (num_decodes,) int32
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def prefill_mask(ctx_len: int, q_len: int, sliding_window: Optional[int], device) -> Optional[torch.Tensor]:
+    """Causal mask aligned to the bottom right: query i (at position ctx_len + i) sees keys <= it."""
+    if ctx_len == 0 and sliding_window is None:
+        return None
+    q_pos = torch.arange(ctx_len, ctx_len + q_len, device=device)[:, None]
+    k_pos = torch.arange(ctx_len + q_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys and values (T, num_kv_heads, head_dim) at their slots."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              md: AttentionMetadata, scale: float, sliding_window: Optional[int]) -> torch.Tensor:
+    """q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim), already in the cache.
+    Returns (T, num_heads * head_dim)."""
+    T, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    nd = md.num_decodes
+    if nd == T:
+        out = paged_decode_attention(q.contiguous(), k_cache, v_cache, md.decode_block_table, md.decode_seq_lens,
+                                     scale, sliding_window)
+        return out.view(T, num_heads * head_dim)
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = paged_decode_attention(q[:nd].contiguous(), k_cache, v_cache, md.decode_block_table, md.decode_seq_lens,
+                                          scale, sliding_window)
+    for p in md.prefills:
+        rows = slice(p.q_start, p.q_start + p.q_len)
+        if p.block_ids is None:  # no cached context: attend to this step's own keys
+            kk, vv = k[rows], v[rows]
+        else:
+            kk = k_cache[p.block_ids].view(-1, num_kv_heads, head_dim)[: p.seq_len]  # (L, Hkv, D)
+            vv = v_cache[p.block_ids].view(-1, num_kv_heads, head_dim)[: p.seq_len]
+        o = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),  # (H, L, D)
+            attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=num_heads != num_kv_heads)
+        out[rows] = o.transpose(0, 1)
+    return out.view(T, num_heads * head_dim)

@@ -1,0 +1,164 @@
+"""EngineConfig: one flat dataclass of engine options, checked in __post_init__; ModelConfig:
+the architecture facts the engine needs, read from a Hugging Face folder's config.json."""
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from engine.errors import UnsupportedModelError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GiB = 1 << 30
+
+
+@dataclass
+class ModelConfig:
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    sliding_window: Optional[int]
+    eos_token_ids: list[int]
+    bos_token_id: Optional[int]
+    torch_dtype: str
+
+    @classmethod
+    def from_folder(cls, path: str) -> "ModelConfig":
+        folder = Path(path)
+        if not (folder / "config.json").is_file():
+            raise UnsupportedModelError(f"{path}: not a model folder (no config.json)")
+        if not any(folder.glob("*.safetensors")):
+            raise UnsupportedModelError(f"{path}: no *.safetensors weights")
+        cfg = json.loads((folder / "config.json").read_text())
+        arch = (cfg.get("architectures") or [_ARCH_BY_TYPE.get(cfg.get("model_type"), "?")])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        window = cfg.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+            window = None
+        if arch == "Qwen3ForCausalLM" and not cfg.get("use_sliding_window", False):
+            window = None
+        eos = _eos_ids(folder, cfg)
+        return cls(
+            path=str(folder), architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta), rope_scaling=None if rope_type == "default" else dict(rope, rope_type=rope_type),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM", sliding_window=window, eos_token_ids=eos,
+            bos_token_id=cfg.get("bos_token_id"), torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        )
+
+
+_ARCH_BY_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+
+
+def _eos_ids(folder: Path, cfg: dict) -> list[int]:
+    ids = cfg.get("eos_token_id")
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        ids = json.loads(gen.read_text()).get("eos_token_id", ids)
+    if ids is None:
+        return []
+    return list(ids) if isinstance(ids, list) else [ids]
+
+
+@dataclass
+class EngineConfig:
+    """Engine options. Memory sizes are in bytes.
+
+    model: a local Hugging Face folder, or None for the embedded default model.
+    dtype: "auto" (bfloat16 on GPU and on CPUs with native bf16 matmul, float32 otherwise), or
+        "float32" / "bfloat16" / "float16".
+    kv_cache_memory: bytes for the KV cache; None = 2 GiB on CPU (pages are touched only as
+        they fill), on CUDA gpu_memory_utilization of the device minus weights and activations.
+    max_num_batched_tokens: the token budget of one step (prefill chunks + decodes).
+    """
+
+    model: Optional[str] = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    num_threads: Optional[int] = None
+    tokenizer: Optional[str] = None
+    worker_extension_cls: Optional[str] = None
+    model_config: ModelConfig = field(init=False, repr=False)
+
+    def __post_init__(self):
+        from engine.default_model import default_model_path
+
+        self.model = str(default_model_path()) if self.model is None else os.path.expanduser(str(self.model))
+        if not Path(self.model).is_dir():
+            raise UnsupportedModelError(f"model {self.model!r}: no such local folder (hub downloads are not supported)")
+        self.model_config = ModelConfig.from_folder(self.model)
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but CUDA is not available")
+        if self.device not in ("cpu",) and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device != "cpu" or _cpu_has_fast_bf16() else "float32"
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
+        limit = self.model_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        if not 1 <= self.max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {self.max_model_len}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def kv_bytes_per_token(self) -> int:
+        m = self.model_config
+        return m.num_layers * 2 * m.num_kv_heads * m.head_dim * self.torch_dtype.itemsize
+
+
+def _cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags

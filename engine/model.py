@@ -1,0 +1,198 @@
+"""The decoder of the Llama family (Llama, Mistral, Qwen2, Qwen3) in plain torch.
+
+Weights live in plain tensors, projections fused: qkv = [q; k; v] rows, gate_up = [gate; up].
+`hf_views()` maps every Hugging Face parameter name onto a view of these tensors, so loading,
+weight pushes and checksums all speak HF names and write in place. On CPUs with bf16 matmul
+units the linear weights are also kept prepacked for oneDNN (~30% faster matmuls); `repack()`
+must run after any write to the plain tensors.
+
+The forward pass takes a flat batch of T tokens from many sequences (see engine/attention.py)
+and avoids nn.Module: at this model size per-op overhead is the enemy.
+"""
+import glob
+import os
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from engine.attention import AttentionMetadata, attention, write_kv
+from engine.config import ModelConfig
+from engine.errors import UnsupportedModelError
+from kernels.rotary import apply_rope, rope_cos_sin_cache, rope_inv_freq
+
+
+class Linear:
+    """y = x @ weight.T (+ bias), optionally through a oneDNN-prepacked copy of the weight."""
+
+    __slots__ = ("weight", "bias", "packed")
+
+    def __init__(self, out_features: int, in_features: int, bias: bool, dtype, device):
+        self.weight = torch.zeros(out_features, in_features, dtype=dtype, device=device)
+        self.bias = torch.zeros(out_features, dtype=dtype, device=device) if bias else None
+        self.packed = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def pack(self, enable: bool) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32) if enable else None
+
+
+class Layer:
+    __slots__ = ("input_norm", "qkv", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down")
+
+
+class LlamaModel:
+    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int):
+        self.mc, self.dtype, self.device = mc, dtype, device
+        H, D, I = mc.hidden_size, mc.head_dim, mc.intermediate_size
+        self.q_size, self.kv_size = mc.num_heads * D, mc.num_kv_heads * D
+        self.scale = D ** -0.5
+
+        def vec(n, fill=0.0):
+            return torch.full((n,), fill, dtype=dtype, device=device)
+
+        self.embed = torch.zeros(mc.vocab_size, H, dtype=dtype, device=device)
+        self.layers = []
+        for _ in range(mc.num_layers):
+            layer = Layer()
+            layer.input_norm, layer.post_norm = vec(H), vec(H)
+            layer.qkv = Linear(self.q_size + 2 * self.kv_size, H, mc.qkv_bias, dtype, device)
+            layer.q_norm, layer.k_norm = (vec(D), vec(D)) if mc.qk_norm else (None, None)
+            layer.o = Linear(H, self.q_size, False, dtype, device)
+            layer.gate_up = Linear(2 * I, H, False, dtype, device)
+            layer.down = Linear(H, I, False, dtype, device)
+            self.layers.append(layer)
+        self.norm = vec(H)
+        self.lm_head = Linear(mc.vocab_size, H, False, dtype, device)
+        if mc.tie_word_embeddings:
+            self.lm_head.weight = self.embed
+        inv_freq, attention_factor = rope_inv_freq(D, mc.rope_theta, mc.rope_scaling)
+        self.cos_sin = rope_cos_sin_cache(inv_freq, attention_factor, max_len).to(device)  # (L, 2, D/2) fp32
+        self._hf = self._hf_name_map()
+
+    # ---- weights, by Hugging Face names -------------------------------------------------
+    def _hf_name_map(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """HF name -> (tensor, first row, number of rows) of the fused tensor it lives in."""
+        q, kv, inter = self.q_size, self.kv_size, self.mc.intermediate_size
+        m = {"model.embed_tokens.weight": (self.embed, 0, self.embed.shape[0]),
+             "model.norm.weight": (self.norm, 0, self.norm.shape[0])}
+        if not self.mc.tie_word_embeddings:
+            m["lm_head.weight"] = (self.lm_head.weight, 0, self.mc.vocab_size)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            m[p + "input_layernorm.weight"] = (layer.input_norm, 0, layer.input_norm.shape[0])
+            m[p + "post_attention_layernorm.weight"] = (layer.post_norm, 0, layer.post_norm.shape[0])
+            for name, start, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
+                m[p + f"self_attn.{name}.weight"] = (layer.qkv.weight, start, rows)
+                if layer.qkv.bias is not None:
+                    m[p + f"self_attn.{name}.bias"] = (layer.qkv.bias, start, rows)
+            if layer.q_norm is not None:
+                m[p + "self_attn.q_norm.weight"] = (layer.q_norm, 0, layer.q_norm.shape[0])
+                m[p + "self_attn.k_norm.weight"] = (layer.k_norm, 0, layer.k_norm.shape[0])
+            m[p + "self_attn.o_proj.weight"] = (layer.o.weight, 0, layer.o.weight.shape[0])
+            m[p + "mlp.gate_proj.weight"] = (layer.gate_up.weight, 0, inter)
+            m[p + "mlp.up_proj.weight"] = (layer.gate_up.weight, inter, inter)
+            m[p + "mlp.down_proj.weight"] = (layer.down.weight, 0, layer.down.weight.shape[0])
+        return m
+
+    def hf_view(self, name: str) -> torch.Tensor:
+        """The in-place view of one HF parameter; KeyError for a name the model does not have."""
+        tensor, start, rows = self._hf[name]
+        return tensor.narrow(0, start, rows)
+
+    def hf_views(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self._hf:
+            yield name, self.hf_view(name)
+
+    def load_safetensors(self, folder: str, progress: bool = False) -> None:
+        files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+        missing = set(self._hf)
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name not in self._hf:
+                        if name == "lm_head.weight" and self.mc.tie_word_embeddings:
+                            continue  # some tied checkpoints still carry a copy
+                        if "rotary_emb" in name:
+                            continue
+                        raise UnsupportedModelError(f"{path}: unexpected tensor {name!r}")
+                    view = self.hf_view(name)
+                    t = f.get_tensor(name)
+                    if tuple(t.shape) != tuple(view.shape):
+                        raise UnsupportedModelError(f"{name}: shape {tuple(t.shape)} != expected {tuple(view.shape)}")
+                    view.copy_(t)
+                    missing.discard(name)
+        if missing:
+            raise UnsupportedModelError(f"{folder}: missing tensors, e.g. {sorted(missing)[:3]}")
+        self.repack()
+
+    def repack(self) -> None:
+        """Refresh the prepacked matmul weights from the plain tensors (after any weight write)."""
+        enable = self.device.type == "cpu" and self.dtype == torch.bfloat16 and _mkldnn_bf16_ok()
+        for layer in self.layers:
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                lin.pack(enable)
+        self.lm_head.pack(enable)
+
+    # ---- forward ------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids, positions: (T,). Returns the final-normed hidden states (T, hidden)."""
+        mc = self.mc
+        T = input_ids.shape[0]
+        q_size, kv_size, D, eps = self.q_size, self.kv_size, mc.head_dim, mc.rms_norm_eps
+        Hq, Hkv = mc.num_heads, mc.num_kv_heads
+        cs = self.cos_sin[positions].to(self.dtype)  # (T, 2, D/2)
+        cos, sin = cs[:, 0:1], cs[:, 1:2]  # (T, 1, D/2)
+        h = F.embedding(input_ids, self.embed)  # (T, H)
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            if residual is None:
+                residual = h
+            else:
+                residual = residual + h
+            x = F.rms_norm(residual, (residual.shape[-1],), layer.input_norm, eps)
+            qkv = layer.qkv(x)  # (T, q_size + 2 * kv_size)
+            if layer.q_norm is None:
+                qk = apply_rope(qkv[:, : q_size + kv_size].view(T, Hq + Hkv, D), cos, sin)  # (T, Hq+Hkv, D)
+                q, k = qk[:, :Hq], qk[:, Hq:]
+            else:
+                q = F.rms_norm(qkv[:, :q_size].view(T, Hq, D), (D,), layer.q_norm, eps)
+                k = F.rms_norm(qkv[:, q_size: q_size + kv_size].view(T, Hkv, D), (D,), layer.k_norm, eps)
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            v = qkv[:, q_size + kv_size:].view(T, Hkv, D)
+            write_kv(k_cache, v_cache, k, v, md.slot_mapping)
+            h = layer.o(attention(q, k, v, k_cache, v_cache, md, self.scale, mc.sliding_window))
+            residual = residual + h
+            x = F.rms_norm(residual, (residual.shape[-1],), layer.post_norm, eps)
+            gate_up = layer.gate_up(x)  # (T, 2 * I)
+            inter = gate_up.shape[1] // 2
+            h = layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+        return F.rms_norm(residual + h, (h.shape[-1],), self.norm, eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) float32."""
+        return self.lm_head(hidden).float()
+
+
+_MKLDNN_BF16: Optional[bool] = None
+
+
+def _mkldnn_bf16_ok() -> bool:
+    """Whether oneDNN's prepacked bf16 linear works here (and gives F.linear's result)."""
+    global _MKLDNN_BF16
+    if _MKLDNN_BF16 is None:
+        try:
+            w = torch.randn(64, 32).bfloat16()
+            x = torch.randn(4, 32).bfloat16()
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+            y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            _MKLDNN_BF16 = bool(torch.equal(y, F.linear(x, w)))
+        except (RuntimeError, AttributeError):
+            _MKLDNN_BF16 = False
+    return _MKLDNN_BF16

@@ -1,0 +1,213 @@
+"""The frontend's half of every request: incremental detokenization, stop strings, n > 1
+fan-in, and assembly of RequestOutputs from the core's per-step EngineCoreOutputs.
+
+`process_outputs` is the only function that loops over a step's EngineCoreOutputs: one pass
+does detokenization, stop checks and output assembly.
+"""
+from dataclasses import dataclass, field
+from typing import Optional
+
+from tokenizers.decoders import DecodeStream
+
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.protocol import EngineCoreOutput, FinishReason
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+class Detokenizer:
+    """Text of a growing list of token ids, one token at a time."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool):
+        self.backend = tokenizer.backend_tokenizer
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        return self.stream.step(self.backend, token_id) or ""
+
+
+@dataclass
+class SequenceState:
+    """One generated sequence (a child when n > 1)."""
+
+    index: int
+    params: SamplingParams
+    detok: Optional[Detokenizer]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[dict[int, float]]] = None
+    weight_versions: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[object] = None
+    sent_tokens: int = 0  # for DELTA outputs: how much was already handed out
+    sent_chars: int = 0
+
+    def __post_init__(self):
+        if self.params.logprobs is not None:
+            self.logprobs = []
+            if self.params.logprobs:
+                self.top_logprobs = []
+
+
+@dataclass
+class RequestState:
+    """One request as the caller sees it; `children` holds the core request ids (n of them)."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[SequenceState]
+    children: dict[str, int]  # core request id -> sequence index
+    prompt_logprobs: Optional[list] = None
+    prompt_top_logprobs: Optional[list] = None
+    num_cached_tokens: int = 0
+    queue: object = None  # the AsyncLLM's per-request queue (None offline)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}  # caller's request id -> state
+        self.child_to_parent: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+                    params: SamplingParams, child_ids: list[str], queue=None) -> RequestState:
+        seqs = [SequenceState(i, params, Detokenizer(self.tokenizer, params.skip_special_tokens)
+                              if params.detokenize else None) for i in range(len(child_ids))]
+        state = RequestState(request_id, prompt, prompt_token_ids, params, seqs,
+                             {cid: i for i, cid in enumerate(child_ids)}, queue=queue)
+        self.requests[request_id] = state
+        for cid in child_ids:
+            self.child_to_parent[cid] = request_id
+        return state
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[tuple[RequestState, RequestOutput]], list[str]]:
+        """Returns (request outputs to hand out, core request ids to abort: stop strings hit)."""
+        ready: dict[str, RequestState] = {}
+        to_abort: list[str] = []
+        for o in outputs:
+            parent_id = self.child_to_parent.get(o.request_id)
+            if parent_id is None:
+                continue  # aborted by the caller meanwhile
+            state = self.requests[parent_id]
+            seq = state.seqs[state.children[o.request_id]]
+            if o.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = o.prompt_logprobs
+                if o.prompt_top_logprobs is not None:
+                    state.prompt_top_logprobs = [None if t is None else dict(t) for t in o.prompt_top_logprobs]
+            if o.new_token_ids:
+                state.num_cached_tokens = max(state.num_cached_tokens, o.num_cached_tokens)
+            stopped = self._append(seq, o)
+            if stopped:
+                to_abort.append(o.request_id)
+            if seq.finish_reason is not None:
+                self.child_to_parent.pop(o.request_id, None)
+            ready[parent_id] = state
+        results = []
+        for state in ready.values():
+            out = self._make_output(state)
+            if out is not None:
+                results.append((state, out))
+            if state.finished:
+                del self.requests[state.request_id]
+        return results, to_abort
+
+    def _append(self, seq: SequenceState, o: EngineCoreOutput) -> bool:
+        """Add one step's tokens; True if a stop string ended the sequence here."""
+        params = seq.params
+        new_text = []
+        for i, t in enumerate(o.new_token_ids):
+            seq.token_ids.append(t)
+            seq.weight_versions.append(o.weight_version)
+            if seq.logprobs is not None and o.new_logprobs is not None:
+                seq.logprobs.append(o.new_logprobs[i])
+                if seq.top_logprobs is not None and o.new_top_logprobs is not None:
+                    seq.top_logprobs.append(dict(o.new_top_logprobs[i]))
+            if seq.detok is not None:
+                new_text.append(seq.detok.step(t))
+        if o.finish_reason is not None:
+            seq.finish_reason = str(o.finish_reason)
+            seq.stop_reason = o.stop_reason
+        if not new_text:
+            return False
+        old_len = len(seq.text)
+        seq.text += "".join(new_text)
+        if params.stop and o.finish_reason in (None, FinishReason.LENGTH, FinishReason.STOP):
+            hit = _find_stop(seq.text, params.stop, old_len)
+            if hit is not None:
+                pos, stop = hit
+                seq.text = seq.text[:pos + len(stop)] if params.include_stop_str_in_output else seq.text[:pos]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return o.finish_reason is None
+        return False
+
+    def _make_output(self, state: RequestState) -> Optional[RequestOutput]:
+        kind = state.params.output_kind
+        finished = state.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        completions = []
+        for seq in state.seqs:
+            if kind == RequestOutputKind.DELTA:
+                completions.append(self._delta(seq))
+            else:
+                completions.append(CompletionOutput(
+                    index=seq.index, text=seq.text if seq.finish_reason else _held_back(seq),
+                    token_ids=list(seq.token_ids), logprobs=_copy(seq.logprobs),
+                    top_logprobs=_copy(seq.top_logprobs), finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason, weight_versions=list(seq.weight_versions)))
+        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
+                             prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
+                             prompt_logprobs=state.prompt_logprobs, prompt_top_logprobs=state.prompt_top_logprobs,
+                             num_cached_tokens=state.num_cached_tokens)
+
+    @staticmethod
+    def _delta(seq: SequenceState) -> CompletionOutput:
+        a, b = seq.sent_tokens, len(seq.token_ids)
+        text = seq.text if seq.finish_reason else _held_back(seq)
+        out = CompletionOutput(
+            index=seq.index, text=text[seq.sent_chars:], token_ids=seq.token_ids[a:b],
+            logprobs=None if seq.logprobs is None else seq.logprobs[a:b],
+            top_logprobs=None if seq.top_logprobs is None else seq.top_logprobs[a:b],
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, weight_versions=seq.weight_versions[a:b])
+        seq.sent_tokens, seq.sent_chars = b, max(seq.sent_chars, len(text))
+        return out
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a request; returns its core request ids (to abort in the core)."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        for cid in state.children:
+            self.child_to_parent.pop(cid, None)
+        return list(state.children)
+
+
+def _held_back(seq: SequenceState) -> str:
+    """Text safe to show while running: a possible stop-string prefix at the end is held back."""
+    if not seq.params.stop:
+        return seq.text
+    hold = max(len(s) for s in seq.params.stop) - 1
+    return seq.text[:len(seq.text) - hold] if hold else seq.text
+
+
+def _find_stop(text: str, stops: list[str], old_len: int) -> Optional[tuple[int, str]]:
+    """Earliest stop string that ends in the new part of text."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, old_len - len(s) + 1))
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
+
+
+def _copy(x):
+    return None if x is None else list(x)

@@ -1,0 +1,39 @@
+"""What the engine hands back to its callers (mirrors vLLM's RequestOutput / CompletionOutput)."""
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence.
+
+    logprobs[i]: logprob of token_ids[i] (see SamplingParams.logprobs_mode: by default the
+    log-softmax of the final logits after temperature and filters; "raw" for the model's own).
+    top_logprobs[i]: {token_id: logprob} of the top-k candidates at step i (when logprobs=k > 0).
+    weight_versions[i]: the weight version of the model that produced token_ids[i].
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: Optional[list[float]] = None
+    top_logprobs: Optional[list[dict[int, float]]] = None
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: Optional[object] = None  # the stop string or stop token id that ended it
+    weight_versions: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: Optional[list[Optional[float]]] = None  # [0] is None (no prefix)
+    prompt_top_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

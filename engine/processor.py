@@ -1,0 +1,65 @@
+"""The frontend's input side: prompts (text, token ids, chat messages) -> validated token ids."""
+from typing import Optional, Union
+
+from transformers import AutoTokenizer
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+
+PromptType = Union[str, list[int], dict]
+
+
+def load_tokenizer(config: EngineConfig):
+    return AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+
+
+class Processor:
+    def __init__(self, config: EngineConfig, tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = config.model_config.vocab_size
+        self.max_model_len = max_model_len
+        eos = config.model_config.eos_token_ids or [tokenizer.eos_token_id]
+        self.eos_token_id: Optional[int] = eos[0] if eos and eos[0] is not None else None
+
+    def process(self, prompt: PromptType, params: Optional[SamplingParams]) -> tuple[Optional[str], list[int]]:
+        """Returns (prompt text or None, prompt token ids); raises InvalidRequestError."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self.tokenize(prompt)
+        self.check_token_ids(ids)
+        return text, ids
+
+    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequestError(
+            f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty (no tokens)")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens, but the context holds {self.max_model_len} "
+                f"(max_model_len), leaving no room to generate")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is out of the vocabulary [0, {self.vocab_size})")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise InvalidRequestError("a conversation must be a list of {'role': ..., 'content': ...} dicts")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)

@@ -1,0 +1,107 @@
+"""Token sampling on a batch of logits: temperature, top-k, top-p, min-p (in Hugging Face's
+order), greedy rows, per-row seeded generators, and logprobs of the sampled tokens plus top-k.
+
+Sampling uses the exponential race: argmax(p / q) with q ~ Exp(1) draws from p, needs no
+cumulative sum, and lets one row use its own generator without touching the others.
+"""
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling parameters for a batch of N rows (the model runner builds it)."""
+
+    num_rows: int
+    all_greedy: bool
+    temperature: Optional[torch.Tensor] = None  # (N,) float32; greedy rows hold 1.0
+    greedy: Optional[torch.Tensor] = None  # (N,) bool; None when no row is greedy
+    top_k: Optional[torch.Tensor] = None  # (N,) int64, 0 = off; None when no row filters
+    top_p: Optional[torch.Tensor] = None  # (N,) float32, 1 = off
+    min_p: Optional[torch.Tensor] = None  # (N,) float32, 0 = off
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # seeded rows
+    max_num_logprobs: Optional[int] = None  # None: no row wants logprobs
+    raw_logprobs: Optional[torch.Tensor] = None  # (N,) bool rows that want raw-logit logprobs
+    banned_tokens: dict[int, list[int]] = field(default_factory=dict)  # row -> ids (min_tokens)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # (N,) int64
+    logprobs: Optional[torch.Tensor] = None  # (N,) float32
+    top_ids: Optional[torch.Tensor] = None  # (N, k) int64
+    top_logprobs: Optional[torch.Tensor] = None  # (N, k) float32
+
+
+def sample(logits: torch.Tensor, md: SamplingMetadata, generator: Optional[torch.Generator] = None) -> SamplerOutput:
+    """logits: (N, V) float32, modified in place by banned tokens. Returns sampled ids + logprobs."""
+    for row, ids in md.banned_tokens.items():
+        logits[row, ids] = float("-inf")
+    if md.all_greedy:
+        processed = logits
+        token_ids = logits.argmax(dim=-1)
+    else:
+        processed = filter_logits(logits / md.temperature[:, None], md)
+        probs = processed.softmax(dim=-1)
+        q = torch.empty_like(probs).exponential_(generator=generator)
+        for row, g in md.generators.items():
+            q[row].exponential_(generator=g)
+        token_ids = probs.div_(q).argmax(dim=-1)
+        if md.greedy is not None:
+            token_ids = torch.where(md.greedy, logits.argmax(dim=-1), token_ids)
+    out = SamplerOutput(token_ids=token_ids)
+    if md.max_num_logprobs is not None:
+        src = processed
+        if md.raw_logprobs is not None:
+            src = torch.where(md.raw_logprobs[:, None], logits, processed)
+        lse = torch.logsumexp(src, dim=-1, keepdim=True)  # (N, 1)
+        out.logprobs = (src.gather(1, token_ids[:, None]) - lse).squeeze(1)
+        if md.max_num_logprobs > 0:
+            vals, out.top_ids = src.topk(md.max_num_logprobs, dim=-1)
+            out.top_logprobs = vals - lse
+    return out
+
+
+def filter_logits(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Mask (to -inf) the tokens that top-k, then top-p, then min-p exclude. x: (N, V), in place."""
+    neg_inf = float("-inf")
+    if md.top_p is not None:
+        # One descending sort serves both top-k (rank >= k) and top-p (mass before it >= p).
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        if md.top_k is not None:
+            ranks = torch.arange(x.shape[1], device=x.device)[None, :]
+            sorted_x.masked_fill_((md.top_k[:, None] > 0) & (ranks >= md.top_k[:, None]), neg_inf)
+        probs = sorted_x.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop = mass_before >= md.top_p[:, None]
+        drop[:, 0] = False
+        x = x.scatter(1, order, sorted_x.masked_fill(drop, neg_inf))
+    elif md.top_k is not None:
+        k_max = int(md.top_k.max())
+        kth = x.topk(k_max, dim=-1).values.gather(1, (md.top_k.clamp(min=1) - 1)[:, None])
+        kth = torch.where(md.top_k[:, None] > 0, kth, torch.full_like(kth, neg_inf))
+        x = x.masked_fill(x < kth, neg_inf)
+    if md.min_p is not None:
+        probs = x.softmax(dim=-1)
+        x = x.masked_fill(probs < md.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, neg_inf)
+    return x
+
+
+def sample_ref_filter(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Readable single-row reference of filter_logits (after temperature) for tests: (V,) -> (V,)."""
+    x = logits / temperature
+    if top_k > 0:
+        x = torch.where(x < torch.topk(x, top_k).values[-1], torch.tensor(float("-inf")), x)
+    if top_p < 1:
+        sorted_x, order = x.sort(descending=True)
+        p = sorted_x.softmax(-1)
+        keep_sorted = (p.cumsum(-1) - p) < top_p
+        keep = torch.zeros_like(keep_sorted)
+        keep[order] = keep_sorted
+        x = torch.where(keep, x, torch.tensor(float("-inf")))
+    if min_p > 0:
+        p = x.softmax(-1)
+        x = torch.where(p < min_p * p.max(), torch.tensor(float("-inf")), x)
+    return x
