@@ -1,20 +1,21 @@
 """EngineCore: the owner of scheduling state. One step = schedule -> execute -> update.
 
-It speaks token ids only (EngineCoreRequest in, EngineCoreOutput out). `LLM` drives it in
-process; the engine-core process (issue 3) drives the same class from its busy loop.
+It speaks token ids only (EngineCoreRequest in, EngineCoreOutput out). `LLM` can drive it in
+process; normally it runs inside the engine-core process (engine/core_proc.py), whose busy
+loop calls the same methods. Public methods are reachable by name as utility calls.
 """
 import logging
-import time
+from typing import Any, Optional
 
 import torch
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCacheManager
-from engine.model_runner import ModelRunner
-from engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+from engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, StreamInput
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerStats
+from engine.worker import worker_class
 
 logger = logging.getLogger("engine")
 
@@ -24,7 +25,8 @@ class EngineCore:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.runner = ModelRunner(config)
+        self.workers = [worker_class(config.worker_extension_cls)(config, rank=0)]
+        self.runner = self.workers[0].model_runner
         num_blocks = self.runner.init_kv_cache()
         capacity = num_blocks * config.block_size
         if capacity < config.max_model_len:
@@ -36,32 +38,59 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.weight_version = 0
         self.num_generated_tokens = 0
+        self._pending_outputs: list[EngineCoreOutput] = []  # produced outside step() (stream input)
 
     @property
     def num_blocks(self) -> int:
         return self.kv.num_blocks
 
+    # ---- requests -----------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
-        ids = request.prompt_token_ids
-        if not ids or len(ids) >= self.max_model_len:
-            raise InvalidRequestError(f"prompt of {len(ids)} tokens does not fit max_model_len {self.max_model_len}")
-        vocab = self.config.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        self._check_prompt(request.prompt_token_ids, request.request_id)
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
         self.scheduler.add_request(Request(request))
 
-    def abort_requests(self, request_ids) -> None:
-        self.scheduler.abort(request_ids)
+    def add_stream_input(self, chunk: StreamInput) -> None:
+        """Append the next input chunk to a streaming request (or close its input)."""
+        req = self.scheduler.requests.get(chunk.request_id)
+        if req is None or not req.streaming:
+            raise InvalidRequestError(f"no streaming request {chunk.request_id!r} is running")
+        if chunk.prompt_token_ids:
+            self._check_prompt(req.all_token_ids + chunk.prompt_token_ids, chunk.request_id)
+        out = self.scheduler.add_stream_input(req, chunk)
+        if out is not None:
+            self._pending_outputs.append(self._output(out, [], None))
+
+    def _check_prompt(self, ids: list[int], request_id: str) -> None:
+        if not ids:
+            raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(f"request {request_id!r}: {len(ids)} tokens do not fit the context "
+                                      f"(max_model_len {self.max_model_len})")
+        vocab = self.config.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"request {request_id!r}: token ids must be in [0, {vocab})")
+
+    def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
+        """Abort; returns the final outputs (finish_reason abort) of the requests that existed."""
+        aborted = self.scheduler.abort(request_ids)
+        return [EngineCoreOutput(request_id=r.request_id, new_token_ids=[], weight_version=self.weight_version,
+                                 finish_reason=FinishReason.ABORT) for r in aborted]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_work(self) -> bool:
+        """Whether step() would compute something (idle streaming requests wait for input)."""
+        return bool(self.scheduler.running or self.scheduler.waiting or self._pending_outputs)
+
+    # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
         so = self.scheduler.schedule()
         if not so.scheduled:
-            return []
+            return outputs
         ro = self.runner.execute(so, self.kv)
         for rid, (lps, top) in ro.prompt_logprobs.items():
             req = self.scheduler.requests.get(rid)
@@ -69,34 +98,57 @@ class EngineCore:
                 req.prompt_logprobs.extend(lps)
                 if top is not None:
                     req.prompt_top_logprobs.extend(top)
-        progressed = self.scheduler.update_after_step(so, ro.sampled)
-        outputs = []
-        v = self.weight_version
-        for req in progressed:
-            rid = req.request_id
-            o = EngineCoreOutput(request_id=rid, new_token_ids=[req.all_token_ids[-1]], weight_version=v,
-                                 finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-                                 num_cached_tokens=req.num_cached_tokens)
-            if rid in ro.logprobs:
-                o.new_logprobs = [ro.logprobs[rid]]
-                if rid in ro.top_logprobs:
-                    o.new_top_logprobs = [ro.top_logprobs[rid]]
-            if req.prompt_logprobs is not None and req.num_output_tokens == 1:
-                o.prompt_logprobs = req.prompt_logprobs
-                o.prompt_top_logprobs = req.prompt_top_logprobs
-            outputs.append(o)
-        self.num_generated_tokens += len(progressed)
+        for req in self.scheduler.update_after_step(so, ro.sampled):
+            outputs.append(self._output(req, [req.last_sampled], ro))
+        self.scheduler.start_pending_chunks()
+        self.num_generated_tokens += len(ro.sampled)
         return outputs
 
-    def abort_outputs(self, request_ids) -> list[EngineCoreOutput]:
-        """Abort and return the matching final outputs (finish_reason abort)."""
-        aborted = self.scheduler.abort(request_ids)
-        return [EngineCoreOutput(request_id=r.request_id, new_token_ids=[], weight_version=self.weight_version,
-                                 finish_reason=FinishReason.ABORT) for r in aborted]
+    def _output(self, req: Request, tokens: list[int], ro) -> EngineCoreOutput:
+        rid = req.request_id
+        o = EngineCoreOutput(request_id=rid, new_token_ids=tokens, weight_version=self.weight_version,
+                             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+                             num_cached_tokens=req.num_cached_tokens, resumable=req.resumable)
+        if ro is not None and rid in ro.logprobs:
+            o.new_logprobs = [ro.logprobs[rid]]
+            if rid in ro.top_logprobs:
+                o.new_top_logprobs = [ro.top_logprobs[rid]]
+        if req.prompt_logprobs is not None and tokens and req.num_output_tokens == 1:
+            o.prompt_logprobs = req.prompt_logprobs
+            o.prompt_top_logprobs = req.prompt_top_logprobs
+        return o
 
+    # ---- utility methods (callable by name from the frontend) ----------------------------
     def reset_prefix_cache(self) -> bool:
         self.kv.reset_prefix_cache()
         return True
 
-    def get_stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+    def reset_encoder_cache(self) -> bool:
+        """Text-only models have no encoder cache: nothing to clear."""
+        return True
+
+    def get_stats(self) -> dict:
+        s: SchedulerStats = self.scheduler.stats()
+        return dict(num_running=s.num_running, num_waiting=s.num_waiting, kv_usage=s.kv_usage,
+                    prefix_hit_rate=s.prefix_hit_rate, num_preemptions=s.num_preemptions,
+                    num_prefill_tokens=s.num_prefill_tokens, num_generated_tokens=self.num_generated_tokens,
+                    num_free_blocks=self.kv.num_free_blocks, num_blocks=self.kv.num_blocks,
+                    weight_version=self.weight_version)
+
+    def get_weight_version(self) -> int:
+        return self.weight_version
+
+    def collective_rpc(self, method: str, args: Optional[list] = None, kwargs: Optional[dict] = None) -> list[Any]:
+        """Run a public worker method on every worker; one result per worker."""
+        if not isinstance(method, str) or method.startswith("_"):
+            raise ValueError(f"collective_rpc: {method!r} is not a public worker method")
+        results = []
+        for w in self.workers:
+            fn = getattr(w, method, None)
+            if not callable(fn):
+                raise ValueError(f"collective_rpc: the worker has no method {method!r}")
+            results.append(fn(*(args or ()), **(kwargs or {})))
+        return results
+
+    def shutdown(self) -> None:
+        self.scheduler.abort(list(self.scheduler.requests))

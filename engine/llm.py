@@ -3,21 +3,23 @@
     llm = LLM()                                   # the embedded default model
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     outs = llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=32))
+
+By default the engine core runs in a child process (as behind AsyncLLM); `multiprocess=False`
+keeps it in this process, for tests and debugging.
 """
 import itertools
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from tqdm import tqdm
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.core_client import InprocClient, SyncMPClient
 from engine.errors import InvalidRequestError
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.processor import Processor, PromptType, load_tokenizer
 from engine.protocol import EngineCoreRequest
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.scheduler import SchedulerStats
 
 ParamsArg = Union[None, SamplingParams, Sequence[SamplingParams]]
 
@@ -26,11 +28,11 @@ class LLM:
     """Offline engine. `model=None` loads the embedded default (SmolLM2-135M-Instruct); other
     keyword arguments are EngineConfig fields (dtype, max_num_seqs, max_model_len, ...)."""
 
-    def __init__(self, model: Optional[str] = None, **config):
+    def __init__(self, model: Optional[str] = None, multiprocess: bool = True, **config):
         self.config = EngineConfig(model=model, **config)
-        self.core = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.config)
-        self.processor = Processor(self.config, self.tokenizer, self.core.max_model_len)
+        self.client = SyncMPClient(self.config) if multiprocess else InprocClient(self.config)
+        self.processor = Processor(self.config, self.tokenizer, self.client.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -42,6 +44,9 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(
+                f"a prompt must be a string, a list of token ids or a dict (or a list of prompts); got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -74,37 +79,64 @@ class LLM:
                                           children)
         for i, cid in enumerate(children):
             child = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
-            self.core.add_request(EngineCoreRequest(cid, token_ids, child, self.processor.eos_token_id))
+            self.client.add_request(EngineCoreRequest(cid, token_ids, child, self.processor.eos_token_id))
         return rid
 
     def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="generate", unit="req", dynamic_ncols=True) if show_progress else None
-        while self.output_processor.has_unfinished():
-            outputs = self.core.step()
-            ready, to_abort = self.output_processor.process_outputs(outputs)
-            if to_abort:
-                self.core.abort_requests(to_abort)
-            for _, out in ready:
-                if out.finished:
-                    done[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while len(done) < len(request_ids):
+                ready, to_abort = self.output_processor.process_outputs(self.client.get_output().outputs)
+                if to_abort:
+                    self.client.abort_requests(to_abort)
+                for _, out in ready:
+                    if isinstance(out, Exception):
+                        raise out
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return [done[rid] for rid in request_ids]
 
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self.core.abort_requests(self.output_processor.abort(rid))
+            children = self.output_processor.abort(rid)
+            if children:
+                self.client.abort_requests(children)
 
     # ---- control and introspection ----------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
-        return self.core.reset_prefix_cache()
+        return self.client.call_utility("reset_prefix_cache")
 
-    def get_stats(self) -> SchedulerStats:
-        return self.core.get_stats()
+    def reset_encoder_cache(self) -> bool:
+        return self.client.call_utility("reset_encoder_cache")
+
+    def get_stats(self) -> dict:
+        return self.client.call_utility("get_stats")
+
+    def collective_rpc(self, method: str, args: Sequence[Any] = (), kwargs: Optional[dict] = None,
+                       timeout: Optional[float] = None) -> list[Any]:
+        """Call a worker method (or a worker-extension method) on every worker."""
+        if isinstance(self.client, InprocClient):
+            return self.client.call_utility("collective_rpc", method, list(args), kwargs or {})
+        return self.client.call_utility("collective_rpc", method, list(args), kwargs or {}, timeout=timeout)
+
+    def check_health(self) -> None:
+        self.client.check_health()
 
     @property
     def weight_version(self) -> int:
-        return self.core.weight_version
+        return self.client.call_utility("get_weight_version")
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -204,6 +204,6 @@ class ModelRunner:
             if any(p.logprobs is not None and p.logprobs_mode == "raw" for p in ps):
                 md.raw_logprobs = torch.tensor([p.logprobs_mode == "raw" for p in ps], device=dev)
         for i, r in enumerate(reqs):
-            if r.num_output_tokens < r.params.min_tokens and r.stop_ids:
+            if r.num_chunk_output_tokens < r.params.min_tokens and r.stop_ids:
                 md.banned_tokens[i] = sorted(r.stop_ids)
         return md

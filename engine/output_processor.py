@@ -9,6 +9,7 @@ from typing import Optional
 
 from tokenizers.decoders import DecodeStream
 
+from engine.errors import InvalidRequestError
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol import EngineCoreOutput, FinishReason
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -39,6 +40,7 @@ class SequenceState:
     weight_versions: list[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: Optional[object] = None
+    resumable: bool = False  # streaming input: the chunk ended, the request goes on
     sent_tokens: int = 0  # for DELTA outputs: how much was already handed out
     sent_chars: int = 0
 
@@ -66,7 +68,7 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
+        return all(s.finish_reason is not None and not s.resumable for s in self.seqs)
 
 
 class OutputProcessor:
@@ -89,15 +91,22 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[tuple[RequestState, RequestOutput]], list[str]]:
-        """Returns (request outputs to hand out, core request ids to abort: stop strings hit)."""
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[tuple[RequestState, object]], list[str]]:
+        """Returns (request outputs to hand out, core request ids to abort: stop strings hit).
+        An output is a RequestOutput, or an InvalidRequestError the core raised for the request."""
         ready: dict[str, RequestState] = {}
         to_abort: list[str] = []
+        failed = []
         for o in outputs:
             parent_id = self.child_to_parent.get(o.request_id)
             if parent_id is None:
                 continue  # aborted by the caller meanwhile
             state = self.requests[parent_id]
+            if o.error is not None:  # the core refused it: fail the whole request
+                to_abort.extend(c for c in self.abort(parent_id) if c != o.request_id)
+                ready.pop(parent_id, None)
+                failed.append((state, InvalidRequestError(o.error)))
+                continue
             seq = state.seqs[state.children[o.request_id]]
             if o.prompt_logprobs is not None and state.prompt_logprobs is None:
                 state.prompt_logprobs = o.prompt_logprobs
@@ -108,10 +117,10 @@ class OutputProcessor:
             stopped = self._append(seq, o)
             if stopped:
                 to_abort.append(o.request_id)
-            if seq.finish_reason is not None:
+            if seq.finish_reason is not None and not seq.resumable:
                 self.child_to_parent.pop(o.request_id, None)
             ready[parent_id] = state
-        results = []
+        results = failed
         for state in ready.values():
             out = self._make_output(state)
             if out is not None:
@@ -133,9 +142,13 @@ class OutputProcessor:
                     seq.top_logprobs.append(dict(o.new_top_logprobs[i]))
             if seq.detok is not None:
                 new_text.append(seq.detok.step(t))
+        if o.new_token_ids and seq.resumable:  # the next streaming-input chunk is generating
+            seq.finish_reason = seq.stop_reason = None
+            seq.resumable = False
         if o.finish_reason is not None:
             seq.finish_reason = str(o.finish_reason)
             seq.stop_reason = o.stop_reason
+            seq.resumable = o.resumable
         if not new_text:
             return False
         old_len = len(seq.text)

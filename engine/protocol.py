@@ -3,7 +3,7 @@
 The frontend owns text; the core sees token ids only.
 """
 import enum
-from typing import Optional
+from typing import Any, Optional
 
 import msgspec
 
@@ -19,12 +19,39 @@ class FinishReason(enum.IntEnum):
         return ("stop", "length", "abort")[self.value]
 
 
+class RequestType(bytes, enum.Enum):
+    """The first frame of every frontend -> core message, so the core dispatches without decoding."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+    STREAM_INPUT = b"\x03"
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: Optional[int] = None
     arrival_time: float = 0.0
+    streaming: bool = False  # more input chunks may follow (StreamInput), until one says final
+
+
+class StreamInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The next chunk of a streaming-input request: appended to its context after what it
+    generated so far. `final` with no tokens just closes the input stream."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: Optional[SamplingParams] = None
+    final: bool = False
+
+
+class UtilityRequest(msgspec.Struct, array_like=True, gc=False):
+    call_id: int
+    method: str
+    args: list[Any]
+    kwargs: dict[str, Any]
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -40,7 +67,23 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: Optional[FinishReason] = None
     stop_reason: Optional[int] = None  # the stop token id, if one ended the request
     num_cached_tokens: int = 0
+    resumable: bool = False  # a streaming-input chunk ended, the request waits for more input
+    error: Optional[str] = None  # the core refused this request (bad input found there)
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.finish_reason is not None and not self.resumable
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    call_id: int
+    result: Any = None
+    failure: Optional[str] = None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Everything the core sends back in one message."""
+
+    outputs: list[EngineCoreOutput] = []
+    utility_output: Optional[UtilityOutput] = None
+    engine_dead: Optional[str] = None  # the core is going down; the reason

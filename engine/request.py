@@ -1,10 +1,11 @@
 """Request: the engine core's state of one sequence (token ids only, no text)."""
 import enum
+from collections import deque
 from typing import Optional
 
 import torch
 
-from engine.protocol import EngineCoreRequest, FinishReason
+from engine.protocol import EngineCoreRequest, FinishReason, StreamInput
 from engine.sampling_params import SamplingParams
 
 
@@ -12,7 +13,8 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED = 3
+    IDLE = 3  # a streaming-input request between chunks: holds its KV blocks, waits for input
+    FINISHED = 4
 
 
 class Request:
@@ -30,18 +32,42 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: Optional[FinishReason] = None
         self.stop_reason: Optional[int] = None
-        p = self.params
-        self.stop_ids = set(p.stop_token_ids or ())
-        if req.eos_token_id is not None and not p.ignore_eos:
-            self.stop_ids.add(req.eos_token_id)
-        self.max_tokens = p.max_tokens
+        self.last_sampled: Optional[int] = None
+        self.eos_token_id = req.eos_token_id
         self.generator: Optional[torch.Generator] = None
-        if p.seed is not None:
-            self.generator = torch.Generator().manual_seed(p.seed)
+        self._set_params(self.params)
+        # streaming input: chunks queue here while the previous one is still generating
+        self.streaming = req.streaming
+        self.pending_inputs: deque[StreamInput] = deque()
+        self.input_closed = not req.streaming
+        self.resumable = False  # the last output ended a chunk, not the request
+        self.chunk_start = self.num_prompt_tokens  # where the current chunk's output begins
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks, grown lazily
         # prompt logprobs gathered over prefill chunks (sent with the first output token)
-        self.prompt_logprobs: Optional[list[Optional[float]]] = [None] if p.prompt_logprobs is not None else None
-        self.prompt_top_logprobs: Optional[list] = [None] if p.prompt_logprobs else None
+        self.prompt_logprobs: Optional[list[Optional[float]]] = [None] if self.params.prompt_logprobs is not None else None
+        self.prompt_top_logprobs: Optional[list] = [None] if self.params.prompt_logprobs else None
+
+    def _set_params(self, p: SamplingParams) -> None:
+        self.params = p
+        self.stop_ids = set(p.stop_token_ids or ())
+        if self.eos_token_id is not None and not p.ignore_eos:
+            self.stop_ids.add(self.eos_token_id)
+        if p.seed is not None:
+            self.generator = torch.Generator().manual_seed(p.seed)
+
+    def apply_input(self, chunk: StreamInput) -> None:
+        """Start the next chunk: its tokens follow everything so far (outputs included)."""
+        self.all_token_ids.extend(chunk.prompt_token_ids)
+        if chunk.sampling_params is not None:
+            self._set_params(chunk.sampling_params)
+        self.input_closed = self.input_closed or chunk.final
+        self.chunk_start = self.num_tokens
+        self.finish_reason = self.stop_reason = None
+        self.resumable = False
+
+    @property
+    def num_chunk_output_tokens(self) -> int:
+        return self.num_tokens - self.chunk_start
 
     @property
     def num_tokens(self) -> int:
@@ -62,9 +88,11 @@ class Request:
     def append_token(self, token_id: int, max_model_len: int) -> bool:
         """Add a sampled token; returns True (and sets finish_reason) if the request is done."""
         self.all_token_ids.append(token_id)
-        n = self.num_output_tokens
+        self.last_sampled = token_id
+        n = self.num_chunk_output_tokens
+        max_tokens = self.params.max_tokens
         if n >= self.params.min_tokens and token_id in self.stop_ids:
             self.finish_reason, self.stop_reason = FinishReason.STOP, token_id
-        elif (self.max_tokens is not None and n >= self.max_tokens) or self.num_tokens >= max_model_len:
+        elif (max_tokens is not None and n >= max_tokens) or self.num_tokens >= max_model_len:
             self.finish_reason = FinishReason.LENGTH
         return self.finish_reason is not None

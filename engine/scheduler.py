@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from engine.kv_cache import KVCacheManager
-from engine.protocol import FinishReason
+from engine.protocol import FinishReason, StreamInput
 from engine.request import Request, RequestStatus
 
 
@@ -42,9 +42,11 @@ class Scheduler:
             max_num_seqs, max_num_batched_tokens, max_model_len)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.idle: dict[str, Request] = {}  # streaming-input requests waiting for their next chunk
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_prefill_tokens = 0
+        self._next_chunk_after_output: list[tuple[Request, StreamInput]] = []
 
     def add_request(self, req: Request) -> None:
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id!r}"
@@ -63,6 +65,8 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             assert n > 0, "a running request has nothing to compute"
             while not self.kv.allocate_slots(req, n):
+                if self._preempt_idle():
+                    continue
                 victim = self.running.pop()  # latest admitted; not yet scheduled this step
                 self._preempt(victim)
                 out.num_preempted += 1
@@ -76,12 +80,17 @@ class Scheduler:
             return out  # admit nothing while memory is short
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            computed, num_hit = self.kv.get_computed_blocks(req)
+            if req.num_computed_tokens == 0:
+                computed, num_hit = self.kv.get_computed_blocks(req)
+            else:  # a streaming request's next chunk: it kept its blocks
+                computed, num_hit = [], req.num_computed_tokens
             n = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, n, computed):
+                if self._preempt_idle():
+                    continue
                 break
             self.waiting.popleft()
-            if req.status == RequestStatus.WAITING:
+            if req.status == RequestStatus.WAITING and req.num_computed_tokens == 0:
                 req.num_cached_tokens = num_hit
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
@@ -89,6 +98,16 @@ class Scheduler:
             out.scheduled.append((req, n))
             budget -= n
         return out
+
+    def _preempt_idle(self) -> bool:
+        """Free the blocks of one idle streaming request (it recomputes on its next chunk)."""
+        for req in self.idle.values():
+            if req.num_computed_tokens:
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                self.num_preemptions += 1
+                return True
+        return False
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -111,9 +130,53 @@ class Scheduler:
             if token is None:
                 continue  # a prefill chunk that did not reach the end
             if req.append_token(token, self.max_model_len):
-                self._finish(req, req.finish_reason)
+                if req.input_closed and not req.pending_inputs:
+                    self._finish(req, req.finish_reason)
+                else:
+                    self._end_chunk(req)
             progressed.append(req)
         return progressed
+
+    # ---- streaming input ----------------------------------------------------------------
+    def _end_chunk(self, req: Request) -> None:
+        """A streaming request finished generating for its current chunk."""
+        req.resumable = True
+        if req.pending_inputs:
+            # the output for this step still reports the ended chunk; the next one starts now
+            chunk = req.pending_inputs.popleft()
+            self._next_chunk_after_output.append((req, chunk))
+            return
+        self.running.remove(req)
+        req.status = RequestStatus.IDLE
+        self.idle[req.request_id] = req
+
+    def add_stream_input(self, req: Request, chunk: StreamInput) -> Optional[Request]:
+        """Queue or apply the next chunk; returns req if closing its input finished it."""
+        if not chunk.prompt_token_ids:  # only closes the input stream
+            if req.pending_inputs:
+                req.pending_inputs[-1].final = True
+            elif req.status == RequestStatus.IDLE:  # nothing more to do: the request is done
+                req.resumable = False
+                self._finish(req, req.finish_reason)
+                return req
+            else:
+                req.input_closed = True
+            return None
+        if req.status != RequestStatus.IDLE:
+            req.pending_inputs.append(chunk)
+            return None
+        del self.idle[req.request_id]
+        req.apply_input(chunk)
+        req.status = RequestStatus.WAITING if req.num_computed_tokens == 0 else RequestStatus.PREEMPTED
+        self.waiting.append(req)
+        return None
+
+    def start_pending_chunks(self) -> None:
+        """Apply the chunks queued behind chunks that ended this step (after their outputs)."""
+        for req, chunk in self._next_chunk_after_output:
+            if not req.is_finished:
+                req.apply_input(chunk)
+        self._next_chunk_after_output.clear()
 
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         aborted = []
@@ -128,6 +191,8 @@ class Scheduler:
         req.finish_reason = reason
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.IDLE:
+            del self.idle[req.request_id]
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED

@@ -75,13 +75,13 @@ def filter_logits(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
             sorted_x.masked_fill_((md.top_k[:, None] > 0) & (ranks >= md.top_k[:, None]), neg_inf)
         probs = sorted_x.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        drop = mass_before >= md.top_p[:, None]
+        drop = (mass_before >= md.top_p[:, None]) & (md.top_p[:, None] < 1)  # top_p 1: keep the tail
         drop[:, 0] = False
         x = x.scatter(1, order, sorted_x.masked_fill(drop, neg_inf))
     elif md.top_k is not None:
-        k_max = int(md.top_k.max())
-        kth = x.topk(k_max, dim=-1).values.gather(1, (md.top_k.clamp(min=1) - 1)[:, None])
-        kth = torch.where(md.top_k[:, None] > 0, kth, torch.full_like(kth, neg_inf))
+        top_k = md.top_k.clamp(max=x.shape[1])  # k beyond the vocabulary keeps everything
+        kth = x.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k.clamp(min=1) - 1)[:, None])
+        kth = torch.where(top_k[:, None] > 0, kth, torch.full_like(kth, neg_inf))
         x = x.masked_fill(x < kth, neg_inf)
     if md.min_p is not None:
         probs = x.softmax(dim=-1)

@@ -1,0 +1,162 @@
+"""Throughput of the offline engine beside transformers `generate()`, measured in one run.
+
+Workload (../shared/peers/workload.py): 32 chat prompts, 128 new tokens each, EOS ignored,
+greedy and temperature 1.0 (top-p 1, top-k off); batch sizes 1, 32 and 128 (the 32 questions
+repeated); single-stream decode tok/s = 127 / (T(128 tokens) - T(1 token)). Each (engine,
+dtype) runs in its own subprocess, so peak memory (max RSS) is that engine's alone. Prefix
+caching is off for our engine here, so repeated prompts are not served from the cache.
+
+    python benchmarks/throughput.py                       # everything (~10 min on 2 cores)
+    python benchmarks/throughput.py --dtypes bfloat16 --batches 32 --reps 1
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PEERS = os.path.join(HERE, "..", "..", "shared", "peers")
+MAX_NEW = 128
+
+
+def workload():
+    sys.path.insert(0, PEERS)
+    try:
+        import workload as w
+    except ImportError:
+        sys.exit(f"benchmarks need the shared workload at {PEERS}/workload.py")
+    return w
+
+
+def run_ours(dtype, batches, reps):
+    from engine import LLM, SamplingParams
+
+    w = workload()
+    t = time.perf_counter()
+    llm = LLM(dtype=dtype, enable_prefix_caching=False, max_num_seqs=256, max_num_batched_tokens=4096)
+    load_s = time.perf_counter() - t
+
+    def run(prompts, sample, n):
+        sp = SamplingParams(temperature=1.0 if sample else 0.0, max_tokens=n, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]
+
+    return measure(w, llm.tokenizer, run, batches, reps, load_s)
+
+
+def run_hf(dtype, batches, reps):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from engine.default_model import default_model_path
+
+    w = workload()
+    torch.set_num_threads(os.cpu_count())
+    t = time.perf_counter()
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    load_s = time.perf_counter() - t
+    model.generation_config.eos_token_id = None  # or generate() refills EOS from it
+    tok.padding_side = "left"
+
+    def run(prompts, sample, n):
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        kw = dict(max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=tok.pad_token_id)
+        kw.update(dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0) if sample else dict(do_sample=False))
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(**enc, generation_config=GenerationConfig(**kw))
+        return time.perf_counter() - t0, out[:, enc["input_ids"].shape[1]:].tolist()
+
+    return measure(w, tok, run, batches, reps, load_s)
+
+
+def measure(w, tok, run, batches, reps, load_s):
+    questions = w.QUESTIONS
+    res = {"load_s": load_s}
+    run(w.prompt_texts(tok, questions[:4]), True, 8)  # warm-up
+    for b in batches:
+        if b == 1:
+            continue
+        prompts = w.prompt_texts(tok, (questions * (b // len(questions) + 1))[:b])
+        for mode in ("greedy", "sample"):
+            best = min(run(prompts, mode == "sample", MAX_NEW)[0] for _ in range(reps if b <= 32 else 1))
+            res[f"b{b}_{mode}_tok_s"] = b * MAX_NEW / best
+            _log(f"  batch {b} {mode}: {res[f'b{b}_{mode}_tok_s']:.0f} tok/s")
+    if 1 in batches:
+        single = w.prompt_texts(tok, [w.SINGLE_Q])
+        t1 = min(run(single, False, 1)[0] for _ in range(3))
+        t128 = min(run(single, False, MAX_NEW)[0] for _ in range(reps))
+        res["single_decode_tok_s"] = (MAX_NEW - 1) / (t128 - t1)
+        _log(f"  single-stream decode: {res['single_decode_tok_s']:.1f} tok/s")
+    res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return res
+
+
+def _log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+ENGINES = {"ours": run_ours, "hf": run_hf}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", default="hf,ours")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--batches", default="1,32,128")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--worker", nargs=2, metavar=("ENGINE", "DTYPE"), help=argparse.SUPPRESS)
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.worker:
+        engine, dtype = args.worker
+        print(json.dumps(ENGINES[engine](dtype, batches, args.reps)))
+        return
+    results = {}
+    for dtype in args.dtypes.split(","):
+        for engine in args.engines.split(","):
+            _log(f"[bench] {engine} {dtype} ...")
+            cmd = [sys.executable, __file__, "--worker", engine, dtype, "--batches", args.batches,
+                   "--reps", str(args.reps)]
+            out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True,
+                                 env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"))
+            results[(engine, dtype)] = json.loads(out.stdout.strip().splitlines()[-1])
+    print_table(results, batches)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({f"{e}_{d}": r for (e, d), r in results.items()}, f, indent=1)
+
+
+def print_table(results, batches):
+    cols = [f"b{b}_{m}_tok_s" for b in batches if b != 1 for m in ("greedy", "sample")]
+    head = ["engine", "dtype"] + [c.replace("_tok_s", "") for c in cols] + ["single", "peak MB", "load s"]
+    rows = []
+    for (engine, dtype), r in results.items():
+        hf = results.get(("hf", dtype), {})
+        cells = [engine, dtype]
+        for c in cols:
+            v = r.get(c)
+            ratio = f" ({v / hf[c]:.2f}x)" if engine != "hf" and v and hf.get(c) else ""
+            cells.append("-" if v is None else f"{v:.0f}{ratio}")
+        v = r.get("single_decode_tok_s")
+        ratio = f" ({v / hf['single_decode_tok_s']:.2f}x)" if engine != "hf" and v and hf.get("single_decode_tok_s") else ""
+        cells += ["-" if v is None else f"{v:.1f}{ratio}", f"{r['peak_rss_mb']:.0f}", f"{r['load_s']:.1f}"]
+        rows.append(cells)
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    line = lambda cells: " | ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    print(line(head))
+    print("-+-".join("-" * w for w in widths))
+    for r in rows:
+        print(line(r))
+    print("tok/s; (x) = ratio to transformers in the same run; single = single-stream greedy decode tok/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""AsyncLLM: the online engine. The engine core runs in its own process; this asyncio frontend
+tokenizes, detokenizes, applies stop strings, fans n > 1 out and back in, and streams
+RequestOutputs to per-request collectors fed by one output-handler task.
+
+    llm = AsyncLLM()
+    async for out in llm.generate("Hello", SamplingParams(max_tokens=32), request_id="r1"):
+        print(out.outputs[0].text)
+
+Streaming input: pass an async generator of StreamingInput instead of a prompt; each chunk is
+appended to the same request (after what it generated so far), which keeps its KV cache
+between chunks, and the request ends when the generator ends. Unlike vLLM, the last token
+generated for a chunk is kept in the context (a multi-turn conversation needs its <|im_end|>).
+"""
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncGenerator, Optional, Sequence, Union
+
+from engine.config import EngineConfig
+from engine.core_client import AsyncMPClient
+from engine.errors import EngineDeadError, InvalidRequestError
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.processor import Processor, PromptType, load_tokenizer
+from engine.protocol import EngineCoreRequest, StreamInput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+OUTPUTS_PER_SLICE = 128  # the output handler yields to the event loop this often
+
+
+@dataclass
+class StreamingInput:
+    """One chunk of a streaming-input request: text or token ids, and optionally new params."""
+
+    prompt: PromptType
+    sampling_params: Optional[SamplingParams] = None
+
+
+class RequestOutputCollector:
+    """The queue between the output handler and one generate() call. If the consumer lags,
+    outputs merge instead of piling up: DELTA outputs concatenate, others keep the newest."""
+
+    def __init__(self, kind: RequestOutputKind):
+        self.kind = kind
+        self.item: Union[RequestOutput, Exception, None] = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: Union[RequestOutput, Exception]) -> None:
+        if self.item is None or isinstance(item, Exception):
+            self.item = item
+        elif isinstance(self.item, RequestOutput) and self.kind == RequestOutputKind.DELTA:
+            _merge_delta(self.item, item)
+        else:
+            self.item = item
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self.ready.wait()
+        item, self.item = self.item, None
+        self.ready.clear()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+
+def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    for a, b in zip(into.outputs, new.outputs):
+        a.text += b.text
+        a.token_ids += b.token_ids
+        a.weight_versions += b.weight_versions
+        if a.logprobs is not None and b.logprobs is not None:
+            a.logprobs += b.logprobs
+        if a.top_logprobs is not None and b.top_logprobs is not None:
+            a.top_logprobs += b.top_logprobs
+        a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
+    into.finished = new.finished
+
+
+class AsyncLLM:
+    def __init__(self, model: Optional[str] = None, **config):
+        self.config = EngineConfig(model=model, **config)
+        self.tokenizer = load_tokenizer(self.config)
+        self.client = AsyncMPClient(self.config)
+        self.processor = Processor(self.config, self.tokenizer, self.client.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._output_handler: Optional[asyncio.Task] = None
+        self.dead_error: Optional[EngineDeadError] = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.max_model_len
+
+    # ---- generation ---------------------------------------------------------------------------
+    async def generate(self, prompt: Union[PromptType, AsyncGenerator], sampling_params: Optional[SamplingParams] = None,
+                       request_id: Optional[str] = None) -> AsyncGenerator[RequestOutput, None]:
+        """Stream RequestOutputs for one request (cumulative, delta or final-only, per
+        sampling_params.output_kind). Closing the generator or cancelling the task aborts it."""
+        self._start_output_handler()
+        params = sampling_params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.output_processor.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if hasattr(prompt, "__aiter__"):
+            async for out in self._generate_streaming(prompt, params, request_id):
+                yield out
+            return
+        text, ids = self.processor.process(prompt, params)
+        collector = RequestOutputCollector(params.output_kind)
+        children = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        self.output_processor.add_request(request_id, text, ids, params, children, queue=collector)
+        finished = False
+        try:
+            for i, cid in enumerate(children):
+                child = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+                await self.client.add_request_async(EngineCoreRequest(cid, ids, child, self.processor.eos_token_id))
+            while not finished:
+                out = await collector.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._abort_now(request_id)
+
+    async def _generate_streaming(self, inputs: AsyncGenerator, params: SamplingParams,
+                                  request_id: str) -> AsyncGenerator[RequestOutput, None]:
+        _check_streaming_params(params)
+        try:
+            first = await inputs.__anext__()
+        except StopAsyncIteration:
+            raise InvalidRequestError("the streaming input produced no chunk") from None
+        if first.sampling_params is not None:
+            _check_streaming_params(first.sampling_params)
+            params = first.sampling_params
+        text, ids = self.processor.process(first.prompt, params)
+        collector = RequestOutputCollector(params.output_kind)
+        self.output_processor.add_request(request_id, text, ids, params, [request_id], queue=collector)
+        finished = False
+        feeder = None
+        try:
+            await self.client.add_request_async(
+                EngineCoreRequest(request_id, ids, params, self.processor.eos_token_id, streaming=True))
+            feeder = asyncio.ensure_future(self._feed(inputs, request_id, collector))
+            while not finished:
+                out = await collector.get()
+                finished = out.finished
+                yield out
+        finally:
+            if feeder is not None and not feeder.done():
+                feeder.cancel()
+            if not finished:
+                self._abort_now(request_id)
+
+    async def _feed(self, inputs: AsyncGenerator, request_id: str, collector: RequestOutputCollector) -> None:
+        try:
+            async for chunk in inputs:
+                if chunk.sampling_params is not None:
+                    _check_streaming_params(chunk.sampling_params)
+                _, ids = self.processor.tokenize(chunk.prompt)
+                if not ids:
+                    raise InvalidRequestError("a streaming-input chunk is empty")
+                await self.client.add_stream_input_async(StreamInput(request_id, ids, chunk.sampling_params))
+            await self.client.add_stream_input_async(StreamInput(request_id, [], None, final=True))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bad chunk fails this request only
+            collector.put(e if isinstance(e, (InvalidRequestError, EngineDeadError)) else InvalidRequestError(str(e)))
+
+    def _abort_now(self, request_id: str) -> None:
+        """Forget the request here and tell the core, without awaiting (safe in finally blocks)."""
+        children = self.output_processor.abort(request_id)
+        if children and self.dead_error is None:
+            asyncio.ensure_future(self.client.abort_requests_async(children))
+
+    async def abort(self, request_id: Union[str, Sequence[str]]) -> None:
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            state = self.output_processor.requests.get(rid)
+            children = self.output_processor.abort(rid)
+            if state is not None and state.queue is not None:
+                state.queue.put(_aborted_output(state))
+            await self.client.abort_requests_async(children)
+
+    # ---- the output handler ---------------------------------------------------------------------
+    def _start_output_handler(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self._output_handler is None or self._output_handler.done():
+            self._output_handler = asyncio.get_running_loop().create_task(self._handle_outputs())
+
+    async def _handle_outputs(self) -> None:
+        op = self.output_processor
+        try:
+            while True:
+                outs = (await self.client.get_output_async()).outputs
+                for start in range(0, len(outs), OUTPUTS_PER_SLICE):
+                    ready, to_abort = op.process_outputs(outs[start:start + OUTPUTS_PER_SLICE])
+                    for state, out in ready:
+                        if state.queue is not None:
+                            state.queue.put(out)
+                    if to_abort:
+                        await self.client.abort_requests_async(to_abort)
+                    if len(outs) > OUTPUTS_PER_SLICE:
+                        await asyncio.sleep(0)
+        except EngineDeadError as e:
+            self.dead_error = e
+            for state in list(op.requests.values()):
+                if state.queue is not None:
+                    state.queue.put(e)
+            op.requests.clear()
+            op.child_to_parent.clear()
+
+    # ---- control --------------------------------------------------------------------------------
+    async def _call(self, method: str, *args, timeout: Optional[float] = None, **kwargs) -> Any:
+        self._start_output_handler()  # utility results arrive through it
+        return await self.client.call_utility_async(method, *args, timeout=timeout, **kwargs)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call("reset_prefix_cache")
+
+    async def reset_encoder_cache(self) -> bool:
+        return await self._call("reset_encoder_cache")
+
+    async def get_stats(self) -> dict:
+        return await self._call("get_stats")
+
+    async def collective_rpc(self, method: str, args: Sequence[Any] = (), kwargs: Optional[dict] = None,
+                             timeout: Optional[float] = None) -> list[Any]:
+        """Call a public worker method (or worker-extension method) on every worker."""
+        return await self._call("collective_rpc", method, list(args), kwargs or {}, timeout=timeout)
+
+    async def check_health(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        self.client.check_health()
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None or self.client.dead_reason is not None
+
+    def shutdown(self) -> None:
+        if self._output_handler is not None:
+            self._output_handler.cancel()
+        self.client.shutdown()
+
+
+def _check_streaming_params(p: SamplingParams) -> None:
+    if p.n != 1:
+        raise InvalidRequestError("streaming input does not support n > 1")
+    if p.output_kind == RequestOutputKind.FINAL_ONLY:
+        raise InvalidRequestError("streaming input does not support output_kind FINAL_ONLY")
+    if p.stop:
+        raise InvalidRequestError("streaming input does not support stop strings")
+
+
+def _aborted_output(state) -> RequestOutput:
+    from engine.outputs import CompletionOutput
+
+    return RequestOutput(request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+                         outputs=[CompletionOutput(index=s.index, text=s.text, token_ids=list(s.token_ids),
+                                                   logprobs=s.logprobs, finish_reason="abort",
+                                                   weight_versions=list(s.weight_versions)) for s in state.seqs],
+                         finished=True)

@@ -1,0 +1,47 @@
+"""Packaging facts: our top-level `kernels` package must not look like HF's `kernels` package to
+transformers, and `engine` never imports `rollout`. Checked in one fresh interpreter."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROBE = """
+import importlib, json, pkgutil, sys
+import engine
+for m in pkgutil.iter_modules(engine.__path__):  # every engine module, not only the package
+    importlib.import_module('engine.' + m.name)
+rollout = sorted(m for m in sys.modules if m == 'rollout' or m.startswith('rollout.'))
+import kernels, kernels.sampling, kernels.rotary
+import transformers.utils as u
+from transformers.models.llama import modeling_llama  # model code that probes for hub kernels
+print(json.dumps(dict(rollout=rollout, kernels_file=kernels.__file__, kernels_available=u.is_kernels_available(),
+                      exports=[n for n in ('LLM', 'SamplingParams', 'RequestOutput', 'CompletionOutput',
+                               'EngineDeadError', 'InvalidRequestError', 'UnsupportedModelError')
+                               if hasattr(engine, n)])))
+"""
+
+
+@pytest.fixture(scope="module")
+def facts():
+    res = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_transformers_does_not_mistake_our_kernels_for_hf_kernels(facts):
+    assert Path(facts["kernels_file"]).resolve().is_relative_to(ROOT), facts["kernels_file"]
+    assert facts["kernels_available"] is False
+
+
+def test_engine_does_not_import_rollout(facts):
+    assert facts["rollout"] == []
+
+
+def test_engine_exports_the_public_names(facts):
+    assert len(facts["exports"]) == 7, facts["exports"]
