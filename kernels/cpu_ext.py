@@ -1,0 +1,126 @@
+"""Lazily built C++ CPU kernels (torch.utils.cpp_extension, JIT).
+
+`load()` compiles `csrc/paged_attention.cpp` on first use (~10-60 s, once per source version)
+into `$ROLLOUT_CACHE/torch_extensions/<name>/` (default `~/.cache/rollout/...`) and returns the
+module, or None with one warning on the "kernels" logger if it cannot be built (no compiler,
+compile error); callers then fall back to pure torch. The module name carries a hash of the
+source text, the torch version, the flags and the CPU's feature flags, so an edited source, a
+new torch or a cache shared with another CPU model (-march=native) builds a fresh folder
+instead of reusing a stale or illegal-instruction .so.
+
+Trap: torch's JIT build runs `ninja` from PATH. The `ninja` PyPI package installs it into the
+venv's bin/, which is not on PATH when python is run as `.venv/bin/python` without activating
+the venv, so we add the package's BIN_DIR to PATH when needed.
+"""
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+logger = logging.getLogger("kernels")
+
+_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+_STALE_LOCK_S = 600  # a build lock this old was left by a killed build
+_lock = threading.Lock()
+_module = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("ROLLOUT_CACHE") or Path.home() / ".cache" / "rollout")
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags: -march=native code must not be reused on another CPU model."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _module_name() -> str:
+    import torch
+
+    h = hashlib.sha256(" ".join([torch.__version__, *_CFLAGS, *_LDFLAGS, _cpu_flags()]).encode())
+    for src in _SOURCES:
+        h.update(src.read_bytes())
+    return f"rollout_cpu_kernels_{h.hexdigest()[:10]}"
+
+
+def _ensure_ninja() -> bool:
+    if shutil.which("ninja"):
+        return True
+    try:
+        import ninja  # PyPI package; ships the binary in ninja.BIN_DIR
+    except ImportError:
+        return False
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return shutil.which("ninja") is not None
+
+
+def _build_dir(name: str) -> Path:
+    return _cache_dir() / "torch_extensions" / name
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    if not _ensure_ninja():
+        raise RuntimeError("ninja not found (pip install ninja)")
+    cxx = os.environ.get("CXX", "c++")
+    if not shutil.which(cxx.split()[0] if cxx.strip() else "c++"):
+        raise RuntimeError(f"no C++ compiler ({cxx!r} not found)")
+    name = _module_name()
+    build_dir = _build_dir(name)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # torch waits forever on a lock file left by a build that was killed (e.g. SIGKILL).
+    lock = build_dir / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+        logger.warning("removing a stale build lock %s", lock)
+        lock.unlink(missing_ok=True)
+    fresh = not any(build_dir.glob(f"{name}*.so"))
+    if fresh:
+        print(f"[rollout] compiling CPU kernels (one time, ~10-60 s) into {build_dir}",
+              file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    module = cpp_extension.load(
+        name=name,
+        sources=[str(s) for s in _SOURCES],
+        extra_cflags=_CFLAGS,
+        extra_ldflags=_LDFLAGS,
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+    if fresh:
+        print(f"[rollout] compiled CPU kernels in {time.perf_counter() - t0:.0f} s",
+              file=sys.stderr, flush=True)
+    return module
+
+
+def load():
+    """The compiled extension module, or None if it cannot be built (cached either way)."""
+    global _module, _tried
+    if _tried:
+        return _module
+    with _lock:
+        if not _tried:
+            try:
+                _module = _build()
+            except Exception as e:  # compile error, missing toolchain, ...
+                lines = str(e).strip().splitlines() or [""]
+                # A compile failure's message is the whole ninja log: show its first error.
+                errors = [ln for ln in lines[1:] if "error" in ln.lower()]
+                logger.warning("C++ CPU kernels unavailable, using the pure-torch fallback "
+                               "(%s: %s)", type(e).__name__, (errors or lines)[0].strip()[:300])
+                logger.debug("C++ CPU kernel build failure", exc_info=True)
+                _module = None
+            _tried = True
+    return _module

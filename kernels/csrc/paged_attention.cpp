@@ -1,0 +1,300 @@
+// CPU paged-attention decode kernel: one query token per sequence.
+//
+// Layout contract (all tensors on CPU; checked in paged_decode_attention below):
+//   q            (B, H, D)                          float32 or bfloat16, contiguous; D % 16 == 0
+//   k_cache      (num_blocks, block_size, KVH, D)   same dtype as q, contiguous in its own shape
+//   v_cache      same shape/dtype as k_cache         (either may be a view such as kv[layer, 0])
+//   block_table  (B, max_blocks) int32, last dim contiguous (rows may be strided). Entry j of
+//                row b is the physical block holding tokens [j*block_size, (j+1)*block_size)
+//                of sequence b; entries past the sequence's length are never read.
+//   seq_lens     (B,) int32, >= 1: valid cached tokens per sequence, current token included.
+//   sliding_window  <= 0: attend to every t < seq_len; W > 0: only t >= seq_len - W.
+//   GQA: query head h reads kv head h / (H / KVH).
+// Returns a new out (B, H, D) in q's dtype:
+//   out[b, h] = softmax(scale * q[b, h] . K[b, kvh, t]) @ V[b, kvh, t] over the window.
+//
+// Algorithm: one work item per (sequence, kv head), scheduled dynamically over
+// at::get_num_threads() OpenMP threads; the G = H / KVH query heads of the kv head are done
+// together so each K/V row is loaded (and widened) once. Tokens are walked in chunks of <= 16
+// rows of one block. Pass 1 computes the scores q_g . k_i (16 horizontal sums at a time) into a
+// per-thread row, while prefetching the next chunk's K and V rows (blocks are scattered);
+// then a softmax with max subtraction; pass 2 accumulates p_gi * v_i. All math is float32
+// (bf16 is widened on load), written with GCC/Clang vector extensions of 16 floats, so
+// -march=native picks the SIMD instructions (AVX-512 here) without intrinsics.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t L = 16;  // lanes per vector
+typedef float vfloat __attribute__((vector_size(4 * L)));
+typedef int32_t vint __attribute__((vector_size(4 * L)));
+typedef uint32_t vuint __attribute__((vector_size(4 * L)));
+typedef uint16_t vhalf __attribute__((vector_size(2 * L)));
+// Unaligned, aliasing views for loads and stores anywhere in float / bf16 arrays. (Not memcpy:
+// with -march=native GCC splits a 64-byte memcpy in two and then stalls on store forwarding.)
+typedef float vfloat_mem __attribute__((vector_size(4 * L), aligned(4), may_alias));
+typedef uint16_t vhalf_mem __attribute__((vector_size(2 * L), aligned(2), may_alias));
+
+inline vfloat splat(float x) { return vfloat{} + x; }
+inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat_mem*>(p); }
+inline vfloat load(const c10::BFloat16* p) {  // bf16 -> f32: a zero half below each value
+  const vhalf h = *reinterpret_cast<const vhalf_mem*>(p), z = {};  // (one permute; GCC 12
+  return (vfloat)__builtin_shufflevector(  // makes 5 ops of a convertvector to u32 << 16)
+      z, h, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27,
+      12, 28, 13, 29, 14, 30, 15, 31);
+}
+inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat_mem*>(p) = v; }
+inline void store(c10::BFloat16* p, vfloat v) {  // f32 -> bf16 rounding like c10::BFloat16
+  const vuint u = (vuint)v, rounded = (u + ((u >> 16) & 1) + 0x7FFF) >> 16;
+  const vuint bits = v != v ? vuint{} + 0x7FC0 : rounded;  // NaN -> canonical quiet NaN
+  *reinterpret_cast<vhalf_mem*>(p) = __builtin_convertvector(bits, vhalf);
+}
+
+template <typename Op>
+inline float reduce(vfloat v, Op op) {  // horizontal reduction, log2(L) halving steps
+  auto a = op(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+  auto b = op(__builtin_shufflevector(a, a, 0, 1, 2, 3), __builtin_shufflevector(a, a, 4, 5, 6, 7));
+  auto c = op(__builtin_shufflevector(b, b, 0, 1), __builtin_shufflevector(b, b, 2, 3));
+  return op(c[0], c[1]);
+}
+const auto plus = [](auto a, auto b) { return a + b; };
+const auto maximum = [](auto a, auto b) { return a > b ? a : b; };
+
+// Lane t of the result = sum of the lanes of v[t], t < 16: 16 horizontal sums as one
+// transposing tree (each level pairs up vectors and halves the lanes per token).
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+inline vfloat sum_lanes(const vfloat* v) {
+  vfloat a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // 8 lanes per token: lanes 0-7 <- v[2i], 8-15 <- v[2i+1]
+    a[i] = SHUF(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUF(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)  // 4 lanes per token
+    b[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           SHUF(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)  // 2 lanes per token
+    c[i] = SHUF(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           SHUF(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return SHUF(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         SHUF(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+#undef SHUF
+
+// exp(x) for the softmax (x <= 0 after max subtraction; -inf -> 0). Cody-Waite range
+// reduction + degree-6 Taylor polynomial, relative error < 2e-7; x < -87 flushes to 0.
+inline vfloat vexp(vfloat x) {
+  const vint under = x < -87.0f;
+  x = under ? splat(-87.0f) : x;
+  const vfloat n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round(x / ln2)
+  const vfloat r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-6f;
+  vfloat p = splat(1.0f / 720);
+  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = p * r + c;
+  const vint two_n = (__builtin_convertvector(n, vint) + 127) << 23;  // 2^n, n in [-126, 0]
+  return (vfloat)((vint)(p * (vfloat)two_n) & ~under);
+}
+
+// NV = D / L vectors per head row; a compile-time NV (> 0) lets the row loops unroll into
+// registers, NV = 0 reads it from D at run time.
+template <typename T, int64_t NV_FIXED>
+void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_table,
+                   int64_t bt_stride, const int32_t* seq_lens, T* out, int64_t B, int64_t H,
+                   int64_t KVH, int64_t D, int64_t bs, float scale, int64_t window,
+                   int64_t max_len, int n_threads) {
+  constexpr int64_t kMaxNV = NV_FIXED > 0 ? NV_FIXED : 32;  // D <= 512 (checked)
+  constexpr bool kIsFloat = std::is_same_v<T, float>;
+  const int64_t NV = NV_FIXED > 0 ? NV_FIXED : D / L;
+  const int64_t G = H / KVH;
+  const int64_t tok_stride = KVH * D;          // between consecutive tokens of a block
+  const int64_t blk_stride = bs * tok_stride;  // between physical blocks
+  const int64_t n_items = B * KVH;
+  const int64_t s_stride = (max_len / L + 2) * L;  // a score row, with room for a full-vector store
+
+#pragma omp parallel num_threads(n_threads)
+  {
+    std::vector<vfloat> qv(G * NV), acc(G * NV), part(G * L), vbuf(kIsFloat ? 0 : L * NV);
+    std::vector<float> scores(G * s_stride), inv_sum(G);  // scores: G rows of s_stride
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < n_items; ++item) {
+      const int64_t b = item / KVH, kvh = item % KVH;
+      const int64_t len = seq_lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t n = len - start, n_pad = (n + L - 1) / L * L;
+      const int32_t* blocks = block_table + b * bt_stride;
+
+      // Calls fn(i0, cnt, offset) for each chunk: tokens i0 .. i0+cnt-1 of the window (cnt <= L,
+      // all in one block), whose rows start at cache + offset, tok_stride apart. If `prefetch`,
+      // first prefetches the next chunk's K and V rows.
+      auto for_each_chunk = [&](bool prefetch, auto&& fn) {
+        auto chunk_at = [&](int64_t t, int64_t& cnt) {
+          const int64_t j = t / bs, off = t - j * bs;
+          cnt = std::min({L, len - t, bs - off});
+          return blocks[j] * blk_stride + off * tok_stride + kvh * D;
+        };
+        int64_t cnt, next_cnt = 0;
+        for (int64_t t = start, offset = chunk_at(t, cnt); t < len;) {
+          const int64_t next = t + cnt < len ? chunk_at(t + cnt, next_cnt) : 0;
+          if (prefetch)
+            for (int64_t i = 0; i < next_cnt; ++i)
+              __builtin_prefetch(k_cache + next + i * tok_stride),  // (the adjacent-line
+              __builtin_prefetch(v_cache + next + i * tok_stride);  // prefetcher does the rest)
+          fn(t - start, cnt, offset);
+          t += cnt, offset = next, cnt = next_cnt, next_cnt = 0;
+        }
+      };
+
+      // Query heads kvh*G .. kvh*G+G-1 (contiguous in q), pre-scaled.
+      const T* q_grp = q + (b * H + kvh * G) * D;
+      for (int64_t c = 0; c < G * NV; ++c) qv[c] = load(q_grp + c * L) * scale;
+
+      // Pass 1: scores[g * s_stride + i] = q_g . k_i, 16 tokens per vector store.
+      for_each_chunk(true, [&](int64_t i0, int64_t cnt, int64_t offset) {
+        for (int64_t i = 0; i < cnt; ++i) {
+          vfloat k[kMaxNV];
+          for (int64_t c = 0; c < NV; ++c) k[c] = load(k_cache + offset + i * tok_stride + c * L);
+          for (int64_t g = 0; g < G; ++g) {
+            vfloat dot = qv[g * NV] * k[0];
+            for (int64_t c = 1; c < NV; ++c) dot += qv[g * NV + c] * k[c];
+            part[g * L + i] = dot;
+          }
+        }
+        // Lanes >= cnt hold stale sums; the next chunk (or the -inf padding) overwrites them.
+        for (int64_t g = 0; g < G; ++g) store(&scores[g * s_stride + i0], sum_lanes(&part[g * L]));
+      });
+
+      // Softmax numerators in place (padding lanes are -inf -> 0); keep 1 / denominator.
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = scores.data() + g * s_stride;
+        std::fill(s + n, s + n_pad, -std::numeric_limits<float>::infinity());
+        vfloat mv = load(s);
+        for (int64_t i = L; i < n_pad; i += L) mv = maximum(mv, load(s + i));
+        const float mx = reduce(mv, maximum);
+        vfloat sum = {};
+        for (int64_t i = 0; i < n_pad; i += L) {
+          const vfloat e = vexp(load(s + i) - mx);
+          store(s + i, e);
+          sum += e;
+        }
+        inv_sum[g] = 1.0f / reduce(sum, plus);
+      }
+
+      // Pass 2: acc_g = sum_i p_gi * v_i (bf16 rows are widened once into vbuf).
+      std::fill(acc.begin(), acc.end(), vfloat{});
+      for_each_chunk(false, [&](int64_t i0, int64_t cnt, int64_t offset) {
+        const float* rows;
+        int64_t row_stride;
+        if constexpr (kIsFloat) {
+          rows = v_cache + offset, row_stride = tok_stride;
+        } else {
+          for (int64_t i = 0; i < cnt; ++i)
+            for (int64_t c = 0; c < NV; ++c)
+              vbuf[i * NV + c] = load(v_cache + offset + i * tok_stride + c * L);
+          rows = reinterpret_cast<const float*>(vbuf.data()), row_stride = D;
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const float* p = &scores[g * s_stride + i0];
+          vfloat a[kMaxNV];
+          for (int64_t c = 0; c < NV; ++c) a[c] = acc[g * NV + c];
+          for (int64_t i = 0; i < cnt; ++i)
+            for (int64_t c = 0; c < NV; ++c) a[c] += p[i] * load(rows + i * row_stride + c * L);
+          for (int64_t c = 0; c < NV; ++c) acc[g * NV + c] = a[c];
+        }
+      });
+
+      T* o = out + (b * H + kvh * G) * D;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < NV; ++c) store(o + g * D + c * L, acc[g * NV + c] * inv_sum[g]);
+    }
+  }
+}
+
+template <typename T>
+void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const int32_t* bt, int64_t bt_stride, const int32_t* lens, at::Tensor& out,
+                       int64_t KVH, int64_t bs, float scale, int64_t window, int64_t max_len,
+                       int n_threads) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  auto run = [&](auto kernel) {
+    kernel(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), bt, bt_stride, lens,
+           out.data_ptr<T>(), B, H, KVH, D, bs, scale, window, max_len, n_threads);
+  };
+  if (D == 64) run(decode_kernel<T, 4>);
+  else if (D == 128) run(decode_kernel<T, 8>);
+  else run(decode_kernel<T, 0>);
+}
+
+}  // namespace
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_table,
+                                  const at::Tensor& seq_lens, double scale,
+                                  int64_t sliding_window) {
+  for (const auto* t : {&q, &k_cache, &v_cache, &block_table, &seq_lens})
+    TORCH_CHECK(t->device().is_cpu(), "paged_decode_attention: all tensors must be on CPU");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous (B, H, D) tensor");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "k_cache/v_cache must be contiguous (num_blocks, block_size, KVH, D) tensors");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(),
+              "q, k_cache and v_cache must share a dtype");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, "head_dim of q and the cache differ");
+  TORCH_CHECK(D % L == 0 && D <= 32 * L, "head_dim must be a multiple of 16, at most 512");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
+                  block_table.size(0) == B && block_table.stride(1) == 1,
+              "block_table must be int32 (B, max_blocks) with a contiguous last dim");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
+                  seq_lens.size(0) == B && seq_lens.is_contiguous(),
+              "seq_lens must be a contiguous int32 (B,) tensor");
+
+  // Validate lengths and the block-table entries that will be read (cheap: B * len / bs).
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int64_t bt_stride = block_table.stride(0), max_blocks = block_table.size(1);
+  int64_t max_len = 1, total_len = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = lens[b];
+    TORCH_CHECK(len >= 1 && len <= max_blocks * bs, "seq_lens[", b, "] = ", len, " out of range");
+    const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+    for (int64_t j = start / bs; j * bs < len; ++j)
+      TORCH_CHECK(bt[b * bt_stride + j] >= 0 && bt[b * bt_stride + j] < num_blocks,
+                  "block_table[", b, ", ", j, "] = ", bt[b * bt_stride + j], " out of range");
+    max_len = std::max(max_len, len - start);
+    total_len += len - start;
+  }
+  // Tiny calls (~10 us of work) run on one thread: waking a second one costs about as much,
+  // and a sibling thread that the OS has descheduled stalls the call for a whole time slice.
+  const int n_threads = total_len * KVH < 2048 ? 1 : std::min<int>(at::get_num_threads(), B * KVH);
+
+  at::Tensor out = at::empty_like(q);
+  if (B == 0 || H == 0) return out;
+  const float s = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat)
+    dispatch_head_dim<float>(q, k_cache, v_cache, bt, bt_stride, lens, out, KVH, bs, s,
+                             sliding_window, max_len, n_threads);
+  else if (q.scalar_type() == at::kBFloat16)
+    dispatch_head_dim<c10::BFloat16>(q, k_cache, v_cache, bt, bt_stride, lens, out, KVH, bs, s,
+                                     sliding_window, max_len, n_threads);
+  else
+    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only, got ", q.scalar_type());
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Paged-attention decode (CPU); sliding_window <= 0 means no window",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("block_table"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
+        pybind11::arg("sliding_window") = 0);
+}
