@@ -85,6 +85,8 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._output_handler: Optional[asyncio.Task] = None
         self.dead_error: Optional[EngineDeadError] = None
+        self._pause_mode: Optional[str] = None  # None while generating
+        self._resumed: Optional[asyncio.Event] = None  # new requests wait on it while paused
 
     @property
     def max_model_len(self) -> int:
@@ -96,6 +98,8 @@ class AsyncLLM:
         """Stream RequestOutputs for one request (cumulative, delta or final-only, per
         sampling_params.output_kind). Closing the generator or cancelling the task aborts it."""
         self._start_output_handler()
+        if self._pause_mode is not None:
+            await self._resumed.wait()  # paused: new requests wait, they do not fail
         params = sampling_params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.output_processor.requests:
@@ -207,6 +211,76 @@ class AsyncLLM:
                     state.queue.put(e)
             op.requests.clear()
             op.child_to_parent.clear()
+
+    # ---- RL control: pause / resume ---------------------------------------------------------------
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Stop generating. "abort": in-flight requests end now with finish_reason "abort" and the
+        tokens so far; "wait": they run to completion; "keep": they freeze in place (KV kept) and
+        continue after resume_generation(). Either way new requests wait until resume."""
+        if mode not in ("abort", "wait", "keep"):
+            raise InvalidRequestError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        self._start_output_handler()
+        if self._resumed is None:
+            self._resumed = asyncio.Event()
+        self._resumed.clear()
+        self._pause_mode = mode
+        if mode == "keep":
+            await self._call("pause_scheduling")
+        else:
+            if mode == "abort":
+                await self._call("abort_all")
+            await self._wait_idle()
+        if clear_cache:
+            await self._call("reset_prefix_cache")
+
+    async def resume_generation(self) -> None:
+        if self._pause_mode == "keep":
+            await self._call("resume_scheduling")
+        self._pause_mode = None
+        if self._resumed is not None:
+            self._resumed.set()
+
+    async def is_paused(self) -> bool:
+        return self._pause_mode is not None
+
+    async def _wait_idle(self) -> None:
+        while self.output_processor.has_unfinished():
+            if self.dead_error is not None:
+                raise self.dead_error
+            await asyncio.sleep(0.005)
+
+    # ---- RL control: weights and sleep ------------------------------------------------------------
+    async def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
+                                   backend: str = "gloo", timeout_s: float = 60.0) -> list[int]:
+        return await self._call("init_weight_transfer", master_address, master_port, world_size, backend, timeout_s)
+
+    async def update_weights(self, version: Optional[int] = None) -> dict:
+        """Receive one push from the trainer's WeightSender; bumps the version, clears caches."""
+        return await self._call("update_weights", version)
+
+    async def update_weights_from_disk(self, path: str, version: Optional[int] = None) -> dict:
+        return await self._call("update_weights_from_disk", path, version)
+
+    async def reload_weights(self, version: Optional[int] = None) -> dict:
+        return await self._call("reload_weights", version)
+
+    async def close_weight_transfer(self) -> bool:
+        return await self._call("close_weight_transfer")
+
+    async def weights_checksum(self) -> str:
+        return await self._call("weights_checksum")
+
+    async def get_weight_version(self) -> int:
+        return await self._call("get_weight_version")
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._call("sleep", level)
+
+    async def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        await self._call("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self._call("is_sleeping")
 
     # ---- control --------------------------------------------------------------------------------
     async def _call(self, method: str, *args, timeout: Optional[float] = None, **kwargs) -> Any:

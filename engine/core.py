@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
+from engine.errors import EngineStateError, InvalidRequestError
 from engine.kv_cache import KVCacheManager
 from engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, StreamInput
 from engine.request import Request
@@ -38,6 +38,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.weight_version = 0
         self.num_generated_tokens = 0
+        self.kv_asleep = False  # the KV cache is freed
+        self.weights_asleep = False  # the weights are offloaded (level 1) or dropped (level 2)
         self._pending_outputs: list[EngineCoreOutput] = []  # produced outside step() (stream input)
 
     @property
@@ -46,6 +48,7 @@ class EngineCore:
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
+        self._check_can_generate()
         self._check_prompt(request.prompt_token_ids, request.request_id)
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running")
@@ -83,11 +86,25 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """Whether step() would compute something (idle streaming requests wait for input)."""
-        return bool(self.scheduler.running or self.scheduler.waiting or self._pending_outputs)
+        if self._pending_outputs:
+            return True
+        return self._can_run() and bool(self.scheduler.running or self.scheduler.waiting)
+
+    def _can_run(self) -> bool:
+        return not (self.scheduler.paused or self.kv_asleep or self.weights_asleep) and self.runner.weights_valid
+
+    def _check_can_generate(self) -> None:
+        if self.is_sleeping():
+            raise EngineStateError("the engine is asleep: call wake_up() before generating")
+        if not self.runner.weights_valid:
+            raise EngineStateError("the engine holds no weights (it slept at level 2): push weights "
+                                   "or call reload_weights() before generating")
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        if not self._can_run():
+            return outputs
         so = self.scheduler.schedule()
         if not so.scheduled:
             return outputs
@@ -137,6 +154,96 @@ class EngineCore:
 
     def get_weight_version(self) -> int:
         return self.weight_version
+
+    # ---- RL control: pause, weights, sleep --------------------------------------------------
+    def abort_all(self) -> int:
+        """Abort every request; their final outputs (finish_reason abort) follow as outputs."""
+        ids = list(self.scheduler.requests)
+        self._pending_outputs.extend(self.abort_requests(ids))
+        return len(ids)
+
+    def pause_scheduling(self) -> bool:
+        """Freeze running requests in place (pause mode "keep"); they keep their KV blocks."""
+        self.scheduler.paused = True
+        return True
+
+    def resume_scheduling(self) -> bool:
+        self.scheduler.paused = False
+        return True
+
+    def is_scheduling_paused(self) -> bool:
+        return self.scheduler.paused
+
+    def _check_can_update(self) -> None:
+        if self.scheduler.has_active() and not self.scheduler.paused:
+            raise EngineStateError("requests are running: pause generation before updating the weights")
+
+    def _after_update(self, version: Optional[int]) -> int:
+        """A successful update: new version, and no KV computed by the old weights is reused."""
+        self.weight_version = self.weight_version + 1 if version is None else int(version)
+        self.kv.reset_prefix_cache()
+        self.reset_encoder_cache()
+        return self.weight_version
+
+    def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
+                             backend: str = "gloo", timeout_s: float = 60.0) -> list[int]:
+        """Every worker joins the trainer's group (trainer rank 0, workers 1..N)."""
+        return self.collective_rpc("init_weight_transfer", [master_address, master_port, world_size],
+                                   {"backend": backend, "timeout_s": timeout_s})
+
+    def close_weight_transfer(self) -> bool:
+        self.collective_rpc("close_weight_transfer")
+        return True
+
+    def update_weights(self, version: Optional[int] = None) -> dict:
+        """Receive one broadcast push from the trainer and swap it in (between steps)."""
+        self._check_can_update()
+        stats = self.collective_rpc("receive_weights")[0]
+        return dict(stats, weight_version=self._after_update(version))
+
+    def update_weights_from_disk(self, path: str, version: Optional[int] = None) -> dict:
+        self._check_can_update()
+        stats = self.collective_rpc("update_weights_from_disk", [path])[0]
+        return dict(stats, weight_version=self._after_update(version))
+
+    def update_weights_from_tensors(self, named_tensors, version: Optional[int] = None) -> dict:
+        self._check_can_update()
+        stats = self.collective_rpc("update_weights_from_tensors", [list(named_tensors)])[0]
+        return dict(stats, weight_version=self._after_update(version))
+
+    def reload_weights(self, version: Optional[int] = None) -> dict:
+        """Explicitly reload the startup checkpoint (a level-2 sleep never does it by itself)."""
+        self._check_can_update()
+        stats = self.collective_rpc("reload_weights")[0]
+        return dict(stats, weight_version=self._after_update(version))
+
+    def weights_checksum(self) -> str:
+        return self.collective_rpc("weights_checksum")[0]
+
+    def sleep(self, level: int = 1) -> bool:
+        """Free the KV cache (and at level 2 the weights). Requests still in the engine (pause
+        "keep") lose their KV and are recomputed after wake-up."""
+        if level not in (1, 2):
+            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.scheduler.has_active() and not self.scheduler.paused:
+            raise EngineStateError("requests are running: pause generation before sleeping")
+        self.scheduler.preempt_all()
+        self.kv.reset_prefix_cache()
+        self.collective_rpc("sleep", [level])
+        self.kv_asleep = self.weights_asleep = True
+        return True
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> bool:
+        tags = list(tags or ["weights", "kv_cache"])
+        if not set(tags) <= {"weights", "kv_cache"}:
+            raise InvalidRequestError(f"wake_up tags must be 'weights' and/or 'kv_cache', got {tags}")
+        self.collective_rpc("wake_up", [tags])
+        self.kv_asleep = self.kv_asleep and "kv_cache" not in tags
+        self.weights_asleep = self.weights_asleep and "weights" not in tags
+        return True
+
+    def is_sleeping(self) -> bool:
+        return self.kv_asleep or self.weights_asleep
 
     def collective_rpc(self, method: str, args: Optional[list] = None, kwargs: Optional[dict] = None) -> list[Any]:
         """Run a public worker method on every worker; one result per worker."""

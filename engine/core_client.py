@@ -25,7 +25,7 @@ import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.core_proc import HANDSHAKE_TIMEOUT_MS, Hello, Ready, Startup
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, EngineStateError
 from engine.protocol import (EngineCoreOutputs, EngineCoreRequest, RequestType, StreamInput, UtilityOutput,
                              UtilityRequest)
 from engine.serial import MsgpackDecoder, MsgpackEncoder
@@ -56,6 +56,8 @@ class InprocClient:
 
     def get_output(self) -> EngineCoreOutputs:
         outputs, self._outputs = self._outputs, []
+        if not outputs and not self.core.has_work():
+            raise EngineStateError("nothing can run: the engine is paused or asleep")
         return EngineCoreOutputs(outputs=outputs + self.core.step())
 
     def call_utility(self, method: str, *args, **kwargs) -> Any:

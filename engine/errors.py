@@ -9,6 +9,10 @@ class InvalidRequestError(ValueError):
     """A request (prompt or sampling parameters) that the engine refuses."""
 
 
+class EngineStateError(InvalidRequestError):
+    """A call the engine cannot serve in its current state (asleep, no weights, not paused)."""
+
+
 class UnsupportedModelError(ValueError):
     """A model folder the engine cannot load (unknown architecture, missing files)."""
 

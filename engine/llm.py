@@ -128,6 +128,59 @@ class LLM:
     def check_health(self) -> None:
         self.client.check_health()
 
+    # ---- RL control (synchronous twins of AsyncLLM's) ---------------------------------------------
+    # Offline, generate() returns only when its requests are done, so pausing matters between
+    # calls: "keep" freezes requests left in the engine; weights updates need a paused or idle engine.
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        if mode not in ("abort", "wait", "keep"):
+            raise InvalidRequestError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        if mode == "keep":
+            self.client.call_utility("pause_scheduling")
+        elif mode == "abort":
+            self.client.call_utility("abort_all")
+        # "wait": nothing is in flight between generate() calls
+        if clear_cache:
+            self.reset_prefix_cache()
+
+    def resume_generation(self) -> None:
+        self.client.call_utility("resume_scheduling")
+
+    def is_paused(self) -> bool:
+        return self.client.call_utility("is_scheduling_paused")
+
+    def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
+                             backend: str = "gloo", timeout_s: float = 60.0) -> list[int]:
+        return self.client.call_utility("init_weight_transfer", master_address, master_port, world_size,
+                                        backend, timeout_s)
+
+    def update_weights(self, version: Optional[int] = None) -> dict:
+        return self.client.call_utility("update_weights", version)
+
+    def update_weights_from_disk(self, path: str, version: Optional[int] = None) -> dict:
+        return self.client.call_utility("update_weights_from_disk", path, version)
+
+    def update_weights_from_tensors(self, named_tensors, version: Optional[int] = None) -> dict:
+        """Tensors from this process (in-process engine only: an MP engine gets them over msgpack)."""
+        return self.client.call_utility("update_weights_from_tensors", list(named_tensors), version)
+
+    def reload_weights(self, version: Optional[int] = None) -> dict:
+        return self.client.call_utility("reload_weights", version)
+
+    def close_weight_transfer(self) -> bool:
+        return self.client.call_utility("close_weight_transfer")
+
+    def weights_checksum(self) -> str:
+        return self.client.call_utility("weights_checksum")
+
+    def sleep(self, level: int = 1) -> None:
+        self.client.call_utility("sleep", level)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        self.client.call_utility("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return self.client.call_utility("is_sleeping")
+
     @property
     def weight_version(self) -> int:
         return self.client.call_utility("get_weight_version")

@@ -131,6 +131,12 @@ class LlamaModel:
             raise UnsupportedModelError(f"{folder}: missing tensors, e.g. {sorted(missing)[:3]}")
         self.repack()
 
+    def drop_packed(self) -> None:
+        for layer in self.layers:
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                lin.packed = None
+        self.lm_head.packed = None
+
     def repack(self) -> None:
         """Refresh the prepacked matmul weights from the plain tensors (after any weight write)."""
         enable = self.device.type == "cpu" and self.dtype == torch.bfloat16 and _mkldnn_bf16_ok()

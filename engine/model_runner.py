@@ -45,6 +45,7 @@ class ModelRunner:
         self.kv_cache: Optional[torch.Tensor] = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        self.weights_valid = True  # False after a level-2 sleep until a push or reload
 
     # ---- KV cache -----------------------------------------------------------------------
     def kv_cache_bytes(self) -> int:
@@ -61,18 +62,23 @@ class ModelRunner:
     def init_kv_cache(self) -> int:
         """Allocate the cache; returns the number of blocks. Pages are touched only as used (CPU)."""
         mc, bs = self.config.model_config, self.block_size
-        per_block = self.config.kv_bytes_per_token() * bs
-        self.num_blocks = self.kv_cache_bytes() // per_block
-        if self.num_blocks < 1:
-            raise ValueError(f"kv_cache_memory too small: one block needs {per_block} bytes")
+        if not self.num_blocks:
+            per_block = self.config.kv_bytes_per_token() * bs
+            self.num_blocks = self.kv_cache_bytes() // per_block
+            if self.num_blocks < 1:
+                raise ValueError(f"kv_cache_memory too small: one block needs {per_block} bytes")
         self.kv_cache = torch.empty(mc.num_layers, 2, self.num_blocks, bs, mc.num_kv_heads, mc.head_dim,
                                     dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         return self.num_blocks
 
+    def free_kv_cache(self) -> None:
+        self.kv_cache, self.kv_caches = None, []
+
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
+        assert self.kv_cache is not None and self.weights_valid, "executing while asleep"
         bs = self.block_size
         # decodes first (one token each), then prefill chunks
         decodes = [(r, n) for r, n in so.scheduled if n == 1]

@@ -47,6 +47,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefill_tokens = 0
         self._next_chunk_after_output: list[tuple[Request, StreamInput]] = []
+        self.paused = False  # pause mode "keep": nothing is scheduled, requests keep their state
 
     def add_request(self, req: Request) -> None:
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id!r}"
@@ -55,6 +56,21 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def has_active(self) -> bool:
+        """Requests that are running or waiting to run (idle streaming requests excluded)."""
+        return bool(self.running or self.waiting)
+
+    def preempt_all(self) -> None:
+        """Free every request's KV blocks; they recompute from scratch when scheduled again."""
+        while self.running:
+            self._preempt(self.running.pop())
+        while self._preempt_idle():
+            pass
+        for req in self.waiting:
+            if req.num_computed_tokens:
+                self.kv.free(req)
+                req.num_computed_tokens = 0
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

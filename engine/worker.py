@@ -2,9 +2,16 @@
 `collective_rpc`: any public method of the worker, or of the worker extension class named in
 the config (how RL frameworks add `update_weights`-style methods), can be called by name.
 """
+import ctypes
+import gc
 import importlib
+from typing import Iterable, Optional
+
+import torch
 
 from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 
 
@@ -28,6 +35,154 @@ class Worker:
         mc = self.config.model_config
         return {"architecture": mc.architecture, "dtype": self.config.dtype, "device": self.config.device,
                 "num_parameters": sum(v.numel() for _, v in self.model.hf_views())}
+
+    # ---- weight updates ---------------------------------------------------------------------
+    # Every route stages and validates the whole update first, then copies it in: a failed or
+    # interrupted update leaves the old weights serving, bit for bit.
+    def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {name: (tuple(v.shape), v.dtype) for name, v in self.model.hf_views()}
+
+    def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
+                             backend: str = "gloo", rank_offset: int = 1, timeout_s: float = 60.0) -> int:
+        """Join the trainer's group (trainer = rank 0); returns this worker's rank in it."""
+        from weight_sync import WeightTransferGroup
+
+        self.close_weight_transfer()
+        rank = rank_offset + self.rank
+        self.transfer_group = WeightTransferGroup(master_address, master_port, rank, world_size, backend=backend,
+                                                  timeout_s=timeout_s)
+        return rank
+
+    def close_weight_transfer(self) -> bool:
+        group = getattr(self, "transfer_group", None)
+        if group is not None:
+            group.close()
+        self.transfer_group = None
+        return True
+
+    def receive_weights(self) -> dict:
+        """Receive one broadcast push (metadata, then buckets) and swap it in."""
+        from weight_sync import WeightReceiver
+
+        if getattr(self, "transfer_group", None) is None:
+            raise InvalidRequestError("no weight transfer group: call init_weight_transfer first")
+        staged = WeightReceiver(self.transfer_group).receive(self.expected_weights())
+        return self._apply(staged)
+
+    def update_weights_from_disk(self, path: str) -> dict:
+        """Load a safetensors folder (sharded too), cast to the engine's dtype, and swap it in."""
+        from weight_sync import load_safetensors_folder
+
+        expected = self.expected_weights()
+        staged = {}
+        for name, t in load_safetensors_folder(path):
+            if name == "lm_head.weight" and name not in expected and self.config.model_config.tie_word_embeddings:
+                continue
+            self._check(name, tuple(t.shape), None, expected)
+            staged[name] = t.to(expected[name][1])
+        return self._apply(staged)
+
+    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict:
+        """Tensors handed over in this process (same checks as a push, dtypes must match)."""
+        expected = self.expected_weights()
+        staged = {}
+        for name, t in named_tensors:
+            self._check(name, tuple(t.shape), t.dtype, expected)
+            staged[name] = t.detach().to(self.model_runner.device, copy=True)
+        return self._apply(staged)
+
+    @staticmethod
+    def _check(name, shape, dtype, expected) -> None:
+        if name not in expected:
+            raise InvalidRequestError(f"weight update: unknown parameter {name!r}")
+        want_shape, want_dtype = expected[name]
+        if shape != want_shape:
+            raise InvalidRequestError(f"weight update: {name} has shape {list(shape)}, expected {list(want_shape)}")
+        if dtype is not None and dtype != want_dtype:
+            raise InvalidRequestError(f"weight update: {name} has dtype {dtype}, expected {want_dtype}")
+
+    def _apply(self, staged: dict[str, torch.Tensor]) -> dict:
+        if not staged:
+            raise InvalidRequestError("weight update: no tensors")
+        if not self.model_runner.weights_valid and set(staged) != set(self.expected_weights()):
+            missing = sorted(set(self.expected_weights()) - set(staged))
+            raise InvalidRequestError(f"the weights were dropped (sleep level 2): a full update is needed, "
+                                      f"missing e.g. {missing[:3]}")
+        with torch.no_grad():
+            for name, t in staged.items():
+                self.model.hf_view(name).copy_(t)
+        self.model.repack()
+        self.model_runner.weights_valid = True
+        return {"num_tensors": len(staged), "num_bytes": sum(t.numel() * t.element_size() for t in staged.values())}
+
+    def reload_weights(self) -> dict:
+        """Reload the checkpoint the engine was started from (explicit, never implicit)."""
+        self.model_runner.model.load_safetensors(self.config.model)
+        self.model_runner.weights_valid = True
+        return {"path": self.config.model}
+
+    def weights_checksum(self) -> str:
+        from weight_sync import weights_checksum
+
+        if not self.model_runner.weights_valid:
+            raise InvalidRequestError("the engine holds no weights (sleep level 2)")
+        return weights_checksum(self.model.hf_views())
+
+    # ---- sleep / wake -----------------------------------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Level 1: KV cache freed, weights offloaded to host memory (on a CPU engine they are
+        already there; their prepacked copies are dropped). Level 2: weights freed too."""
+        runner = self.model_runner
+        runner.free_kv_cache()
+        if level == 2:
+            runner.model = None
+            runner.weights_valid = False
+        elif runner.device.type == "cuda":
+            self._offloaded = [(t, t.to("cpu", non_blocking=False).pin_memory()) for t in _tensors(runner.model)]
+            for t, host in self._offloaded:
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        else:
+            runner.model.drop_packed()
+        _release_memory(runner.device)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        runner = self.model_runner
+        tags = tags or ["weights", "kv_cache"]
+        if "weights" in tags:
+            if runner.model is None:  # level 2: fresh (zero) tensors; a push or reload must fill them
+                runner.model = LlamaModel(self.config.model_config, runner.dtype, runner.device,
+                                          self.config.max_model_len)
+            elif getattr(self, "_offloaded", None):
+                for t, host in self._offloaded:
+                    t.data = host.to(t.device)
+                self._offloaded = None
+                runner.model.repack()
+            else:
+                runner.model.repack()
+        if "kv_cache" in tags and runner.kv_cache is None:
+            runner.init_kv_cache()
+
+
+def _tensors(model: LlamaModel) -> list[torch.Tensor]:
+    seen, out = set(), []
+    for _, v in model.hf_views():
+        base = v._base if v._base is not None else v
+        if id(base) not in seen:
+            seen.add(id(base))
+            out.append(base)
+    return out
+
+
+def _release_memory(device: torch.device) -> None:
+    """Hand freed memory back: CUDA caching allocator -> driver; glibc heap -> the OS."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    else:
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
 
 
 def worker_class(extension: str | None) -> type:
