@@ -1,0 +1,36 @@
+"""Moving weights trainer -> engine, both sides. Knows nothing about the engine's internals.
+
+Data flow of one update (the trainer drives it; the engine's worker is the receiver):
+
+    pause generation -> WeightSender.send(named_tensors)  ==gloo/NCCL==>  WeightReceiver.receive(expected)
+    -> engine swaps the staged tensors in atomically -> clear prefix/encoder caches
+    -> bump weight version -> resume;  weights_checksum() on both sides verifies the push.
+
+Group: `WeightTransferGroup` is a stateless torch.distributed group (never the default group):
+rank 0 = trainer hosts a TCPStore rendezvous, ranks 1..N = engine workers; gloo on CPU, NCCL on
+CUDA, same calls. Every collective has a timeout: a dead or hung peer becomes
+`WeightTransferError`, never a hang.
+
+Protocol (protocol.py), one call per update: header (msgpack list of name, dtype, shape) ->
+all-reduce of the receivers' verdict (names/shapes/dtypes checked, a refusal stops everyone
+before any tensor moves) -> size-capped dtype-homogeneous buckets -> all-reduce confirming
+every receiver has everything. The receiver stages into fresh tensors and returns them only
+when complete, so a failed push leaves the live weights whole.
+
+Other route: `load_safetensors_folder()` reads a (sharded) checkpoint from disk.
+"""
+from weight_sync.checkpoint import load_safetensors_folder
+from weight_sync.checksum import weights_checksum
+from weight_sync.group import WeightTransferError, WeightTransferGroup, find_free_port
+from weight_sync.protocol import DEFAULT_BUCKET_BYTES, WeightReceiver, WeightSender
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightTransferError",
+    "WeightTransferGroup",
+    "find_free_port",
+    "load_safetensors_folder",
+    "weights_checksum",
+]

@@ -1,0 +1,209 @@
+"""A stateless process group joining a trainer (rank 0) and engine workers (ranks 1..N).
+
+"Stateless": it never touches torch.distributed's default group (`init_process_group`), so a
+trainer that runs its own FSDP/DDP group and an engine that runs its own tensor-parallel group
+can both open one of these beside it. It is built from a `TCPStore` (hosted by rank 0) and a
+backend object (`ProcessGroupGloo` on CPU, `ProcessGroupNCCL` on CUDA), whose collectives we
+call directly, each with the group's timeout.
+
+Failure contract: a peer that dies or hangs turns into `WeightTransferError` on the others
+within about `timeout_s` (a dead peer's closed socket is noticed at once; a hung one by gloo's
+per-operation timeout). The timeout bounds each collective (one bucket), not a whole push. After
+such an error the group is *broken* (its sockets or communicator are in an unknown state), and
+we tear it down at once so that its other peers fail fast too; every later call raises
+immediately: close it and open a new one.
+
+Traps:
+- Left alone, the TCPStore master listens on *every* interface, whatever `master_address` says.
+  We bind the listening socket ourselves (on `master_address` only) and hand its fd to the store,
+  which then owns and closes it.
+- The store has no authentication: anyone who can reach the port can join. Loopback, or a trusted
+  network only.
+- `find_free_port()` then binding later is racy (another process can take the port between the
+  two); acceptable for tests and single-host setups, pass an explicit port otherwise.
+- Gloo's `abort()` leaves its sockets open (peers then wait for the full timeout); only dropping
+  the backend object closes them.
+- NCCL's own `barrier()` guesses the GPU from the rank and can hang; ours is a 1-element
+  all-reduce on the group's device, for both backends. The NCCL path is written against the
+  same torch API but was not run here (no GPU); two ranks also cannot share one GPU.
+"""
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+class WeightTransferError(RuntimeError):
+    """A weight push failed: refused by a receiver, aborted by the sender, or the transport
+    (peer died, timed out). The receiver's staged tensors are discarded; live weights are untouched."""
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now on `host` (racy by nature, see the module docstring)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _local_address_towards(master_address: str, master_port: int) -> str:
+    """The local IP this host uses to reach the master (a UDP connect sends no packet).
+
+    Gloo publishes this address to its peers; its default (the hostname's address) may be an
+    interface the peers cannot reach, or a public one when everything is on loopback."""
+    family, _, _, _, addr = socket.getaddrinfo(master_address, master_port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
+
+
+def _listen_fd(master_address: str, master_port: int) -> int:
+    """A listening socket on master_address only, detached: the TCPStore takes ownership."""
+    family = socket.getaddrinfo(master_address, master_port, type=socket.SOCK_STREAM)[0][0]
+    try:
+        sock = socket.create_server((master_address, master_port), family=family, backlog=1024)
+    except OSError as e:
+        raise OSError(f"cannot listen on {master_address}:{master_port} for the weight transfer group: {e}") from e
+    return sock.detach()
+
+
+class WeightTransferGroup:
+    """Rank 0 (the trainer) hosts the TCP rendezvous; ranks 1..N (engine workers) join it.
+
+    `backend="gloo"` moves CPU tensors over TCP, `backend="nccl"` CUDA tensors (on `device`,
+    default the current CUDA device). Both take the same calls; tensors must live on
+    `group.device`. The constructor blocks until all `world_size` ranks have joined (or raises
+    after `timeout_s`).
+    """
+
+    def __init__(
+        self,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 60.0,
+        device: torch.device | str | None = None,
+    ):
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a group of world_size {world_size}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._broken: str | None = None
+        self._closed = False
+
+        if backend == "nccl" and not (torch.cuda.is_available() and hasattr(dist, "ProcessGroupNCCL")):
+            raise RuntimeError("backend 'nccl' needs CUDA and a torch built with NCCL; use 'gloo' on CPU")
+        if backend == "gloo":
+            self.device = torch.device("cpu")
+        else:
+            self.device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
+        self._store = self._pg = None
+        listen_fd = _listen_fd(master_address, master_port) if rank == 0 else None
+        try:
+            # wait_for_workers=False: the backend's rendezvous below does the waiting, with our
+            # timeout. On rank 0 the store lives as long as the group (peers may still be reading
+            # its keys); it carries no traffic once everyone has joined.
+            self._store = dist.TCPStore(
+                master_address,
+                master_port,
+                world_size,
+                is_master=rank == 0,
+                timeout=self.timeout,
+                wait_for_workers=False,
+                master_listen_fd=listen_fd,
+            )
+            if backend == "gloo":
+                opts = dist.ProcessGroupGloo._Options()
+                opts._timeout = self.timeout
+                local = _local_address_towards(master_address, master_port)
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local)]
+                self._pg = dist.ProcessGroupGloo(self._store, rank, world_size, opts)
+            else:
+                torch.cuda.set_device(self.device)
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = self.timeout
+                self._pg = dist.ProcessGroupNCCL(self._store, rank, world_size, opts)
+        except RuntimeError as e:  # DistStoreError / DistNetworkError / gloo connect errors
+            self._release()
+            raise WeightTransferError(
+                f"could not form the weight transfer group at {master_address}:{master_port} as rank {rank} "
+                f"of {world_size} within {timeout_s:g}s: {e}"
+            ) from e
+        # Returns once every rank has joined; it also connects NCCL eagerly.
+        self.barrier()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("broken" if self._broken else "ok")
+        return f"WeightTransferGroup(rank={self.rank}/{self.world_size}, backend={self.backend}, {state})"
+
+    # -- collectives ------------------------------------------------------------------------
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """In place: every rank's `tensor` (contiguous, on `self.device`) ends up equal to src's."""
+        assert tensor.device == self.device, f"tensor on {tensor.device}, group on {self.device}"
+        assert tensor.is_contiguous(), "broadcast needs a contiguous tensor"
+        self._run("broadcast", lambda: self._pg.broadcast(tensor, src, self.timeout))
+
+    def all_reduce_max(self, value: int) -> int:
+        """The maximum of `value` over all ranks (status handshakes: 0 = ok everywhere)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        self._run("all_reduce", lambda: self._pg.allreduce(t, dist.ReduceOp.MAX, self.timeout))
+        return int(t.item())
+
+    def barrier(self) -> None:
+        self.all_reduce_max(0)
+
+    def abort(self, reason: str) -> None:
+        """Break the group on purpose (a rank that cannot go on mid-push): its connections close,
+        so peers blocked in a collective with us fail at once instead of after the timeout."""
+        if not self._broken:
+            self._broken = reason
+        self._release()
+
+    def close(self) -> None:
+        """Release sockets / communicator and (on rank 0) the store. Idempotent."""
+        self._closed = True
+        self._release()
+
+    def _release(self) -> None:
+        pg, self._pg = getattr(self, "_pg", None), None
+        if pg is not None:
+            try:
+                (pg.abort if self._broken else pg.shutdown)()
+            except Exception:  # noqa: BLE001 - best effort on teardown, the group is gone anyway
+                pass
+            del pg
+        self._store = None
+
+    def __enter__(self) -> WeightTransferGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _run(self, what: str, start) -> None:
+        if self._closed:
+            raise WeightTransferError(f"{what} on a closed {self!r}")
+        if self._broken:
+            raise WeightTransferError(f"{what} on a broken group (earlier error: {self._broken}); open a new one")
+        try:
+            start().wait(self.timeout)
+        except Exception as e:  # gloo/NCCL raise RuntimeError / DistBackendError with the cause
+            self.abort(f"{what} failed: {e}")
+            raise WeightTransferError(
+                f"{what} failed on rank {self.rank}/{self.world_size} (peer died or did not answer "
+                f"within {self.timeout_s:g}s): {e}"
+            ) from e
