@@ -3,8 +3,14 @@
 Workload (../shared/peers/workload.py): 32 chat prompts, 128 new tokens each, EOS ignored,
 greedy and temperature 1.0 (top-p 1, top-k off); batch sizes 1, 32 and 128 (the 32 questions
 repeated); single-stream decode tok/s = 127 / (T(128 tokens) - T(1 token)). Each (engine,
-dtype) runs in its own subprocess, so peak memory (max RSS) is that engine's alone. Prefix
-caching is off for our engine here, so repeated prompts are not served from the cache.
+dtype) runs in its own subprocess, so peak memory (max RSS) is that engine's alone (for the
+multi-process engines: frontend + engine core). Prefix caching is off for our engines here,
+so repeated prompts are not served from the cache.
+
+Engines: hf = transformers generate (left-padded batch); ours = LLM with the engine core in
+process; ours_mp = LLM through the engine-core process (the default); async = AsyncLLM, one
+concurrent generate() per prompt, DELTA outputs, which also reports the frontend's median
+per-token latency (engine core queued the token -> the caller's async-for received it).
 
     python benchmarks/throughput.py                       # everything (~10 min on 2 cores)
     python benchmarks/throughput.py --dtypes bfloat16 --batches 32 --reps 1
@@ -31,12 +37,15 @@ def workload():
     return w
 
 
-def run_ours(dtype, batches, reps):
+ENGINE_KW = dict(enable_prefix_caching=False, max_num_seqs=256, max_num_batched_tokens=4096)
+
+
+def run_ours(dtype, batches, reps, multiprocess=False):
     from engine import LLM, SamplingParams
 
     w = workload()
     t = time.perf_counter()
-    llm = LLM(dtype=dtype, enable_prefix_caching=False, max_num_seqs=256, max_num_batched_tokens=4096)
+    llm = LLM(dtype=dtype, multiprocess=multiprocess, **ENGINE_KW)
     load_s = time.perf_counter() - t
 
     def run(prompts, sample, n):
@@ -45,7 +54,55 @@ def run_ours(dtype, batches, reps):
         outs = llm.generate(prompts, sp, use_tqdm=False)
         return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]
 
-    return measure(w, llm.tokenizer, run, batches, reps, load_s)
+    res = measure(w, llm.tokenizer, run, batches, reps, load_s)
+    if multiprocess:
+        res["peak_rss_mb"] += llm.get_stats()["peak_rss_mb"]
+    llm.shutdown()
+    return res
+
+
+def run_ours_mp(dtype, batches, reps):
+    return run_ours(dtype, batches, reps, multiprocess=True)
+
+
+def run_async(dtype, batches, reps):
+    import asyncio
+    import statistics
+
+    from engine import RequestOutputKind, SamplingParams
+    from engine.async_llm import AsyncLLM
+
+    w = workload()
+    loop = asyncio.new_event_loop()
+    t = time.perf_counter()
+    llm = AsyncLLM(dtype=dtype, **ENGINE_KW)
+    load_s = time.perf_counter() - t
+    lags = []
+
+    async def one(prompt, sp):
+        tokens = []
+        async for out in llm.generate(prompt, sp):
+            lags.append(time.monotonic() - out.core_timestamp)
+            tokens += out.outputs[0].token_ids
+        return tokens
+
+    async def batch(prompts, sp):
+        return await asyncio.gather(*[one(p, sp) for p in prompts])
+
+    def run(prompts, sample, n):
+        sp = SamplingParams(temperature=1.0 if sample else 0.0, max_tokens=n, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+        t0 = time.perf_counter()
+        outs = loop.run_until_complete(batch(prompts, sp))
+        return time.perf_counter() - t0, outs
+
+    res = measure(w, llm.tokenizer, run, batches, reps, load_s)
+    res["frontend_lag_ms_p50"] = statistics.median(lags) * 1e3
+    _log(f"  frontend per-token latency (core -> caller), median: {res['frontend_lag_ms_p50']:.2f} ms")
+    res["peak_rss_mb"] += loop.run_until_complete(llm.get_stats())["peak_rss_mb"]
+    llm.shutdown()
+    loop.run_until_complete(asyncio.sleep(0))  # let the output handler see its cancellation
+    return res
 
 
 def run_hf(dtype, batches, reps):
@@ -102,12 +159,12 @@ def _log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-ENGINES = {"ours": run_ours, "hf": run_hf}
+ENGINES = {"hf": run_hf, "ours": run_ours, "ours_mp": run_ours_mp, "async": run_async}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engines", default="hf,ours")
+    ap.add_argument("--engines", default="hf,ours,ours_mp,async")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--reps", type=int, default=2)
@@ -136,7 +193,8 @@ def main():
 
 def print_table(results, batches):
     cols = [f"b{b}_{m}_tok_s" for b in batches if b != 1 for m in ("greedy", "sample")]
-    head = ["engine", "dtype"] + [c.replace("_tok_s", "") for c in cols] + ["single", "peak MB", "load s"]
+    head = ["engine", "dtype"] + [c.replace("_tok_s", "") for c in cols] + ["single", "peak MB", "load s",
+                                                                              "lag ms"]
     rows = []
     for (engine, dtype), r in results.items():
         hf = results.get(("hf", dtype), {})
@@ -147,7 +205,9 @@ def print_table(results, batches):
             cells.append("-" if v is None else f"{v:.0f}{ratio}")
         v = r.get("single_decode_tok_s")
         ratio = f" ({v / hf['single_decode_tok_s']:.2f}x)" if engine != "hf" and v and hf.get("single_decode_tok_s") else ""
-        cells += ["-" if v is None else f"{v:.1f}{ratio}", f"{r['peak_rss_mb']:.0f}", f"{r['load_s']:.1f}"]
+        lag = r.get("frontend_lag_ms_p50")
+        cells += ["-" if v is None else f"{v:.1f}{ratio}", f"{r['peak_rss_mb']:.0f}", f"{r['load_s']:.1f}",
+                  "-" if lag is None else f"{lag:.2f}"]
         rows.append(cells)
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     line = lambda cells: " | ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
@@ -155,7 +215,8 @@ def print_table(results, batches):
     print("-+-".join("-" * w for w in widths))
     for r in rows:
         print(line(r))
-    print("tok/s; (x) = ratio to transformers in the same run; single = single-stream greedy decode tok/s")
+    print("tok/s; (x) = ratio to transformers in the same run; single = single-stream greedy decode tok/s;\n"
+          "lag ms = median time from the engine core queuing a token to the AsyncLLM caller receiving it")
 
 
 if __name__ == "__main__":

@@ -5,10 +5,10 @@ scheduling state: Scheduler + KVCacheManager) -> ModelRunner (weights, KV cache 
 forward pass, sampler) -> kernels/. Token ids are the ground truth everywhere; only the
 frontend knows text. This package never imports `rollout`.
 """
-from engine.errors import EngineDeadError, InvalidRequestError, UnsupportedModelError
+from engine.errors import EngineDeadError, EngineStateError, InvalidRequestError, UnsupportedModelError
 from engine.llm import LLM
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-           "EngineDeadError", "InvalidRequestError", "UnsupportedModelError"]
+           "EngineDeadError", "EngineStateError", "InvalidRequestError", "UnsupportedModelError"]

@@ -194,10 +194,13 @@ class AsyncLLM:
         op = self.output_processor
         try:
             while True:
-                outs = (await self.client.get_output_async()).outputs
+                msg = await self.client.get_output_async()
+                outs = msg.outputs
                 for start in range(0, len(outs), OUTPUTS_PER_SLICE):
                     ready, to_abort = op.process_outputs(outs[start:start + OUTPUTS_PER_SLICE])
                     for state, out in ready:
+                        if isinstance(out, RequestOutput):
+                            out.core_timestamp = msg.timestamp
                         if state.queue is not None:
                             state.queue.put(out)
                     if to_abort:

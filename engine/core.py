@@ -5,6 +5,7 @@ process; normally it runs inside the engine-core process (engine/core_proc.py), 
 loop calls the same methods. Public methods are reachable by name as utility calls.
 """
 import logging
+import resource
 from typing import Any, Optional
 
 import torch
@@ -150,7 +151,9 @@ class EngineCore:
                     prefix_hit_rate=s.prefix_hit_rate, num_preemptions=s.num_preemptions,
                     num_prefill_tokens=s.num_prefill_tokens, num_generated_tokens=self.num_generated_tokens,
                     num_free_blocks=self.kv.num_free_blocks, num_blocks=self.kv.num_blocks,
-                    weight_version=self.weight_version)
+                    weight_version=self.weight_version, is_paused=self.scheduler.paused,
+                    is_sleeping=self.is_sleeping(),
+                    peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
     def get_weight_version(self) -> int:
         return self.weight_version

@@ -16,6 +16,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 
 import msgspec
@@ -149,7 +150,7 @@ class EngineCoreProc:
                 if self.core.has_work():
                     outputs = self.core.step()
                     if outputs:
-                        self.output_queue.put(EngineCoreOutputs(outputs=outputs))
+                        self.output_queue.put(EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic()))
         except BaseException as e:  # a bug in a step: every caller must learn it, now
             msg = f"engine core died: {type(e).__name__}: {e}"
             logger.error("%s\n%s", msg, traceback.format_exc())

@@ -37,3 +37,4 @@ class RequestOutput:
     prompt_logprobs: Optional[list[Optional[float]]] = None  # [0] is None (no prefix)
     prompt_top_logprobs: Optional[list[Optional[dict[int, float]]]] = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    core_timestamp: float = 0.0  # time.monotonic() when the engine core produced the newest token

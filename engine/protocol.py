@@ -87,3 +87,4 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     outputs: list[EngineCoreOutput] = []
     utility_output: Optional[UtilityOutput] = None
     engine_dead: Optional[str] = None  # the core is going down; the reason
+    timestamp: float = 0.0  # time.monotonic() in the core when the step's outputs were queued

@@ -139,8 +139,8 @@ class Scheduler:
         for req, n in out.scheduled:
             if req.is_finished:  # aborted while the step ran
                 continue
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                self.num_prefill_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
+            if req.num_computed_tokens < req.chunk_start:  # the prompt, or a streaming chunk's new input
+                self.num_prefill_tokens += min(n, req.chunk_start - req.num_computed_tokens)
             req.num_computed_tokens += n
             token = sampled.get(req.request_id)
             if token is None:

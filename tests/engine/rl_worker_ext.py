@@ -1,0 +1,16 @@
+"""Worker extension used by the RL-control tests (imported by name in the engine process)."""
+
+
+class MemoryProbe:
+    def fill_kv_cache(self) -> int:
+        """Touch every page of the KV cache, so resident memory shows its full size."""
+        cache = self.model_runner.kv_cache
+        cache.zero_()
+        return cache.numel() * cache.element_size()
+
+    def weight_bytes(self) -> int:
+        return sum(v.numel() * v.element_size() for _, v in self.model.hf_views())
+
+    def rss_bytes(self) -> int:
+        with open("/proc/self/status") as f:
+            return int(f.read().split("VmRSS:")[1].split()[0]) * 1024

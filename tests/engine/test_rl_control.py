@@ -1,0 +1,259 @@
+"""Acceptance for the RL control plane: weight pushes from a real trainer process over gloo,
+atomic updates that survive bad pushes, pause modes, sleep/wake memory, checksums."""
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from engine import LLM, EngineStateError, SamplingParams
+from engine.async_llm import AsyncLLM
+from tests.engine.hf_reference import CHATS, chat_token_ids, hf_greedy
+from tests.engine.perturb import hf_model_with, perturbed_state
+from weight_sync import find_free_port, weights_checksum
+
+EXT = "tests.engine.rl_worker_ext.MemoryProbe"
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def start_trainer(port: int, mode: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.engine.trainer_proc", str(port), mode],
+                            stdout=subprocess.PIPE, text=True)
+
+
+def trainer_result(proc: subprocess.Popen) -> dict:
+    out, _ = proc.communicate(timeout=120)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = LLM(dtype="float32", worker_extension_cls=EXT, kv_cache_memory=256 << 20)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model_path):
+    from transformers import AutoTokenizer
+
+    return chat_token_ids(AutoTokenizer.from_pretrained(default_model_path), CHATS[:3])
+
+
+def push(llm, mode: str, version=None):
+    """Trainer process + engine through one push; returns (engine result or exception, trainer)."""
+    port = find_free_port()
+    trainer = start_trainer(port, mode)
+    llm.init_weight_transfer("127.0.0.1", port, 2, timeout_s=20)
+    try:
+        result = llm.update_weights(version=version)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        result = e
+    finally:
+        llm.close_weight_transfer()
+    return result, (trainer_result(trainer) if mode != "die" else trainer.wait(60))
+
+
+@pytest.mark.slow
+def test_push_bad_pushes_then_good_push(llm, prompts, default_model_path):
+    """Bad pushes leave the old weights bit for bit; a good push matches HF on the new weights."""
+    before = llm.generate(prompts, GREEDY, use_tqdm=False)
+    base_sum = llm.weights_checksum()
+    for mode, words in [("wrong_shape", "shape"), ("unknown_name", "unknown"), ("wrong_dtype", "dtype"),
+                        ("die", "")]:
+        result, trainer = push(llm, mode)
+        assert isinstance(result, Exception), f"{mode}: the engine accepted a bad push"
+        assert words in str(result).lower(), f"{mode}: unclear error {result}"
+        assert llm.weight_version == 0
+        assert llm.weights_checksum() == base_sum, f"{mode} changed the weights"
+        again = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in before]
+
+    result, trainer = push(llm, "full")
+    assert trainer["ok"], trainer
+    assert result["weight_version"] == 1 and llm.weight_version == 1
+    assert llm.weights_checksum() == trainer["checksum"]
+    # prompts[0] was cached before the push; its first request after it must recompute it
+    # (the later prompts may share blocks that prompts[0] computes in this very step)
+    after = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert after[0].num_cached_tokens == 0, "KV computed by old weights was reused"
+    assert all(o.outputs[0].weight_versions == [1] * 16 for o in after)
+    reference = hf_greedy(hf_model_with(default_model_path, perturbed_state(default_model_path)), prompts, 16)
+    assert [o.outputs[0].token_ids for o in after] == [r[0] for r in reference]
+    assert [o.outputs[0].token_ids for o in after] != [o.outputs[0].token_ids for o in before]
+
+    # a push of some parameters is legal and updates exactly those
+    llm.reload_weights(version=2)
+    assert llm.weights_checksum() == base_sum
+    result, trainer = push(llm, "subset", version=7)
+    assert trainer["ok"] and llm.weight_version == 7
+    state = perturbed_state(default_model_path)
+    expected = dict(_base_state(default_model_path))
+    for name in ("model.norm.weight", "model.layers.3.mlp.down_proj.weight"):
+        expected[name] = state[name]
+    assert llm.weights_checksum() == weights_checksum(expected.items())
+
+
+def _base_state(path):
+    from weight_sync import load_safetensors_folder
+
+    return [(n, t.float()) for n, t in load_safetensors_folder(path)]
+
+
+def test_checksum_matches_the_trainers(default_model_path):
+    for dtype in (torch.float32, torch.bfloat16):
+        llm = LLM(dtype=str(dtype).removeprefix("torch."), multiprocess=False, kv_cache_memory=64 << 20)
+        assert llm.weights_checksum() == weights_checksum(_base_state(default_model_path), dtype=dtype)
+        llm.shutdown()
+
+
+def test_update_refused_while_running_and_asleep_states(default_model_path, tmp_path):
+    from safetensors.torch import save_file
+
+    state = perturbed_state(default_model_path)
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "model.safetensors")
+    llm = LLM(dtype="float32", multiprocess=False, kv_cache_memory=64 << 20)
+    core = llm.client.core
+    core.add_request(__import__("engine.protocol", fromlist=["x"]).EngineCoreRequest(
+        "r", [1, 2, 3], SamplingParams(max_tokens=50), None))
+    core.step()
+    with pytest.raises(EngineStateError, match="pause"):
+        llm.update_weights_from_disk(str(tmp_path))
+    llm.pause_generation(mode="keep")
+    assert llm.update_weights_from_disk(str(tmp_path))["weight_version"] == 1
+    llm.pause_generation(mode="abort")
+    llm.resume_generation()
+    llm.sleep(2)
+    with pytest.raises(EngineStateError, match="asleep"):
+        llm.generate("hi", GREEDY, use_tqdm=False)
+    llm.wake_up()
+    with pytest.raises(EngineStateError, match="no weights"):
+        llm.generate("hi", GREEDY, use_tqdm=False)
+    assert llm.update_weights_from_disk(str(tmp_path))["weight_version"] == 2
+    assert llm.generate("hi", GREEDY, use_tqdm=False)[0].outputs[0].weight_versions == [2] * 16
+    llm.shutdown()
+
+
+def _rss(llm) -> int:
+    return llm.collective_rpc("rss_bytes")[0]
+
+
+def test_sleep_releases_memory_and_outputs_survive(llm, prompts):
+    llm.reload_weights(version=0)
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    kv_bytes = llm.collective_rpc("fill_kv_cache")[0]
+    weight_bytes = llm.collective_rpc("weight_bytes")[0]
+    awake = _rss(llm)
+    llm.sleep(1)
+    assert llm.is_sleeping()
+    slept1 = _rss(llm)
+    assert awake - slept1 >= 0.9 * kv_bytes, (awake, slept1, kv_bytes)
+    llm.wake_up()
+    assert not llm.is_sleeping()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == before
+    llm.collective_rpc("fill_kv_cache")
+    awake = _rss(llm)
+    llm.sleep(2)
+    slept2 = _rss(llm)
+    assert awake - slept2 >= 0.9 * (kv_bytes + weight_bytes), (awake, slept2, kv_bytes, weight_bytes)
+    llm.wake_up(["weights"])
+    llm.wake_up(["kv_cache"])
+    with pytest.raises(Exception, match="no weights"):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    llm.reload_weights(version=0)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == before
+
+
+@pytest.mark.slow
+def test_200_sleep_wake_cycles_do_not_creep():
+    llm = LLM(dtype="float32", worker_extension_cls=EXT, kv_cache_memory=64 << 20)
+    try:
+        samples = []
+        for i in range(200):
+            llm.sleep(1)
+            llm.wake_up()
+            llm.collective_rpc("fill_kv_cache")
+            if i in (0, 199):
+                llm.generate("Hello", GREEDY, use_tqdm=False)
+                samples.append(_rss(llm))
+        assert samples[1] <= samples[0] * 1.05, samples
+    finally:
+        llm.shutdown()
+
+
+# ---- pause modes (AsyncLLM) -----------------------------------------------------------------------
+
+def test_pause_modes():
+    asyncio.run(_pause_modes())
+
+
+async def _collect(llm, prompt, params, request_id, seen: dict):
+    async for out in llm.generate(prompt, params, request_id=request_id):
+        seen[request_id] = out
+    return seen[request_id]
+
+
+async def _until(cond, timeout=60.0):
+    t = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t < timeout, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def _pause_modes():
+    llm = AsyncLLM(dtype="float32", kv_cache_memory=256 << 20)
+    try:
+        prompts = [f"Count slowly from {i} to one hundred:" for i in range(16)]
+        # abort: partial outputs with finish_reason "abort"
+        seen = {}
+        p = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        tasks = [asyncio.ensure_future(_collect(llm, q, p, f"a{i}", seen)) for i, q in enumerate(prompts[:8])]
+        await _until(lambda: len(seen) == 8 and all(len(o.outputs[0].token_ids) >= 3 for o in seen.values()))
+        await llm.pause_generation(mode="abort")
+        outs = await asyncio.gather(*tasks)
+        assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in outs)
+        assert all(3 <= len(o.outputs[0].token_ids) < 400 for o in outs)
+        assert await llm.is_paused()
+        # a request made while paused waits, then runs after resume
+        late = asyncio.ensure_future(_collect(llm, "Hi", SamplingParams(temperature=0, max_tokens=4), "late", seen))
+        await asyncio.sleep(0.5)
+        assert "late" not in seen and not late.done()
+        await llm.resume_generation()
+        assert (await late).outputs[0].finish_reason == "length"
+
+        # wait: 16 running requests finish; nothing new is admitted until resume
+        seen = {}
+        p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        tasks = [asyncio.ensure_future(_collect(llm, q, p, f"w{i}", seen)) for i, q in enumerate(prompts)]
+        await _until(lambda: len(seen) == 16)
+        await llm.pause_generation(mode="wait")
+        assert all(t.done() for t in tasks)
+        assert all(t.result().outputs[0].finish_reason == "length" for t in tasks)
+        late = asyncio.ensure_future(_collect(llm, "Hi", SamplingParams(temperature=0, max_tokens=4), "late2", seen))
+        await asyncio.sleep(0.3)
+        assert "late2" not in seen
+        await llm.resume_generation()
+        await late
+
+        # keep: 16 frozen requests continue after an update; versions switch where the pause was
+        seen = {}
+        p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        tasks = [asyncio.ensure_future(_collect(llm, q, p, f"k{i}", seen)) for i, q in enumerate(prompts)]
+        await _until(lambda: len(seen) == 16 and all(len(o.outputs[0].token_ids) >= 2 for o in seen.values()))
+        await llm.pause_generation(mode="keep")
+        await asyncio.sleep(0.2)  # the last outputs produced before the freeze arrive
+        frozen = {rid: len(o.outputs[0].token_ids) for rid, o in seen.items()}
+        await asyncio.sleep(0.3)
+        assert {rid: len(o.outputs[0].token_ids) for rid, o in seen.items()} == frozen, "kept requests moved"
+        await llm.reload_weights(version=1)  # an update while frozen
+        await llm.resume_generation()
+        outs = await asyncio.gather(*tasks)
+        for o in outs:
+            v = o.outputs[0].weight_versions
+            k = frozen[o.request_id]
+            assert len(v) == 40 and v == [0] * k + [1] * (40 - k), (o.request_id, k, v)
+    finally:
+        llm.shutdown()

@@ -1,0 +1,54 @@
+"""A real trainer process for weight-push tests: rank 0 of a gloo group with the engine.
+
+    python -m tests.engine.trainer_proc PORT MODE [WORLD_SIZE]
+
+It perturbs every parameter of the default model (tests.engine.perturb), pushes them with
+WeightSender, and prints one JSON line: {"ok": ..., "error": ..., "checksum": ...}.
+MODE: full | subset | wrong_shape | unknown_name | wrong_dtype | die (after the first bucket).
+"""
+import json
+import os
+import sys
+
+import torch
+
+from engine.default_model import default_model_path
+from tests.engine.perturb import perturbed_state
+from weight_sync import WeightSender, WeightTransferGroup, weights_checksum
+from weight_sync.protocol import _pack, plan_buckets
+
+
+def main(port: int, mode: str, world_size: int) -> None:
+    state = perturbed_state(str(default_model_path()))
+    if mode == "subset":
+        state = {"model.norm.weight": state["model.norm.weight"],
+                 "model.layers.3.mlp.down_proj.weight": state["model.layers.3.mlp.down_proj.weight"]}
+    elif mode == "wrong_shape":
+        state["model.layers.0.self_attn.q_proj.weight"] = state["model.layers.0.self_attn.q_proj.weight"][:-1]
+    elif mode == "unknown_name":
+        state["model.layers.99.mlp.up_proj.weight"] = torch.zeros(4, 4)
+    elif mode == "wrong_dtype":
+        state["model.norm.weight"] = state["model.norm.weight"].to(torch.bfloat16)
+    group = WeightTransferGroup("127.0.0.1", port, 0, world_size, timeout_s=20)
+    sender = WeightSender(group, bucket_bytes=32 << 20)
+    if mode == "die":  # header, verdict, one bucket, then the trainer dies mid-push
+        tensors, header = sender._collect(state.items(), None)
+        sender._send_header(header)
+        group.all_reduce_max(0)
+        first = plan_buckets(header)[0]
+        buf = torch.empty(first.nbytes, dtype=torch.uint8)
+        _pack(tensors, first, buf)
+        group.broadcast(buf)
+        os._exit(1)
+    result = {"checksum": weights_checksum(state.items())}
+    try:
+        result["stats"] = sender.send(state.items())
+        result["ok"] = True
+    except Exception as e:  # the engine refused: report it
+        result.update(ok=False, error=str(e))
+    print(json.dumps(result), flush=True)
+    group.close()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 2)
