@@ -46,14 +46,6 @@ def prefill_mask(ctx_len: int, q_len: int, sliding_window: Optional[int], device
     return mask
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys and values (T, num_kv_heads, head_dim) at their slots."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               md: AttentionMetadata, scale: float, sliding_window: Optional[int]) -> torch.Tensor:
     """q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim), already in the cache.
@@ -62,12 +54,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     num_kv_heads = k.shape[1]
     nd = md.num_decodes
     if nd == T:
-        out = paged_decode_attention(q.contiguous(), k_cache, v_cache, md.decode_block_table, md.decode_seq_lens,
+        out = paged_decode_attention(q, k_cache, v_cache, md.decode_block_table, md.decode_seq_lens,
                                      scale, sliding_window)
         return out.view(T, num_heads * head_dim)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = paged_decode_attention(q[:nd].contiguous(), k_cache, v_cache, md.decode_block_table, md.decode_seq_lens,
+        out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, md.decode_block_table, md.decode_seq_lens,
                                           scale, sliding_window)
     for p in md.prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)

@@ -17,10 +17,12 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from engine.attention import AttentionMetadata, attention, write_kv
+from engine.attention import AttentionMetadata, attention
 from engine.config import ModelConfig
 from engine.errors import UnsupportedModelError
-from kernels.rotary import apply_rope, rope_cos_sin_cache, rope_inv_freq
+from kernels.activation import silu_and_mul
+from kernels.norm import fused_add_rms_norm
+from kernels.rotary import rope_and_cache, rope_cos_sin_cache, rope_inv_freq
 
 
 class Linear:
@@ -153,33 +155,20 @@ class LlamaModel:
         T = input_ids.shape[0]
         q_size, kv_size, D, eps = self.q_size, self.kv_size, mc.head_dim, mc.rms_norm_eps
         Hq, Hkv = mc.num_heads, mc.num_kv_heads
-        cs = self.cos_sin[positions].to(self.dtype)  # (T, 2, D/2)
-        cos, sin = cs[:, 0:1], cs[:, 1:2]  # (T, 1, D/2)
+        slots, cos_sin = md.slot_mapping, self.cos_sin
         h = F.embedding(input_ids, self.embed)  # (T, H)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            if residual is None:
-                residual = h
-            else:
-                residual = residual + h
-            x = F.rms_norm(residual, (residual.shape[-1],), layer.input_norm, eps)
+            x, residual = fused_add_rms_norm(h, residual, layer.input_norm, eps)
             qkv = layer.qkv(x)  # (T, q_size + 2 * kv_size)
-            if layer.q_norm is None:
-                qk = apply_rope(qkv[:, : q_size + kv_size].view(T, Hq + Hkv, D), cos, sin)  # (T, Hq+Hkv, D)
-                q, k = qk[:, :Hq], qk[:, Hq:]
-            else:
-                q = F.rms_norm(qkv[:, :q_size].view(T, Hq, D), (D,), layer.q_norm, eps)
-                k = F.rms_norm(qkv[:, q_size: q_size + kv_size].view(T, Hkv, D), (D,), layer.k_norm, eps)
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = qkv[:, q_size + kv_size:].view(T, Hkv, D)
-            write_kv(k_cache, v_cache, k, v, md.slot_mapping)
-            h = layer.o(attention(q, k, v, k_cache, v_cache, md, self.scale, mc.sliding_window))
-            residual = residual + h
-            x = F.rms_norm(residual, (residual.shape[-1],), layer.post_norm, eps)
-            gate_up = layer.gate_up(x)  # (T, 2 * I)
-            inter = gate_up.shape[1] // 2
-            h = layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
-        return F.rms_norm(residual + h, (h.shape[-1],), self.norm, eps)
+            # (Qwen3: per-head RMSNorm of q and k first), rotate q and k, write k and v: one call
+            q, k = rope_and_cache(qkv, positions, cos_sin, k_cache, v_cache, slots, Hq, Hkv, D,
+                                  layer.q_norm, layer.k_norm, eps)
+            h = layer.o(attention(q, k, v, k_cache, v_cache, md, self.scale, mc.sliding_window))  # (T, H)
+            x, residual = fused_add_rms_norm(h, residual, layer.post_norm, eps)
+            h = layer.down(silu_and_mul(layer.gate_up(x)))
+        return fused_add_rms_norm(h, residual, self.norm, eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32."""

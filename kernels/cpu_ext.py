@@ -1,7 +1,8 @@
 """Lazily built C++ CPU kernels (torch.utils.cpp_extension, JIT).
 
-`load()` compiles `csrc/paged_attention.cpp` on first use (~10-60 s, once per source version)
-into `$ROLLOUT_CACHE/torch_extensions/<name>/` (default `~/.cache/rollout/...`) and returns the
+`load()` compiles `csrc/paged_attention.cpp` and `csrc/fused_ops.cpp` into one extension
+module on first use (~10-60 s, once per source version) into
+`$ROLLOUT_CACHE/torch_extensions/<name>/` (default `~/.cache/rollout/...`) and returns the
 module, or None with one warning on the "kernels" logger if it cannot be built (no compiler,
 compile error); callers then fall back to pure torch. The module name carries a hash of the
 source text, the torch version, the flags and the CPU's feature flags, so an edited source, a
@@ -11,6 +12,12 @@ instead of reusing a stale or illegal-instruction .so.
 Trap: torch's JIT build runs `ninja` from PATH. The `ninja` PyPI package installs it into the
 venv's bin/, which is not on PATH when python is run as `.venv/bin/python` without activating
 the venv, so we add the package's BIN_DIR to PATH when needed.
+
+The module's PYBIND11_MODULE is in paged_attention.cpp; fused_ops.cpp adds its functions
+(fused_add_rms_norm, rms_norm, silu_and_mul, rope_and_cache, rope_and_cache_qk) through its C
+entry point `rollout_register_fused_ops`, which `_register_fused_ops` calls once after the
+import. If that fails, the module still serves paged attention and callers of the fused ops
+(which check `hasattr(module, name)`) use their torch references.
 """
 import hashlib
 import logging
@@ -24,7 +31,8 @@ from pathlib import Path
 
 logger = logging.getLogger("kernels")
 
-_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp",
+            Path(__file__).parent / "csrc" / "fused_ops.cpp"]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 _STALE_LOCK_S = 600  # a build lock this old was left by a killed build
@@ -102,7 +110,29 @@ def _build():
     if fresh:
         print(f"[rollout] compiled CPU kernels in {time.perf_counter() - t0:.0f} s",
               file=sys.stderr, flush=True)
+    try:
+        _register_fused_ops(module)
+    except Exception as e:
+        logger.warning("fused C++ CPU ops unavailable, using their pure-torch references "
+                       "(%s: %s)", type(e).__name__, str(e)[:300])
+        logger.debug("fused op registration failure", exc_info=True)
     return module
+
+
+def _register_fused_ops(module) -> None:
+    """Adds fused_ops.cpp's functions to the imported module (once per process).
+
+    ctypes.PyDLL opens the already-loaded .so again (same handle, same pybind11 state) and
+    calls its C entry point with the GIL held; a failure there raises its Python exception."""
+    import ctypes
+
+    if hasattr(module, "rms_norm"):
+        return
+    fn = ctypes.PyDLL(module.__file__).rollout_register_fused_ops
+    fn.argtypes = [ctypes.py_object]
+    fn.restype = ctypes.c_int
+    if fn(module) != 0:
+        raise RuntimeError("rollout_register_fused_ops failed")
 
 
 def load():

@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from . import cpu_ext
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -89,3 +91,85 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     torch.sub(x1 * cos, x2 * sin, out=out[..., :half])
     torch.add(x2 * cos, x1 * sin, out=out[..., half:])
     return out
+
+
+# ---- fused RoPE + KV-cache write ----------------------------------------------------------------
+# q, k rotated as HF's apply_rotary_pos_emb in the activations' dtype: cos/sin (float32 cache rows)
+# are cast to the dtype, and for bf16 every product and sum is rounded to bf16. The rotated k and
+# the unrotated v of token t are stored in k_cache / v_cache (num_blocks, block_size, Hkv, D),
+# contiguous (e.g. kv[layer, 0]), at flat slot slot_mapping[t] = block * block_size + offset;
+# slots must be distinct. The dispatchers run the C++ op (kernels/csrc/fused_ops.cpp) on CPU when
+# the extension builds, else the reference.
+
+def _write_kv_ref(k_cache, v_cache, k, v, slot_mapping):
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def rope_and_cache_qk_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    """q (T, Hq, D), k and v (T, Hkv, D), any strides; positions (T,) ints; cos_sin_cache
+    (max_pos, 2, D/2) float32 (rope_cos_sin_cache). Writes the cache; returns new contiguous
+    rotated (q, k). Any device."""
+    cs = cos_sin_cache[positions].to(q.dtype)  # (T, 2, D/2)
+    cos, sin = cs[:, 0:1], cs[:, 1:2]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    _write_kv_ref(k_cache, v_cache, k, v, slot_mapping)
+    return q, k
+
+
+def rope_and_cache_ref(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads: int,
+                       num_kv_heads: int, head_dim: int, q_norm=None, k_norm=None, eps: float = 1e-6):
+    """qkv (T, (Hq + 2 * Hkv) * D) = [q | k | v] per token. With q_norm / k_norm ((D,) weights,
+    Qwen3), q and k first get a per-head RMSNorm (kernels.norm.rms_norm_ref). Returns (q, k)."""
+    from .norm import rms_norm_ref
+
+    T = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_size].view(T, num_heads, head_dim)
+    k = qkv[:, q_size: q_size + kv_size].view(T, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size:].view(T, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = rms_norm_ref(q, q_norm, eps), rms_norm_ref(k, k_norm, eps)
+    return rope_and_cache_qk_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+
+
+def _rope_ext(x, cos_sin_cache, k_cache):
+    """The extension module if its C++ op takes these tensors, else None (cheap checks only;
+    the op itself rejects malformed inputs, such as non-contiguous caches, with a RuntimeError)."""
+    if (x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == x.dtype
+            and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous()):
+        ext = cpu_ext.load()
+        if ext is not None and hasattr(ext, "rope_and_cache"):
+            return ext
+    return None
+
+
+def _long(t):
+    return t if t.dtype == torch.int64 else t.long()
+
+
+def rope_and_cache(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads: int,
+                   num_kv_heads: int, head_dim: int, q_norm=None, k_norm=None, eps: float = 1e-6):
+    """See rope_and_cache_ref. Returns new contiguous q (T, Hq, D) and k (T, Hkv, D)."""
+    if (qkv.ndim == 2 and qkv.stride(-1) == 1 and head_dim % 2 == 0 and head_dim <= 512
+            and (q_norm is None or (q_norm.dtype == qkv.dtype and k_norm.dtype == qkv.dtype))):
+        ext = _rope_ext(qkv, cos_sin_cache, k_cache)
+        if ext is not None:
+            return ext.rope_and_cache(qkv, _long(positions), cos_sin_cache, k_cache, v_cache,
+                                      _long(slot_mapping), num_heads, num_kv_heads, head_dim,
+                                      q_norm, k_norm, eps)
+    return rope_and_cache_ref(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                              num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps)
+
+
+def rope_and_cache_qk(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    """See rope_and_cache_qk_ref (q, k, v may be strided views with a contiguous last dim)."""
+    if (q.ndim == 3 and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+            and k.dtype == q.dtype and v.dtype == q.dtype and q.shape[-1] % 2 == 0
+            and q.shape[-1] <= 512):
+        ext = _rope_ext(q, cos_sin_cache, k_cache)
+        if ext is not None:
+            return ext.rope_and_cache_qk(q, k, v, _long(positions), cos_sin_cache, k_cache, v_cache,
+                                         _long(slot_mapping))
+    return rope_and_cache_qk_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)

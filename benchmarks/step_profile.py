@@ -1,0 +1,93 @@
+"""Where one decode step's time goes (batch 32, bfloat16 by default, greedy, the engine core in
+process): wall time of the engine step split into matmuls (every projection and the LM head),
+attention, the small fused ops (norms, rotary + KV write, SiLU), the rest of the forward pass
+(embedding, views, Python), sampling, input preparation, and scheduling + output assembly.
+
+    python benchmarks/step_profile.py [--dtype bfloat16] [--batch 32] [--tokens 128]
+
+The functions are wrapped with perf_counter accumulators in this script only (~0.3 us a call,
+~100 us a step); the decode matmul floor for comparison is measured by benchmarks in
+DESIGN.md's terms: the same projections, called back to back.
+"""
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+TOTALS = defaultdict(float)
+
+
+def timed(label, fn):
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TOTALS[label] += time.perf_counter() - t
+    return wrapper
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=128)
+    args = ap.parse_args()
+
+    import engine.core as core_mod
+    import engine.model as model_mod
+    import engine.model_runner as runner_mod
+    from engine import LLM, SamplingParams
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "peers"))
+    from workload import QUESTIONS, prompt_texts
+
+    llm = LLM(dtype=args.dtype, multiprocess=False, enable_prefix_caching=False)
+    prompts = prompt_texts(llm.tokenizer, (QUESTIONS * 8)[:args.batch])
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+
+    # wrap: the step, the runner's pieces, the model's pieces
+    core_mod.EngineCore.step = timed("step", core_mod.EngineCore.step)
+    runner_mod.ModelRunner.execute = timed("execute", runner_mod.ModelRunner.execute)
+    runner_mod.ModelRunner._sample = timed("sampling", runner_mod.ModelRunner._sample)
+    model_mod.LlamaModel.forward = timed("forward", model_mod.LlamaModel.forward)
+    model_mod.LlamaModel.compute_logits = timed("lm_head", model_mod.LlamaModel.compute_logits)
+    model_mod.Linear.__call__ = timed("projections", model_mod.Linear.__call__)
+    fused = [n for n in ("fused_add_rms_norm", "rms_norm", "rope_and_cache", "rope_and_cache_qk", "silu_and_mul",
+                         "apply_rope", "write_kv") if hasattr(model_mod, n)]
+    for name in fused + ["attention"]:
+        setattr(model_mod, name, timed("attention" if name == "attention" else "small fused ops",
+                                       getattr(model_mod, name)))
+
+    TOTALS.clear()
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    steps = args.tokens  # one decode step per generated token (prefill is in the first step)
+    lm_head_in_projections = TOTALS["lm_head"]  # compute_logits calls Linear too
+    rows = [
+        ("matmuls: projections", TOTALS["projections"] - lm_head_in_projections),
+        ("matmuls: LM head (+ float32 cast)", TOTALS["lm_head"]),
+        ("attention (paged decode kernel / prefill SDPA)", TOTALS["attention"]),
+        ("norms, rotary + KV write, SiLU*up", TOTALS["small fused ops"]),
+        ("rest of forward (embedding, views, Python)",
+         TOTALS["forward"] - (TOTALS["projections"] - lm_head_in_projections) - TOTALS["attention"]
+         - TOTALS["small fused ops"]),
+        ("sampling (+ logprobs)", TOTALS["sampling"]),
+        ("input preparation", TOTALS["execute"] - TOTALS["forward"] - TOTALS["lm_head"] - TOTALS["sampling"]),
+        ("scheduler, outputs, detokenize", wall - TOTALS["execute"]),
+    ]
+    print(f"decode step breakdown: batch {args.batch}, {args.dtype}, {steps} steps, "
+          f"{wall / steps * 1e3:.1f} ms/step, {args.batch * steps / wall:.0f} tok/s")
+    print(f"{'part':50s} {'ms/step':>8s} {'share':>6s}")
+    for name, secs in rows:
+        print(f"{name:50s} {secs / steps * 1e3:8.2f} {secs / wall * 100:5.1f}%")
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
