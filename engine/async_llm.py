@@ -12,6 +12,7 @@ between chunks, and the request ends when the generator ends. Unlike vLLM, the l
 generated for a chunk is kept in the context (a multi-turn conversation needs its <|im_end|>).
 """
 import asyncio
+import collections
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Optional, Sequence, Union
@@ -38,26 +39,31 @@ class StreamingInput:
 
 class RequestOutputCollector:
     """The queue between the output handler and one generate() call. If the consumer lags,
-    outputs merge instead of piling up: DELTA outputs concatenate, others keep the newest."""
+    outputs merge instead of piling up: DELTA outputs concatenate, others keep the newest;
+    an output that ends a streaming-input chunk is never merged away."""
 
     def __init__(self, kind: RequestOutputKind):
         self.kind = kind
-        self.item: Union[RequestOutput, Exception, None] = None
+        self.items: collections.deque = collections.deque()
         self.ready = asyncio.Event()
 
     def put(self, item: Union[RequestOutput, Exception]) -> None:
-        if self.item is None or isinstance(item, Exception):
-            self.item = item
-        elif isinstance(self.item, RequestOutput) and self.kind == RequestOutputKind.DELTA:
-            _merge_delta(self.item, item)
+        last = self.items[-1] if self.items else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) \
+                and not any(c.finish_reason for c in last.outputs):
+            if self.kind == RequestOutputKind.DELTA:
+                _merge_delta(last, item)
+            else:
+                self.items[-1] = item
         else:
-            self.item = item
+            self.items.append(item)
         self.ready.set()
 
     async def get(self) -> RequestOutput:
         await self.ready.wait()
-        item, self.item = self.item, None
-        self.ready.clear()
+        item = self.items.popleft()
+        if not self.items:
+            self.ready.clear()
         if isinstance(item, Exception):
             raise item
         return item

@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -85,7 +86,9 @@ class CoreProcManager:
         hs.setsockopt(zmq.LINGER, 0)
         hs.bind(handshake)
         entry = f"from engine.core_proc import run_engine_core; run_engine_core({handshake!r}, {os.getpid()})"
-        self.proc = subprocess.Popen([sys.executable, "-c", entry], stdin=subprocess.DEVNULL)
+        # the child imports what this process can (worker extensions, an uninstalled checkout)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.proc = subprocess.Popen([sys.executable, "-c", entry], stdin=subprocess.DEVNULL, env=env)
         self.dead = False
         self._shutting_down = False
         try:
@@ -135,12 +138,7 @@ class CoreProcManager:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        try:
-            for f in os.listdir(self._tmp):
-                os.unlink(os.path.join(self._tmp, f))
-            os.rmdir(self._tmp)
-        except OSError:
-            pass
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 class _MPClientBase:
@@ -161,9 +159,14 @@ class _MPClientBase:
         self.dead_reason: Optional[str] = None
         self._call_ids = itertools.count()
         self.identity = b"core-0"
-        self.manager = CoreProcManager(config, self.input_address, self.output_address, self._on_death)
+        try:
+            self.manager = CoreProcManager(config, self.input_address, self.output_address, self._on_death)
+        except BaseException:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            raise
         self.num_blocks, self.max_model_len = self.manager.num_blocks, self.manager.max_model_len
         weakref.finalize(self, CoreProcManager.shutdown, self.manager)
+        weakref.finalize(self, shutil.rmtree, self._tmpdir, True)
         # the core's DEALER announces itself; until then the ROUTER cannot address it
         sync_view = zmq.Socket.shadow(self.input_socket.underlying)
         if not sync_view.poll(HANDSHAKE_TIMEOUT_MS):
@@ -273,6 +276,7 @@ class SyncMPClient(_MPClientBase):
         self._closed = True  # the reader closes the output socket
         self.manager.shutdown()
         self.input_socket.close(linger=0)
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
 
 
 class AsyncMPClient(_MPClientBase):
@@ -331,11 +335,14 @@ class AsyncMPClient(_MPClientBase):
             self._check_alive()
             recv = asyncio.ensure_future(self.output_socket.recv_multipart(copy=False))
             dead = asyncio.ensure_future(self._dead_event.wait())
-            done, _ = await asyncio.wait({recv, dead}, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                done, _ = await asyncio.wait({recv, dead}, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # also when the output handler is cancelled at shutdown
+                dead.cancel()
+                if not recv.done():
+                    recv.cancel()
             if recv not in done:
-                recv.cancel()
                 raise EngineDeadError(self.dead_reason)
-            dead.cancel()
             outs: EngineCoreOutputs = self.decoder.decode(recv.result())
             if outs.engine_dead is not None:
                 self._on_death(outs.engine_dead)
@@ -367,3 +374,4 @@ class AsyncMPClient(_MPClientBase):
         self.manager.shutdown()
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
+        shutil.rmtree(self._tmpdir, ignore_errors=True)

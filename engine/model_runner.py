@@ -38,6 +38,10 @@ class ModelRunner:
         self.block_size = config.block_size
         mc = config.model_config
         t = time.perf_counter()
+        if self.device.type == "cpu":
+            from kernels import cpu_ext
+
+            cpu_ext.load()  # build the C++ kernels now (once per machine), not in the first request
         self.model = LlamaModel(mc, self.dtype, self.device, config.max_model_len)
         self.model.load_safetensors(config.model)
         self.load_seconds = time.perf_counter() - t
