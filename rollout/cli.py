@@ -1,8 +1,10 @@
 """The `rollout` command.
 
     rollout generate "some prompt" [--model DIR] [--max-tokens N] [--temperature T] [--chat]
+    rollout serve [MODEL] [--host 127.0.0.1] [--port 8000] [--dtype auto] [--api-key KEY] ...
 """
 import argparse
+import re
 import sys
 import time
 
@@ -21,10 +23,78 @@ def main(argv=None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--dtype", default="auto")
     g.add_argument("--device", default="auto")
+    _add_serve_parser(sub)
     args = ap.parse_args(argv)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "serve":
+        return _serve(args)
     return 2
+
+
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible + RL control routes)")
+    s.add_argument("model", nargs="?", default=None, help="local Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="port (0 = any free port; the ready line shows it)")
+    s.add_argument("--served-model-name", default=None, help="model name in /v1 responses (default: folder name)")
+    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    s.add_argument("--device", default="auto")
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--max-num-seqs", type=int, default=256)
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    s.add_argument("--kv-cache-memory", type=_bytes, default=None, help="KV cache size, e.g. 2GiB or 512MiB")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    s.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--num-threads", type=int, default=None, help="torch threads in the engine core")
+    s.add_argument("--worker-extension-cls", default=None, help="module.Class mixed into the engine's workers")
+    s.add_argument("--api-key", default=None, help="Bearer key for every route but /health (env ROLLOUT_API_KEY)")
+    s.add_argument("--admin-api-key", default=None,
+                   help="Bearer key for control and weight routes (env ROLLOUT_ADMIN_API_KEY)")
+    s.add_argument("--max-body-bytes", type=_bytes, default=16 << 20, help="larger bodies get 413 (default 16MiB)")
+    s.add_argument("--collective-rpc-method", action="append", default=[], metavar="NAME",
+                   help="allow /collective_rpc to call this worker method (repeatable)")
+    s.add_argument("--shutdown-grace-s", type=float, default=5.0,
+                   help="on SIGINT/SIGTERM, seconds in-flight requests get before they are aborted")
+    s.add_argument("--stats-interval-s", type=float, default=1.0)
+    s.add_argument("--wandb-project", default=None, help="log metrics to this W&B project (offline without a key)")
+    s.add_argument("--wandb-run-name", default=None)
+    s.add_argument("--wandb-interval-s", type=float, default=5.0)
+    s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def _bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GiB, 512MiB, 1000000)")
+    unit = (m.group(2) or "b").lower().rstrip("b").rstrip("i")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def _serve(args) -> int:
+    from rollout.config import ServerConfig
+    from rollout.server import run_server
+
+    engine_kwargs = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+                         num_threads=args.num_threads, worker_extension_cls=args.worker_extension_cls)
+    try:
+        config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                              api_key=args.api_key, admin_api_key=args.admin_api_key,
+                              max_body_bytes=args.max_body_bytes,
+                              collective_rpc_methods=tuple(args.collective_rpc_method),
+                              stats_interval_s=args.stats_interval_s, shutdown_grace_s=args.shutdown_grace_s,
+                              wandb_project=args.wandb_project, wandb_run_name=args.wandb_run_name,
+                              wandb_interval_s=args.wandb_interval_s, log_level=args.log_level,
+                              engine_kwargs=engine_kwargs, model=args.model)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run_server(config)
 
 
 def _generate(args) -> int:

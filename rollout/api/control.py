@@ -1,0 +1,178 @@
+"""RL control routes, with vLLM's names and parameters (query parameters where vLLM uses them):
+
+    POST /pause?mode=abort|wait|keep&clear_cache=true   -> {"status": "paused"}
+    POST /resume                                         -> {"status": "resumed"}
+    GET  /is_paused                                      -> {"is_paused": bool}
+    POST /sleep?level=1|2&mode=abort|wait|keep           -> {"status": "sleeping", "level": n}
+    POST /wake_up?tags=weights&tags=kv_cache             -> {"status": "awake"|"sleeping"}
+    GET  /is_sleeping                                    -> {"is_sleeping": bool}
+    POST /reset_prefix_cache, /reset_encoder_cache       -> {"success": true}
+    POST /abort_requests {"request_ids": [...]}          -> {"status": "aborted", "aborted": n}
+         (no ids: every request in flight)
+    POST /collective_rpc {"method", "args", "kwargs", "timeout"} -> {"results": [one per worker]}
+         (registered methods only: ServerConfig.rpc_methods; arguments are JSON values)
+    GET  /get_world_size                                 -> {"world_size": engine workers}
+    GET  /server_info                                    -> model, dtype, device, limits, state
+
+Like vLLM's /sleep, a sleep while generating first pauses with `mode`; the wake-up that
+leaves nothing asleep resumes what that sleep paused. The routes that change state run one at a
+time (`ServerState.control_lock`).
+"""
+import time
+from typing import Literal, Optional
+
+from fastapi import APIRouter, Query, Request
+
+from rollout.api.errors import APIError, engine_error
+from rollout.api.protocol import AbortRequestsBody, CollectiveRPCBody
+from rollout.api.state import ServerState, get_state
+
+router = APIRouter(tags=["admin"])
+info_router = APIRouter(tags=["info"])
+PauseMode = Literal["abort", "wait", "keep"]
+
+
+async def call(coro, param: Optional[str] = None):
+    """Await an engine call, turning its exceptions into APIErrors."""
+    try:
+        return await coro
+    except APIError:
+        raise
+    except Exception as e:
+        raise engine_error(e, param) from e
+
+
+async def _pause(state: ServerState, mode: str, clear_cache: bool) -> None:
+    t0 = time.monotonic()
+    await call(state.engine.pause_generation(mode=mode, clear_cache=clear_cache), "mode")
+    state.metrics.pause_call_seconds.observe(time.monotonic() - t0)
+    if state.paused_since is None:
+        state.paused_since = time.monotonic()
+    state.metrics.paused = True
+
+
+async def _resume(state: ServerState) -> None:
+    await call(state.engine.resume_generation())
+    if state.paused_since is not None:
+        state.metrics.observe_pause(time.monotonic() - state.paused_since)
+    state.paused_since = None
+    state.paused_by_sleep = False
+    state.metrics.paused = False
+
+
+@router.post("/pause")
+async def pause(request: Request, mode: PauseMode = Query("abort"), clear_cache: bool = Query(True)):
+    state = get_state(request)
+    async with state.control_lock:
+        await _pause(state, mode, clear_cache)
+        state.paused_by_sleep = False  # an explicit pause outlives a later wake-up
+    return {"status": "paused", "mode": mode}
+
+
+@router.post("/resume")
+async def resume(request: Request):
+    state = get_state(request)
+    async with state.control_lock:
+        await _resume(state)
+    return {"status": "resumed"}
+
+
+@info_router.get("/is_paused")
+async def is_paused(request: Request):
+    return {"is_paused": await call(get_state(request).engine.is_paused())}
+
+
+@router.post("/sleep")
+async def sleep(request: Request, level: int = Query(1), mode: PauseMode = Query("abort")):
+    state = get_state(request)
+    if level not in (1, 2):
+        raise APIError(400, f"level must be 1 or 2, got {level}", "level")
+    async with state.control_lock:
+        paused_here = not await call(state.engine.is_paused())
+        if paused_here:
+            await _pause(state, mode, clear_cache=False)
+            state.paused_by_sleep = True
+        try:
+            await call(state.engine.sleep(level), "level")
+        except APIError:
+            if paused_here:
+                await _resume(state)
+            raise
+        state.sleeping = state.metrics.sleeping = True
+    return {"status": "sleeping", "level": level}
+
+
+@router.post("/wake_up")
+async def wake_up(request: Request, tags: Optional[list[str]] = Query(None)):
+    state = get_state(request)
+    bad = [t for t in tags or [] if t not in ("weights", "kv_cache")]
+    if bad:
+        raise APIError(400, f"tags must be 'weights' and/or 'kv_cache', got {bad}", "tags")
+    async with state.control_lock:
+        await call(state.engine.wake_up(tags or None), "tags")
+        state.sleeping = state.metrics.sleeping = bool(await call(state.engine.is_sleeping()))
+        if not state.sleeping and state.paused_by_sleep:
+            await _resume(state)
+    return {"status": "sleeping" if state.sleeping else "awake"}
+
+
+@info_router.get("/is_sleeping")
+async def is_sleeping(request: Request):
+    state = get_state(request)
+    sleeping = bool(await call(state.engine.is_sleeping()))
+    state.sleeping = state.metrics.sleeping = sleeping
+    return {"is_sleeping": sleeping}
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request, reset_running_requests: bool = Query(False),
+                             reset_external: bool = Query(False)):
+    return {"success": bool(await call(get_state(request).engine.reset_prefix_cache()))}
+
+
+@router.post("/reset_encoder_cache")
+async def reset_encoder_cache(request: Request):
+    return {"success": bool(await call(get_state(request).engine.reset_encoder_cache()))}
+
+
+@router.post("/abort_requests")
+async def abort_requests(request: Request, body: Optional[AbortRequestsBody] = None):
+    state = get_state(request)
+    if not body or not body.request_ids:
+        return {"status": "aborted", "aborted": await call(state.abort_all_in_flight())}
+    # a batch request's prompts run as "<id>-<i>": its id aborts them all
+    ids = [rid for want in body.request_ids for rid in list(state.in_flight)
+           if rid == want or rid.startswith(want + "-")]
+    if ids:
+        await call(state.engine.abort(ids))
+    return {"status": "aborted", "aborted": len(ids)}
+
+
+@router.post("/collective_rpc")
+async def collective_rpc(body: CollectiveRPCBody, request: Request):
+    state = get_state(request)
+    allowed = state.config.rpc_methods
+    if body.method not in allowed:
+        raise APIError(403, f"method {body.method!r} is not registered for /collective_rpc (registered: "
+                            f"{sorted(allowed)}; add more with --collective-rpc-method)", "method")
+    results = await call(state.engine.collective_rpc(body.method, body.args, body.kwargs, timeout=body.timeout),
+                         "args")
+    return {"results": [r if r is None or isinstance(r, (dict, list, str, int, float, bool)) else str(r)
+                        for r in results]}
+
+
+@info_router.get("/get_world_size")
+async def get_world_size(request: Request, include_dp: bool = Query(True)):
+    state = get_state(request)
+    return {"world_size": len(await call(state.engine.collective_rpc("get_rank")))}
+
+
+@info_router.get("/server_info")
+async def server_info(request: Request):
+    state = get_state(request)
+    cfg = state.engine.config
+    return {"model": state.model_name, "model_path": state.model_path, "dtype": cfg.dtype, "device": cfg.device,
+            "max_model_len": state.engine.max_model_len, "max_num_seqs": cfg.max_num_seqs,
+            "weight_version": await call(state.engine.get_weight_version()),
+            "is_paused": await call(state.engine.is_paused()), "is_sleeping": state.sleeping,
+            "requests_in_flight": len(state.in_flight)}

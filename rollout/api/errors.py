@@ -1,0 +1,159 @@
+"""Every failure becomes one JSON shape: {"error": {"message", "type", "param", "code"}}.
+
+`param` names the request field at fault (dotted path for nested fields), or null. Mapping:
+validation error / bad JSON / InvalidRequestError -> 400, bad key -> 401, a non-admin key on
+an admin route -> 403, unknown route -> 404, body too large -> 413, EngineStateError (wrong
+state: asleep, no weights, not paused, no update in progress) -> 409, EngineDeadError -> 503,
+a timeout -> 504, anything else -> 500.
+
+Trap: errors raised inside the engine-core process cross the process boundary as
+`RuntimeError("<TypeName>: <message>")` (utility calls) or as a plain InvalidRequestError
+(requests the core refused); `engine_error()` recovers the kind from the text.
+"""
+import json
+import logging
+import re
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import EngineDeadError, EngineStateError, InvalidRequestError
+
+logger = logging.getLogger("rollout")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "method_not_allowed", 409: "engine_state_error",
+          413: "request_too_large", 500: "internal_error", 503: "engine_dead_error", 504: "timeout_error"}
+# markers of a state error that reached us as a plain InvalidRequestError / RuntimeError text
+_STATE_MARKERS = ("EngineStateError", "asleep", "holds no weights", "pause generation before",
+                  "no weight transfer group", "the weights were dropped")
+_BAD_INPUT_PREFIXES = ("InvalidRequestError", "ValueError", "TypeError", "KeyError", "FileNotFoundError",
+                       "UnsupportedModelError", "IsADirectoryError", "NotADirectoryError")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, type: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type = type or _TYPES.get(status, "error")
+
+
+def error_body(status: int, message: str, param: Optional[str] = None, type: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": type or _TYPES.get(status, "error"), "param": param,
+                      "code": status}}
+
+
+def error_response(status: int, message: str, param: Optional[str] = None, type: Optional[str] = None,
+                   headers: Optional[dict] = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, type), status_code=status, headers=headers)
+
+
+def engine_error(e: BaseException, param: Optional[str] = None) -> APIError:
+    """The APIError for an exception raised by an engine call."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"the engine is dead: {e}")
+    if isinstance(e, (TimeoutError,)):
+        return APIError(504, str(e) or "the engine did not answer in time")
+    text = str(e)
+    if isinstance(e, EngineStateError) or (isinstance(e, (InvalidRequestError, RuntimeError))
+                                           and any(m in text for m in _STATE_MARKERS)):
+        return APIError(409, _strip_type(text))
+    if isinstance(e, InvalidRequestError):
+        return APIError(400, text, param or _param_of(text))
+    if isinstance(e, RuntimeError) and text.startswith(_BAD_INPUT_PREFIXES):
+        return APIError(400, _strip_type(text), param or _param_of(text))
+    if isinstance(e, RuntimeError) and text.startswith("WeightTransferError"):
+        if "refused" in text or "sender aborted" in text:  # names / shapes / dtypes did not match
+            return APIError(400, _strip_type(text), param or "update_info", type="weight_transfer_error")
+        return APIError(500, _strip_type(text), type="weight_transfer_error")
+    if isinstance(e, ValueError):
+        return APIError(400, text, param or _param_of(text))
+    logger.exception("unexpected error", exc_info=e)
+    return APIError(500, f"{type(e).__name__}: {e}")
+
+
+def _strip_type(text: str) -> str:
+    return re.sub(r"^[A-Za-z]+(Error|Exception): ", "", text)
+
+
+def _param_of(text: str) -> Optional[str]:
+    """The field an engine message names, e.g. 'SamplingParams.top_p must be ...' -> 'top_p'."""
+    m = re.search(r"SamplingParams\.(\w+)", text)
+    if m:
+        return m.group(1)
+    if "prompt" in text or "token id" in text or "max_model_len" in text:
+        return "prompt"
+    return None
+
+
+_UNION_TAG = re.compile(r"[a-z_]+\[.*\]|str|int|float|bool|none|function-.*|literal\[.*\]")
+
+
+def validation_param(loc) -> Optional[str]:
+    """FastAPI's error location ("body", "sampling_params", "top_p") -> "sampling_params.top_p"."""
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in ("body", "query", "path", "header", "cookie"):
+        parts = parts[1:]
+    # drop pydantic's union-member tags such as "str" or "list[int]"; list positions as [i]
+    out = ""
+    for p in parts:
+        if _UNION_TAG.fullmatch(p):
+            continue
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or None
+
+
+def validation_message(first: dict, param: Optional[str]) -> str:
+    kind, got = first.get("type", ""), first.get("input")
+    if param is None:
+        return "the body must be a JSON object (send Content-Type: application/json)"
+    if kind == "missing":
+        return f"the field {param!r} is required"
+    if kind == "extra_forbidden":
+        return f"unknown field {param!r}"
+    shown = "" if got is None or isinstance(got, dict) else f" (got {json.dumps(got, default=str)[:80]})"
+    if any(_UNION_TAG.fullmatch(str(p)) for p in first.get("loc", ())):
+        return f"{param} has the wrong type{shown}"
+    return f"{param}: {first.get('msg', 'invalid value')}{shown}"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(e.status, e.message, e.param, e.type)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            ctx = first.get("ctx", {})
+            return error_response(400, f"the body is not valid JSON: {ctx.get('error', 'parse error')}", None)
+        param = validation_param(first.get("loc", ()))
+        msg = validation_message(first, param)
+        others = {validation_param(x.get("loc", ())) for x in errors} - {param}
+        more = f" (and problems with {', '.join(sorted(map(str, others)))})" if others else ""
+        return error_response(400, msg + more, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        if e.status_code == 404:
+            return error_response(404, f"no route {request.method} {request.url.path}")
+        if e.status_code == 405:
+            return error_response(405, f"{request.method} is not allowed on {request.url.path}")
+        return error_response(e.status_code, str(e.detail))
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(request: Request, e: InvalidRequestError):
+        err = engine_error(e)
+        return error_response(err.status, err.message, err.param, err.type)
+
+    @app.exception_handler(Exception)
+    async def _any(request: Request, e: Exception):
+        err = engine_error(e)
+        return error_response(err.status, err.message, err.param, err.type)

@@ -1,0 +1,208 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (SSE with
+"stream": true, `data: [DONE]` at the end; usage in a last chunk with
+stream_options.include_usage).
+
+Beyond OpenAI (as vLLM): top_k, min_p, min_tokens, stop_token_ids, ignore_eos, ...; with
+"return_token_ids": true each choice also carries `token_ids`, `prompt_token_ids` and
+`weight_versions`. Several prompts with n samples each: choice index = prompt * n + sample.
+An X-Request-Id header (or "request_id") names the engine request, for /abort_requests.
+"""
+import time
+from functools import lru_cache
+from typing import Optional
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.errors import InvalidRequestError
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import RequestOutputKind
+from rollout.api.errors import APIError, engine_error
+from rollout.api.generate import final_output, tokenize_prompts, usage_json
+from rollout.api.protocol import ChatCompletionRequest, CompletionRequest, normalize_prompts
+from rollout.api.state import ServerState, gather_all, get_state, until_disconnect
+from rollout.api.streaming import DONE, error_event, merge, prime, sse
+
+router = APIRouter(tags=["openai"])
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    state = get_state(request)
+    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(time.time()),
+                                        "owned_by": "rollout", "root": state.model_path,
+                                        "max_model_len": state.engine.max_model_len}]}
+
+
+class _Tokens:
+    """Token id -> its text, for logprobs (cached: the same ids recur)."""
+
+    def __init__(self, tokenizer):
+        self.text = lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
+
+
+def _tokens(state: ServerState) -> _Tokens:
+    tok = getattr(state, "_tokens", None)
+    if tok is None:
+        tok = state._tokens = _Tokens(state.engine.tokenizer)
+    return tok
+
+
+def completion_logprobs(c: CompletionOutput, tokens: _Tokens, offset: int) -> Optional[dict]:
+    if c.logprobs is None:
+        return None
+    strs = [tokens.text(t) for t in c.token_ids]
+    top = []
+    for i in range(len(c.token_ids)):
+        d = {strs[i]: c.logprobs[i]}
+        if c.top_logprobs is not None:
+            d.update({tokens.text(k): v for k, v in c.top_logprobs[i].items()})
+        top.append(d)
+    offsets, pos = [], offset
+    for s in strs:
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": strs, "token_logprobs": list(c.logprobs), "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(c: CompletionOutput, tokens: _Tokens) -> Optional[dict]:
+    if c.logprobs is None:
+        return None
+    content = []
+    for i, t in enumerate(c.token_ids):
+        s = tokens.text(t)
+        top = []
+        if c.top_logprobs is not None:
+            top = [{"token": tokens.text(k), "logprob": v, "bytes": list(tokens.text(k).encode())}
+                   for k, v in sorted(c.top_logprobs[i].items(), key=lambda kv: -kv[1])]
+        content.append({"token": s, "logprob": c.logprobs[i], "bytes": list(s.encode()), "top_logprobs": top})
+    return {"content": content}
+
+
+def _check_model(state: ServerState, model: Optional[str]) -> None:
+    if model is not None and model not in (state.model_name, state.model_path):
+        raise APIError(404, f"the model {model!r} does not exist (this server serves {state.model_name!r})",
+                       "model", type="model_not_found")
+
+
+def _request_id(state: ServerState, request: Request, body, prefix: str) -> str:
+    return state.new_request_id(body.request_id or request.headers.get("x-request-id"), prefix)
+
+
+def _params(body, stream: bool):
+    kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    try:
+        return body.to_sampling_params(kind)
+    except InvalidRequestError as e:
+        raise engine_error(e) from e
+
+
+def _choices(outs: list[RequestOutput], n: int, state: ServerState, chat: bool, body, prefix_text: list[str]):
+    tokens = _tokens(state)
+    choices = []
+    for p, out in enumerate(outs):
+        for c in out.outputs:
+            text = prefix_text[p] + c.text
+            ch = {"index": p * n + c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if chat:
+                ch["message"] = {"role": "assistant", "content": text}
+                ch["logprobs"] = chat_logprobs(c, tokens)
+            else:
+                ch["text"] = text
+                ch["logprobs"] = completion_logprobs(c, tokens, len(prefix_text[p]))
+            if body.return_token_ids:
+                ch.update(token_ids=c.token_ids, prompt_token_ids=out.prompt_token_ids,
+                          weight_versions=c.weight_versions)
+            choices.append(ch)
+    return choices
+
+
+async def _serve(request: Request, body, prompts: list, field: str, chat: bool):
+    state = get_state(request)
+    state.check_can_generate()
+    _check_model(state, body.model)
+    params = _params(body, body.stream)
+    ids = tokenize_prompts(state, prompts, field, len(prompts) > 1, params)
+    base = _request_id(state, request, body, "chatcmpl" if chat else "cmpl")
+    rids = [f"{base}-{i}" for i in range(len(ids))] if len(ids) > 1 else [base]
+    gens = [state.generate(p, params, rid, field) for p, rid in zip(ids, rids)]
+    echo = [p if isinstance(p, str) else state.engine.tokenizer.decode(p) for p in prompts] \
+        if getattr(body, "echo", False) else [""] * len(prompts)
+    if getattr(body, "echo", False) and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported", "echo")
+    created = int(time.time())
+    obj = "chat.completion" if chat else "text_completion"
+    headers = {"X-Request-Id": base}
+    if not body.stream:
+        outs = await until_disconnect(request, gather_all(final_output(g) for g in gens))
+        return JSONResponse({"id": base, "object": obj, "created": created, "model": state.model_name,
+                             "choices": _choices(outs, params.n, state, chat, body, echo),
+                             "usage": usage_json(outs)}, headers=headers)
+    firsts = await prime(gens)
+    return StreamingResponse(_events(state, body, gens, firsts, params.n, base, created, chat, echo),
+                             media_type="text/event-stream", headers=headers)
+
+
+async def _events(state, body, gens, firsts, n: int, base: str, created: int, chat: bool, echo: list[str]):
+    tokens = _tokens(state)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    head = {"id": base, "object": obj, "created": created, "model": state.model_name}
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    prompt_lens: dict[int, int] = {}
+    num_tokens = 0
+    sent_first = set()
+    async for p, out in merge(gens, firsts):
+        if isinstance(out, BaseException):
+            yield sse(error_event(out))
+            continue
+        prompt_lens[p] = len(out.prompt_token_ids)
+        choices = []
+        for c in out.outputs:
+            idx = p * n + c.index
+            num_tokens += len(c.token_ids)
+            ch = {"index": idx, "finish_reason": c.finish_reason}
+            prefix = echo[p] if idx not in sent_first else ""
+            if chat:
+                delta = {"content": c.text}
+                if idx not in sent_first:
+                    delta["role"] = "assistant"
+                ch["delta"] = delta
+                ch["logprobs"] = chat_logprobs(c, tokens)
+            else:
+                ch["text"] = prefix + c.text
+                ch["logprobs"] = completion_logprobs(c, tokens, 0)
+            if c.finish_reason is not None:
+                ch["stop_reason"] = c.stop_reason
+            if body.return_token_ids:
+                ch.update(token_ids=c.token_ids, weight_versions=c.weight_versions)
+                if idx not in sent_first:
+                    ch["prompt_token_ids"] = out.prompt_token_ids
+            sent_first.add(idx)
+            choices.append(ch)
+        yield sse(dict(head, choices=choices))
+    if include_usage:
+        prompt = sum(prompt_lens.values())
+        yield sse(dict(head, choices=[], usage={"prompt_tokens": prompt, "completion_tokens": num_tokens,
+                                                 "total_tokens": prompt + num_tokens}))
+    yield DONE
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    return await _serve(request, body, normalize_prompts(body.prompt), "prompt", chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    state = get_state(request)
+    messages = [m.to_template() for m in body.messages]
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.tools:
+        kwargs["tools"] = body.tools
+    try:
+        text = state.engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+            continue_final_message=body.continue_final_message, tokenize=False, **kwargs)
+    except Exception as e:  # jinja errors, bad roles, ...
+        raise APIError(400, f"the chat template cannot render these messages: {e}", "messages") from e
+    return await _serve(request, body, [text], "messages", chat=True)

@@ -1,0 +1,255 @@
+"""Request bodies (pydantic, strict: a wrong type is an error, not a coercion; an unknown field is
+an error, so a typo such as `max_token` is refused instead of silently ignored) and their
+translation into the engine's SamplingParams.
+
+OpenAI fields we do not implement (penalties, logit_bias, best_of != n, suffix) are accepted at
+their neutral value and refused otherwise, naming the field.
+"""
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from rollout.api.errors import APIError
+
+PromptInput = Union[str, list[int], list[Union[str, list[int]]]]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _OpenAISampling(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions (plus vLLM's extras)."""
+
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stop: Union[None, str, list[str]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    # vLLM's extra sampling fields
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    min_tokens: int = 0
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    return_token_ids: bool = False  # add token ids (prompt and completion) to the response
+    request_id: Optional[str] = None
+
+    def check_unsupported(self) -> None:
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            if getattr(self, name) != neutral:
+                raise APIError(400, f"{name} is not supported by this engine (only {neutral})", name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported by this engine", "logit_bias")
+
+    def sampling_kwargs(self) -> dict:
+        kw: dict[str, Any] = dict(n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                                  min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                                  include_stop_str_in_output=self.include_stop_str_in_output,
+                                  skip_special_tokens=self.skip_special_tokens)
+        for name in ("temperature", "top_p", "top_k", "min_p"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
+        return kw
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: PromptInput
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None  # top-k alternatives per token (OpenAI: 0..5; we allow 0..20)
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of is not supported (only best_of == n)", "best_of")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
+
+    def to_sampling_params(self, output_kind: RequestOutputKind) -> SamplingParams:
+        self.check_unsupported()
+        return make_sampling_params(dict(self.sampling_kwargs(), max_tokens=self.max_tokens, logprobs=self.logprobs,
+                                         output_kind=output_kind))
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)  # tool_calls, name, ... pass to the template
+    role: str
+    content: Union[None, str, list[ContentPart]] = None
+
+    def to_template(self) -> dict:
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            if any(p.type != "text" for p in self.content):
+                raise APIError(400, "only text content parts are supported", "messages.content")
+            d["content"] = "".join(p.text or "" for p in self.content)
+        return d
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict]] = None
+    tool_choice: Optional[Union[str, dict]] = None
+
+    def to_sampling_params(self, output_kind: RequestOutputKind) -> SamplingParams:
+        self.check_unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return make_sampling_params(dict(self.sampling_kwargs(), max_tokens=max_tokens,
+                                         logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+                                         output_kind=output_kind))
+
+
+class GenerateSamplingParams(_Strict):
+    """The engine's SamplingParams, field for field (output_kind is the server's business)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    stop: Union[None, str, list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    logprobs_mode: Literal["processed", "raw"] = "processed"
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+
+
+class GenerateRequest(_Strict):
+    """/generate: text prompts (`prompt`) or token ids (`prompt_token_ids`), one or a batch."""
+
+    prompt: Optional[Union[str, list[str]]] = None
+    prompt_token_ids: Optional[Union[list[int], list[list[int]]]] = None
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    stream: bool = False
+    stream_format: Literal["ndjson", "sse"] = "ndjson"
+    request_id: Optional[str] = None
+
+    def prompts(self) -> tuple[list[Union[str, list[int]]], str, bool]:
+        """(prompts, the field they came from, whether the request was a batch)."""
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise APIError(400, "give exactly one of 'prompt' (text) and 'prompt_token_ids'", "prompt")
+        if self.prompt is not None:
+            batch = isinstance(self.prompt, list)
+            prompts = list(self.prompt) if batch else [self.prompt]
+            field = "prompt"
+        else:
+            ids = self.prompt_token_ids
+            batch = bool(ids) and isinstance(ids[0], list)
+            prompts = [list(p) for p in ids] if batch else [list(ids)]
+            field = "prompt_token_ids"
+        if not prompts:
+            raise APIError(400, f"{field} is an empty batch", field)
+        return prompts, field, batch
+
+
+def make_sampling_params(kw: dict) -> SamplingParams:
+    """SamplingParams(**kw); its checks name the field (InvalidRequestError -> 400)."""
+    return SamplingParams(**kw)
+
+
+def normalize_prompts(prompt: PromptInput) -> list[Union[str, list[int]]]:
+    """OpenAI's prompt forms: a string, token ids, or a list of either -> a list of prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty", "prompt")
+    if all(isinstance(t, int) for t in prompt):
+        return [list(prompt)]
+    if any(isinstance(t, int) for t in prompt):
+        raise APIError(400, "prompt mixes token ids and prompts", "prompt")
+    return list(prompt)
+
+
+# ---- control bodies -----------------------------------------------------------------------------
+class AbortRequestsBody(_Strict):
+    request_ids: Optional[list[str]] = None
+
+
+class CollectiveRPCBody(_Strict):
+    method: str
+    args: list[Any] = Field(default_factory=list)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    timeout: Optional[float] = None
+
+
+class InitInfo(_Strict):
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    world_size: int = Field(ge=2)
+    rank_offset: int = 1
+    backend: Optional[Literal["gloo", "nccl"]] = None
+    timeout_s: float = Field(default=60.0, gt=0)
+
+
+class InitWeightTransferBody(_Strict):
+    init_info: InitInfo
+
+
+class StartWeightUpdateBody(_Strict):
+    is_checkpoint_format: bool = True
+
+
+class UpdateInfo(BaseModel):
+    """vLLM's NCCL update_info. Our wire protocol carries names, dtypes and shapes itself, so
+    they are only checked for consistency here; `weight_version` (ours) labels the new weights
+    at the moment they are swapped in."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    names: Optional[list[str]] = None
+    dtype_names: Optional[list[str]] = None
+    shapes: Optional[list[list[int]]] = None
+    packed: bool = False
+    weight_version: Optional[int] = None
+
+
+class UpdateWeightsBody(_Strict):
+    update_info: UpdateInfo = Field(default_factory=UpdateInfo)
+
+
+class FinishWeightUpdateBody(_Strict):
+    weight_version: Union[None, int, str] = None
+
+
+class UpdateFromDiskBody(_Strict):
+    path: str
+    version: Optional[int] = None

@@ -1,0 +1,173 @@
+"""ServerState: what the routes share (one per app, in `app.state.rollout`): the engine, the
+config, metrics, the generation requests in flight, and the RL bookkeeping the engine does not
+keep (when the pause began, whether /sleep paused generation itself, the weight update under way).
+
+`generate()` here is the only path from a route to `AsyncLLM.generate`: it refuses requests
+while the engine sleeps (409, instead of a refusal from the core after the headers are out),
+tracks the request (for /abort_requests and shutdown), records metrics, and turns engine
+exceptions into APIErrors.
+"""
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncGenerator, Optional, Union
+
+from fastapi import Request
+
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from rollout.api.errors import APIError, engine_error
+from rollout.config import ServerConfig
+from rollout.metrics import ServerMetrics
+
+
+@dataclass
+class WeightUpdate:
+    """A /start_weight_update .. /finish_weight_update sequence in progress."""
+
+    started: float
+    num_updates: int = 0
+    weight_version: Optional[int] = None
+
+
+class ServerState:
+    def __init__(self, engine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.metrics = ServerMetrics()
+        self.model_name = config.served_model_name or _model_name(engine)
+        self.in_flight: dict[str, float] = {}  # request id -> arrival (monotonic)
+        self.paused_since: Optional[float] = None
+        self.paused_by_sleep = False
+        self.sleeping = False
+        self.weight_update: Optional[WeightUpdate] = None
+        self.shutting_down = asyncio.Event()
+        self.control_lock = asyncio.Lock()  # pause/resume/sleep/wake/weight routes run one at a time
+
+    @property
+    def model_path(self) -> str:
+        return str(getattr(getattr(self.engine, "config", None), "model", "") or "")
+
+    # ---- generation ------------------------------------------------------------------------------
+    def new_request_id(self, given: Optional[str], prefix: str) -> str:
+        rid = given or f"{prefix}-{uuid.uuid4().hex[:16]}"
+        if rid in self.in_flight:
+            raise APIError(400, f"request id {rid!r} is already in use", "request_id")
+        return rid
+
+    def check_can_generate(self) -> None:
+        if self.shutting_down.is_set():
+            raise APIError(503, "the server is shutting down")
+        if self.sleeping:
+            raise APIError(409, "the engine is asleep: POST /wake_up before generating")
+
+    async def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
+                       param: str = "prompt") -> AsyncGenerator[RequestOutput, None]:
+        """AsyncLLM.generate with tracking, metrics and error translation (`param` names the
+        request field a prompt error is about)."""
+        self.check_can_generate()
+        arrival = time.monotonic()
+        first_token: Optional[float] = None
+        num_tokens = [0] * params.n
+        prompt_len, reasons = 0, []
+        self.in_flight[request_id] = arrival
+        self.metrics.request_started()
+        delta = params.output_kind == RequestOutputKind.DELTA
+        sent: dict[int, CompletionOutput] = {}  # DELTA: what was handed out so far, per sequence
+        try:
+            async for out in self.engine.generate(prompt, params, request_id):
+                if delta:
+                    _fix_abort_delta(out, sent)
+                prompt_len = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    if c.token_ids and first_token is None:
+                        first_token = time.monotonic()
+                    num_tokens[c.index] = num_tokens[c.index] * delta + len(c.token_ids)
+                if out.finished:
+                    reasons = [c.finish_reason for c in out.outputs]
+                yield out
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as e:
+            raise engine_error(e, param) from e
+        finally:
+            self.in_flight.pop(request_id, None)
+            self.metrics.request_ended()
+            if reasons:
+                self.metrics.observe_request(arrival, first_token, prompt_len, sum(num_tokens), reasons)
+
+    async def abort_all_in_flight(self) -> int:
+        ids = list(self.in_flight)
+        if ids:
+            await self.engine.abort(ids)
+        return len(ids)
+
+
+async def gather_all(coros) -> list:
+    """asyncio.gather, but the first failure cancels the others (their engine requests abort)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+
+
+async def until_disconnect(request: Request, coro):
+    """Run `coro`; if the client goes away first, cancel it (the engine request is aborted)."""
+    task = asyncio.ensure_future(coro)
+
+    async def watch():
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise APIError(499, "the client disconnected")
+    return task.result()
+
+
+def _fix_abort_delta(out: RequestOutput, sent: dict[int, CompletionOutput]) -> None:
+    """Workaround for an engine bug: AsyncLLM.abort() hands a DELTA stream its *cumulative*
+    output as the last delta, merged after any delta still queued (so: queued + sent + queued).
+    Cut it back to what is new, from what this stream already handed out (`sent`, updated)."""
+    for c in out.outputs:
+        prev = sent.setdefault(c.index, CompletionOutput(c.index, "", [], weight_versions=[]))
+        a, n = len(prev.token_ids), len(c.token_ids)
+        k = (n - a) // 2
+        keep = None  # slice of c to keep
+        if c.finish_reason == "abort" and a and n >= a:
+            if c.token_ids[:a] == prev.token_ids:  # cumulative, nothing was queued
+                keep, text = slice(a, n), c.text[len(prev.text):]
+            elif (n - a) % 2 == 0 and c.token_ids[k:k + a] == prev.token_ids and c.token_ids[:k] == c.token_ids[k + a:]:
+                keep, text = slice(0, k), c.text[:(len(c.text) - len(prev.text)) // 2]
+        if keep is not None:
+            c.token_ids, c.weight_versions, c.text = c.token_ids[keep], c.weight_versions[keep], text
+            if c.logprobs is not None:
+                c.logprobs = c.logprobs[keep]
+            if c.top_logprobs is not None:
+                c.top_logprobs = c.top_logprobs[keep]
+        prev.token_ids += c.token_ids
+        prev.text += c.text
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.rollout
+
+
+def _model_name(engine) -> str:
+    path = getattr(getattr(engine, "config", None), "model", None)
+    return Path(str(path)).name if path else "default"

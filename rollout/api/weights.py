@@ -1,0 +1,143 @@
+"""Weight routes. vLLM's four weight-transfer phases, same names and bodies:
+
+    POST /init_weight_transfer_engine {"init_info": {"master_address", "master_port", "world_size",
+         "rank_offset": 1, "backend": "gloo"|"nccl" (ours; default by device), "timeout_s"}}
+         -> the engine's workers join the trainer's group (blocks until every rank joined, so the
+            trainer creates its rank-0 side concurrently)
+    POST /start_weight_update {"is_checkpoint_format": true}   -> opens an update
+    POST /update_weights {"update_info": {"names", "dtype_names", "shapes", "packed",
+         "weight_version" (ours, optional)}}
+         -> receives one push from the trainer's WeightSender (concurrent with it) and swaps it in
+            atomically; the prefix and encoder caches are cleared
+    POST /finish_weight_update {"weight_version": v}   -> closes the update; v labels the weights
+         (default: the previous version + 1 per /update_weights)
+
+Ours: POST /update_weights_from_disk {"path", "version"}, POST /close_weight_transfer,
+GET /weights/version (and vLLM's GET /weight_info), GET /weights/checksum (compare with
+`weight_sync.weights_checksum` on the trainer's tensors to verify a push).
+
+Update the weights with generation paused (POST /pause) or idle: the engine refuses (409)
+while requests run. Versions are integers here (vLLM's are strings): a non-integer one is a 400.
+"""
+import time
+from pathlib import Path
+from typing import Optional
+
+from fastapi import APIRouter, Request
+
+from rollout.api.control import call
+from rollout.api.errors import APIError
+from rollout.api.protocol import (FinishWeightUpdateBody, InitWeightTransferBody, StartWeightUpdateBody,
+                                  UpdateFromDiskBody, UpdateWeightsBody)
+from rollout.api.state import ServerState, WeightUpdate, get_state
+
+router = APIRouter(tags=["admin"])
+info_router = APIRouter(tags=["info"])
+
+
+@router.post("/init_weight_transfer_engine")
+async def init_weight_transfer_engine(body: InitWeightTransferBody, request: Request):
+    state = get_state(request)
+    info = body.init_info
+    num_workers = len(await call(state.engine.collective_rpc("get_rank")))
+    if info.rank_offset != 1:
+        raise APIError(400, "rank_offset must be 1 (the trainer is rank 0)", "init_info.rank_offset")
+    if info.world_size != num_workers + 1:
+        raise APIError(400, f"world_size must be {num_workers + 1} (the trainer + {num_workers} engine worker(s)), "
+                            f"got {info.world_size}", "init_info.world_size")
+    backend = info.backend or ("nccl" if str(state.engine.config.device).startswith("cuda") else "gloo")
+    ranks = await call(state.engine.init_weight_transfer(info.master_address, info.master_port, info.world_size,
+                                                         backend, info.timeout_s), "init_info")
+    return {"message": "Weight transfer initialized", "ranks": ranks, "backend": backend}
+
+
+@router.post("/start_weight_update")
+async def start_weight_update(request: Request, body: Optional[StartWeightUpdateBody] = None):
+    state = get_state(request)
+    state.weight_update = WeightUpdate(started=time.monotonic())
+    return {"message": "Weight update started"}
+
+
+@router.post("/update_weights")
+async def update_weights(body: UpdateWeightsBody, request: Request):
+    state = get_state(request)
+    info = body.update_info
+    lengths = {k: len(v) for k, v in (("names", info.names), ("dtype_names", info.dtype_names),
+                                      ("shapes", info.shapes)) if v is not None}
+    if len(set(lengths.values())) > 1:
+        raise APIError(400, f"names, dtype_names and shapes must have the same length, got {lengths}",
+                       "update_info")
+    if state.weight_update is None:  # vLLM's older two-phase protocol has no start phase
+        state.weight_update = WeightUpdate(started=time.monotonic())
+    async with state.control_lock:
+        result = await call(state.engine.update_weights(info.weight_version), "update_info")
+    state.weight_update.num_updates += 1
+    state.weight_update.weight_version = result.get("weight_version")
+    return dict(result, message="Weights updated")
+
+
+def _version(v) -> Optional[int]:
+    if v is None or isinstance(v, int):
+        return v
+    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        return int(v)
+    raise APIError(400, f"weight_version must be an integer, got {v!r}", "weight_version")
+
+
+@router.post("/finish_weight_update")
+async def finish_weight_update(request: Request, body: Optional[FinishWeightUpdateBody] = None):
+    state = get_state(request)
+    upd = state.weight_update
+    want = _version(body.weight_version if body else None)
+    if upd is None or upd.num_updates == 0:
+        raise APIError(409, "no weight update in progress: POST /start_weight_update and /update_weights first")
+    current = await call(state.engine.get_weight_version())
+    if want is not None and want != current:
+        await _relabel(state, want)
+        current = want
+    state.weight_update = None
+    state.metrics.observe_push("transfer", time.monotonic() - upd.started)
+    return {"message": "Weight update finished", "weight_version": current}
+
+
+async def _relabel(state: ServerState, version: int) -> None:
+    setter = getattr(state.engine, "set_weight_version", None)
+    if setter is None:
+        raise APIError(409, "this engine cannot relabel the weights after the update: pass the version as "
+                            "update_info.weight_version to /update_weights", "weight_version")
+    await call(setter(version), "weight_version")
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(body: UpdateFromDiskBody, request: Request):
+    state = get_state(request)
+    if not Path(body.path).is_dir():
+        raise APIError(400, f"path {body.path!r} is not a folder on the server", "path")
+    t0 = time.monotonic()
+    async with state.control_lock:
+        result = await call(state.engine.update_weights_from_disk(body.path, body.version), "path")
+    state.metrics.observe_push("disk", time.monotonic() - t0)
+    return dict(result, message="Weights updated")
+
+
+@router.post("/close_weight_transfer")
+async def close_weight_transfer(request: Request):
+    await call(get_state(request).engine.close_weight_transfer())
+    return {"message": "Weight transfer closed"}
+
+
+@info_router.get("/weights/version")
+async def weights_version(request: Request):
+    return {"weight_version": await call(get_state(request).engine.get_weight_version())}
+
+
+@info_router.get("/weight_info")
+async def weight_info(request: Request):
+    return {"weight_version": await call(get_state(request).engine.get_weight_version())}
+
+
+@router.get("/weights/checksum")
+async def weights_checksum(request: Request):
+    state = get_state(request)
+    checksum = await call(state.engine.weights_checksum())
+    return {"checksum": checksum, "weight_version": await call(state.engine.get_weight_version())}

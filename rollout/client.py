@@ -1,0 +1,342 @@
+"""The trainer's handle on a rollout server: `RolloutClient` (blocking) and `AsyncRolloutClient`
+(asyncio), both over httpx, one method per endpoint.
+
+    client = RolloutClient("http://127.0.0.1:8000")
+    outs = client.generate([[1, 2, 3], "text"], {"temperature": 1.0, "max_tokens": 64, "logprobs": 0})
+    client.init_weight_transfer(backend="gloo")        # the trainer joins as rank 0
+    client.push_weights(model.named_parameters(), version=step)
+    assert client.weights_checksum() == weight_sync.weights_checksum(model.named_parameters(), torch.float32)
+
+Every endpoint is described once, as a `_Call` (method, path, body, how to read the answer, whether
+it is idempotent); the two clients differ only in how they run it (`_run`). Idempotent calls (GET,
+/health, is_*, versions) are retried on connection errors; the others never are. A non-2xx answer
+raises `RolloutAPIError` with the server's message and the field at fault (`param`).
+"""
+from __future__ import annotations
+
+import asyncio
+import json as jsonlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+import httpx
+
+from rollout.client_weights import AsyncWeightPushMixin, WeightPushMixin
+
+Prompt = Union[str, Sequence[int]]
+RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
+LONG_TIMEOUT = httpx.Timeout(None, connect=10.0)  # calls that block for a whole transfer
+
+
+class RolloutAPIError(RuntimeError):
+    def __init__(self, status: int, message: str, type: str = "error", param: Optional[str] = None):
+        super().__init__(f"{status} {type}: {message}" + (f" (param: {param})" if param else ""))
+        self.status, self.message, self.type, self.param = status, message, type, param
+
+
+@dataclass
+class GenerateOutput:
+    """One generated sequence. logprobs[i] / weight_versions[i] belong to token_ids[i]."""
+
+    token_ids: list[int]
+    logprobs: Optional[list[float]]
+    weight_versions: list[int]
+    text: str
+    finish_reason: Optional[str]
+    top_logprobs: Optional[list[list[tuple[int, float]]]] = None
+    stop_reason: Any = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    request_id: str = ""
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def from_json(cls, result: dict, c: dict) -> "GenerateOutput":
+        top = c.get("top_logprobs")
+        return cls(token_ids=c["token_ids"], logprobs=c.get("logprobs"), weight_versions=c["weight_versions"],
+                   text=c["text"], finish_reason=c.get("finish_reason"), stop_reason=c.get("stop_reason"),
+                   top_logprobs=None if top is None else [[(int(t), float(lp)) for t, lp in step] for step in top],
+                   prompt_token_ids=result.get("prompt_token_ids", []), request_id=result.get("request_id", ""),
+                   num_cached_tokens=result.get("num_cached_tokens", 0))
+
+
+@dataclass
+class _Call:
+    method: str
+    path: str
+    parse: Callable[[Any], Any] = lambda body: body
+    json: Any = None
+    params: Optional[dict] = None
+    idempotent: bool = False
+    admin: bool = False
+    timeout: Any = None  # None: the client's default
+    raw: bool = False  # parse gets the response text, not JSON
+
+
+def _prompt_body(prompts) -> tuple[dict, bool]:
+    """{"prompt": ...} or {"prompt_token_ids": ...}, and whether a single prompt was given."""
+    single = isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int))
+    batch = [prompts] if single else list(prompts)
+    if all(isinstance(p, str) for p in batch):
+        return {"prompt": batch}, single
+    if all(isinstance(p, Sequence) and not isinstance(p, str) for p in batch):
+        return {"prompt_token_ids": [list(map(int, p)) for p in batch]}, single
+    raise ValueError("prompts must be all texts or all token-id lists (send mixed batches as two calls)")
+
+
+def _outputs(body: dict, n: int) -> list:
+    outs = []
+    for r in body["results"]:
+        seqs = [GenerateOutput.from_json(r, c) for c in r["outputs"]]
+        outs.append(seqs if n > 1 else seqs[0])
+    return outs
+
+
+class _Endpoints:
+    """One method per endpoint; `_run` executes the call (or returns a coroutine that does)."""
+
+    def _run(self, call: _Call):
+        raise NotImplementedError
+
+    # ---- generation -------------------------------------------------------------------------------
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]], sampling_params: Optional[dict] = None,
+                 request_id: Optional[str] = None):
+        """One output per prompt, in order (a list of n outputs per prompt when n > 1)."""
+        body, _ = _prompt_body(prompts)
+        sp = dict(sampling_params or {})
+        body.update(sampling_params=sp, request_id=request_id)
+        return self._run(_Call("POST", "/generate", lambda b: _outputs(b, sp.get("n", 1)), json=body,
+                               timeout=LONG_TIMEOUT))
+
+    def completions(self, prompt, **fields):
+        return self._run(_Call("POST", "/v1/completions", json=dict(fields, prompt=prompt), timeout=LONG_TIMEOUT))
+
+    def chat_completions(self, messages: list[dict], **fields):
+        return self._run(_Call("POST", "/v1/chat/completions", json=dict(fields, messages=messages),
+                               timeout=LONG_TIMEOUT))
+
+    def models(self):
+        return self._run(_Call("GET", "/v1/models", lambda b: [m["id"] for m in b["data"]], idempotent=True))
+
+    # ---- info -------------------------------------------------------------------------------------
+    def health(self):
+        return self._run(_Call("GET", "/health", lambda b: b.get("status") == "ok", idempotent=True))
+
+    def metrics(self):
+        return self._run(_Call("GET", "/metrics", raw=True, idempotent=True))
+
+    def server_info(self):
+        return self._run(_Call("GET", "/server_info", idempotent=True))
+
+    def get_world_size(self):
+        return self._run(_Call("GET", "/get_world_size", lambda b: b["world_size"], idempotent=True))
+
+    def is_paused(self):
+        return self._run(_Call("GET", "/is_paused", lambda b: b["is_paused"], idempotent=True))
+
+    def is_sleeping(self):
+        return self._run(_Call("GET", "/is_sleeping", lambda b: b["is_sleeping"], idempotent=True))
+
+    def weight_version(self):
+        return self._run(_Call("GET", "/weights/version", lambda b: b["weight_version"], idempotent=True))
+
+    def weights_checksum(self):
+        """The engine's weights checksum (compare with weight_sync.weights_checksum on the trainer)."""
+        return self._run(_Call("GET", "/weights/checksum", lambda b: b["checksum"], idempotent=True, admin=True,
+                               timeout=LONG_TIMEOUT))
+
+    # ---- control ----------------------------------------------------------------------------------
+    def pause(self, mode: str = "abort", clear_cache: bool = True):
+        return self._run(_Call("POST", "/pause", params={"mode": mode, "clear_cache": str(clear_cache).lower()},
+                               admin=True, timeout=LONG_TIMEOUT))
+
+    def resume(self):
+        return self._run(_Call("POST", "/resume", admin=True))
+
+    def sleep(self, level: int = 1, mode: str = "abort"):
+        return self._run(_Call("POST", "/sleep", params={"level": level, "mode": mode}, admin=True,
+                               timeout=LONG_TIMEOUT))
+
+    def wake_up(self, tags: Optional[list[str]] = None):
+        return self._run(_Call("POST", "/wake_up", params={"tags": list(tags)} if tags else None, admin=True,
+                               timeout=LONG_TIMEOUT))
+
+    def reset_prefix_cache(self):
+        return self._run(_Call("POST", "/reset_prefix_cache", admin=True))
+
+    def reset_encoder_cache(self):
+        return self._run(_Call("POST", "/reset_encoder_cache", admin=True))
+
+    def abort_requests(self, request_ids: Optional[list[str]] = None):
+        """Abort these requests (all in flight when None); returns how many were aborted."""
+        return self._run(_Call("POST", "/abort_requests", lambda b: b["aborted"],
+                               json={"request_ids": request_ids}, admin=True))
+
+    def collective_rpc(self, method: str, args: Sequence = (), kwargs: Optional[dict] = None,
+                       timeout: Optional[float] = None):
+        body = {"method": method, "args": list(args), "kwargs": kwargs or {}, "timeout": timeout}
+        return self._run(_Call("POST", "/collective_rpc", lambda b: b["results"], json=body, admin=True,
+                               timeout=LONG_TIMEOUT))
+
+    # ---- weights (the four vLLM phases, and ours) ----------------------------------------------------
+    def init_weight_transfer_engine(self, init_info: dict):
+        return self._run(_Call("POST", "/init_weight_transfer_engine", json={"init_info": init_info}, admin=True,
+                               timeout=LONG_TIMEOUT))
+
+    def start_weight_update(self, is_checkpoint_format: bool = True):
+        return self._run(_Call("POST", "/start_weight_update", json={"is_checkpoint_format": is_checkpoint_format},
+                               admin=True))
+
+    def update_weights(self, update_info: Optional[dict] = None):
+        return self._run(_Call("POST", "/update_weights", json={"update_info": update_info or {}}, admin=True,
+                               timeout=LONG_TIMEOUT))
+
+    def finish_weight_update(self, weight_version: Optional[int] = None):
+        return self._run(_Call("POST", "/finish_weight_update", lambda b: b["weight_version"],
+                               json={"weight_version": weight_version}, admin=True))
+
+    def push_weights_from_disk(self, path: str, version: Optional[int] = None):
+        """Load a safetensors folder on the server's disk (pause generation first, or run idle)."""
+        return self._run(_Call("POST", "/update_weights_from_disk", json={"path": str(path), "version": version},
+                               admin=True, timeout=LONG_TIMEOUT))
+
+    update_weights_from_disk = push_weights_from_disk
+
+    def close_weight_transfer_engine(self):
+        return self._run(_Call("POST", "/close_weight_transfer", admin=True))
+
+
+class _Transport:
+    def __init__(self, url: str, api_key: Optional[str], admin_api_key: Optional[str], timeout: float,
+                 retries: int):
+        self.url = url.rstrip("/")
+        self.api_key, self.admin_api_key = api_key, admin_api_key
+        self.timeout, self.retries = timeout, retries
+
+    def _request_kwargs(self, call: _Call) -> dict:
+        key = self.admin_api_key if call.admin and self.admin_api_key else self.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return dict(method=call.method, url=self.url + call.path, json=call.json, params=call.params,
+                    headers=headers, timeout=self.timeout if call.timeout is None else call.timeout)
+
+    @staticmethod
+    def _read(call: _Call, resp: httpx.Response):
+        if resp.status_code >= 400:
+            raise _api_error(resp)
+        if call.raw:
+            return call.parse(resp.text)
+        return call.parse(resp.json() if resp.content else {})
+
+
+def _api_error(resp: httpx.Response) -> RolloutAPIError:
+    try:
+        err = resp.json().get("error", {})
+        if isinstance(err, str):
+            err = {"message": err}
+    except (ValueError, AttributeError):
+        err = {"message": resp.text[:500]}
+    return RolloutAPIError(resp.status_code, err.get("message", ""), err.get("type", "error"), err.get("param"))
+
+
+class RolloutClient(_Transport, _Endpoints, WeightPushMixin):
+    """Blocking client. Usable as a context manager (closes the weight transfer group and the
+    connection pool)."""
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", api_key: Optional[str] = None,
+                 admin_api_key: Optional[str] = None, timeout: float = 60.0, retries: int = 3):
+        super().__init__(url, api_key, admin_api_key, timeout, retries)
+        self.http = httpx.Client(timeout=timeout)
+        WeightPushMixin.__init__(self)
+
+    def _run(self, call: _Call):
+        for attempt in range(self.retries + 1 if call.idempotent else 1):
+            try:
+                return self._read(call, self.http.request(**self._request_kwargs(call)))
+            except RETRYABLE:
+                if attempt >= (self.retries if call.idempotent else 0):
+                    raise
+                time.sleep(min(0.1 * 2 ** attempt, 2.0))
+
+    def generate_stream(self, prompts, sampling_params: Optional[dict] = None, request_id: Optional[str] = None):
+        """Yields (prompt index, GenerateOutput delta: only the new tokens) as they come."""
+        body, _ = _prompt_body(prompts)
+        body.update(sampling_params=dict(sampling_params or {}), request_id=request_id, stream=True)
+        call = _Call("POST", "/generate", json=body, timeout=LONG_TIMEOUT)
+        with self.http.stream(**self._request_kwargs(call)) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                raise _api_error(resp)
+            for line in resp.iter_lines():
+                if line:
+                    yield _delta(jsonlib.loads(line))
+
+    def wait_until_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.health():
+                    return
+            except (httpx.HTTPError, RolloutAPIError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.url} not healthy within {timeout} s")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self.close_weight_transfer()
+        self.http.close()
+
+    def __enter__(self) -> "RolloutClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncRolloutClient(_Transport, _Endpoints, AsyncWeightPushMixin):
+    """asyncio client: the same methods, awaited."""
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", api_key: Optional[str] = None,
+                 admin_api_key: Optional[str] = None, timeout: float = 60.0, retries: int = 3):
+        super().__init__(url, api_key, admin_api_key, timeout, retries)
+        self.http = httpx.AsyncClient(timeout=timeout)
+        AsyncWeightPushMixin.__init__(self)
+
+    async def _run(self, call: _Call):
+        for attempt in range(self.retries + 1 if call.idempotent else 1):
+            try:
+                return self._read(call, await self.http.request(**self._request_kwargs(call)))
+            except RETRYABLE:
+                if attempt >= (self.retries if call.idempotent else 0):
+                    raise
+                await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
+
+    async def generate_stream(self, prompts, sampling_params: Optional[dict] = None,
+                              request_id: Optional[str] = None):
+        body, _ = _prompt_body(prompts)
+        body.update(sampling_params=dict(sampling_params or {}), request_id=request_id, stream=True)
+        call = _Call("POST", "/generate", json=body, timeout=LONG_TIMEOUT)
+        async with self.http.stream(**self._request_kwargs(call)) as resp:
+            if resp.status_code >= 400:
+                await resp.aread()
+                raise _api_error(resp)
+            async for line in resp.aiter_lines():
+                if line:
+                    yield _delta(jsonlib.loads(line))
+
+    async def aclose(self) -> None:
+        await self.close_weight_transfer()
+        await self.http.aclose()
+
+    async def __aenter__(self) -> "AsyncRolloutClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+def _delta(event: dict):
+    if "error" in event:
+        e = event["error"]
+        raise RolloutAPIError(e.get("code", 500), e.get("message", ""), e.get("type", "error"), e.get("param"))
+    return event["prompt_index"], [GenerateOutput.from_json(event, c) for c in event["outputs"]]

@@ -1,0 +1,52 @@
+"""ServerConfig: the HTTP server's options (the engine's own options are EngineConfig fields)."""
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+MiB = 1 << 20
+# worker methods a caller may run through /collective_rpc without registering them: read-only
+DEFAULT_RPC_METHODS = ("get_rank", "ping", "model_info", "weights_checksum")
+
+
+@dataclass
+class ServerConfig:
+    """host/port: where to listen (loopback by default; port 0 = any free port, printed when ready).
+    api_key: Bearer key required on every route but /health (env ROLLOUT_API_KEY).
+    admin_api_key: Bearer key required on control and weight routes (env ROLLOUT_ADMIN_API_KEY);
+        it also opens every other route.
+    max_body_bytes: larger request bodies are refused with 413.
+    collective_rpc_methods: worker methods /collective_rpc may call, beyond DEFAULT_RPC_METHODS.
+    shutdown_grace_s: on SIGINT/SIGTERM, in-flight requests get this long to finish, then are
+        aborted (they still get a final response, finish_reason "abort").
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: Optional[str] = None
+    api_key: Optional[str] = None
+    admin_api_key: Optional[str] = None
+    max_body_bytes: int = 16 * MiB
+    collective_rpc_methods: tuple[str, ...] = ()
+    stats_interval_s: float = 1.0
+    shutdown_grace_s: float = 5.0
+    wandb_project: Optional[str] = None
+    wandb_run_name: Optional[str] = None
+    wandb_interval_s: float = 5.0
+    log_level: str = "warning"
+    engine_kwargs: dict = field(default_factory=dict)  # EngineConfig fields for AsyncLLM(model, **kw)
+    model: Optional[str] = None
+
+    def __post_init__(self):
+        self.api_key = self.api_key or os.environ.get("ROLLOUT_API_KEY") or None
+        self.admin_api_key = self.admin_api_key or os.environ.get("ROLLOUT_ADMIN_API_KEY") or None
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        for m in self.collective_rpc_methods:
+            if not m.isidentifier() or m.startswith("_"):
+                raise ValueError(f"collective_rpc method {m!r} must be a public method name")
+
+    @property
+    def rpc_methods(self) -> frozenset[str]:
+        return frozenset(DEFAULT_RPC_METHODS) | frozenset(self.collective_rpc_methods)

@@ -1,0 +1,301 @@
+"""The HTTP server: `build_app(engine, config)` (FastAPI) and `run_server(config)` (uvicorn).
+
+    client --HTTP--> GuardMiddleware (API keys, body size, request counts)
+                     -> routes: rollout/api/{openai,generate,control,weights}.py
+                     -> ServerState.generate / engine control calls -> AsyncLLM (engine/)
+
+build_app does not own the engine: run_server creates it, serves, and shuts it down (SIGINT /
+SIGTERM: stop accepting, give in-flight requests `shutdown_grace_s` to finish, abort the rest,
+which still get a final response with finish_reason "abort", then stop the engine core).
+"""
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Optional
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from rollout.api import control, generate, openai, weights
+from rollout.api.errors import error_body, install_error_handlers
+from rollout.api.state import ServerState, get_state
+from rollout.config import ServerConfig
+from rollout.metrics import WandbLogger
+
+logger = logging.getLogger("rollout")
+OPEN_PATHS = frozenset({"/health"})
+
+
+class GuardMiddleware:
+    """Pure ASGI (streams pass through untouched): refuses bodies over `max_body_bytes` (413, by
+    Content-Length or while reading a chunked body), checks the Bearer key (401; admin routes,
+    those tagged "admin", need the admin key: 403 for a valid non-admin key) and counts requests."""
+
+    def __init__(self, app, config: ServerConfig, state_getter):
+        self.app, self.config, self.state_getter = app, config, state_getter
+        self._admin_paths: Optional[frozenset] = None
+        self._known_paths: Optional[frozenset] = None
+
+    def _paths(self, scope) -> tuple[frozenset, frozenset]:
+        if self._admin_paths is None:
+            routes = list(iter_routes(scope["app"]))
+            self._admin_paths = frozenset(path for path, _, tags in routes if "admin" in tags)
+            self._known_paths = frozenset(path for path, _, _ in routes)
+        return self._admin_paths, self._known_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        admin_paths, known = self._paths(scope)
+        status_box = [500]
+        responded = [False]  # a 413 sent from inside receive(): later sends of the app are dropped
+
+        async def send_counting(message):
+            if responded[0]:
+                return
+            if message["type"] == "http.response.start":
+                status_box[0] = message["status"]
+            await send(message)
+
+        try:
+            denial = self._check_key(scope, path, admin_paths)
+            if denial is not None:
+                return await _send_json(send_counting, *denial)
+            limit = self.config.max_body_bytes
+            length = dict(scope.get("headers") or []).get(b"content-length")
+            if length is not None and length.isdigit() and int(length) > limit:
+                return await _send_json(send_counting, 413, f"the request body ({int(length)} bytes) exceeds the "
+                                                            f"limit of {limit} bytes", None)
+            received = [0]
+
+            async def receive_limited():
+                message = await receive()
+                if message["type"] == "http.request" and not responded[0]:
+                    received[0] += len(message.get("body", b""))
+                    if received[0] > limit:  # a chunked body without Content-Length
+                        await _send_json(send_counting, 413, f"the request body exceeds the limit of {limit} "
+                                                             "bytes", None)
+                        responded[0] = True
+                        return {"type": "http.disconnect"}
+                return message
+
+            await self.app(scope, receive_limited, send_counting)
+        finally:
+            state = self.state_getter()
+            if state is not None:
+                route = path if path in known else "other"
+                state.metrics.http_requests.labels(route, str(status_box[0])).inc()
+
+    def _check_key(self, scope, path: str, admin_paths) -> Optional[tuple]:
+        cfg = self.config
+        if path in OPEN_PATHS or (cfg.api_key is None and cfg.admin_api_key is None):
+            return None
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else None
+        is_admin = token is not None and cfg.admin_api_key is not None and _same(token, cfg.admin_api_key)
+        is_user = token is not None and cfg.api_key is not None and _same(token, cfg.api_key)
+        if path in admin_paths and cfg.admin_api_key is not None:
+            if is_admin:
+                return None
+            if is_user:
+                return 403, "this route needs the admin API key", "authorization"
+            return 401, "missing or wrong admin API key (Authorization: Bearer <key>)", "authorization"
+        if cfg.api_key is None or is_user or is_admin:
+            return None
+        return 401, "missing or wrong API key (Authorization: Bearer <key>)", "authorization"
+
+
+def iter_routes(app):
+    """(path, methods, tags) of every route, including those of included routers (newer FastAPI
+    keeps an included router as one `_IncludedRouter` entry in app.routes)."""
+    stack = list(app.routes)
+    while stack:
+        r = stack.pop(0)
+        inner = getattr(r, "original_router", None)
+        if inner is not None:
+            stack[:0] = list(inner.routes)
+        elif getattr(r, "path", None) is not None:
+            yield r.path, frozenset(getattr(r, "methods", None) or ()), frozenset(getattr(r, "tags", None) or ())
+
+
+def _same(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
+async def _send_json(send, status: int, message: str, param: Optional[str]) -> None:
+    resp = JSONResponse(error_body(status, message, param), status_code=status,
+                        headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+    await send({"type": "http.response.start", "status": status, "headers": resp.raw_headers})
+    await send({"type": "http.response.body", "body": resp.body})
+
+
+def build_app(engine, config: Optional[ServerConfig] = None) -> FastAPI:
+    """The FastAPI app serving `engine` (an AsyncLLM). It starts the stats poller (and the W&B
+    logger) in its lifespan; it never shuts the engine down."""
+    config = config or ServerConfig()
+    holder: dict = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state = ServerState(engine, config)
+        app.state.rollout = holder["state"] = state
+        tasks = [asyncio.ensure_future(state.metrics.poll(engine, config.stats_interval_s))]
+        wandb_logger = None
+        if config.wandb_project:
+            wandb_logger = WandbLogger(config.wandb_project, config.wandb_run_name,
+                                       {"model": state.model_name, **config.engine_kwargs}, config.wandb_interval_s)
+            tasks.append(asyncio.ensure_future(wandb_logger.run_forever(state.metrics)))
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if wandb_logger is not None:
+                await asyncio.to_thread(wandb_logger.finish)
+
+    app = FastAPI(title="rollout", lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, config=config, state_getter=lambda: holder.get("state"))
+
+    @app.get("/health", tags=["info"])
+    async def health(request: Request):
+        try:
+            await get_state(request).engine.check_health()
+        except Exception as e:  # noqa: BLE001 - dead (or unreachable) engine
+            return JSONResponse(error_body(503, f"the engine is not healthy: {e}"), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics", tags=["info"])
+    async def metrics(request: Request):
+        state = get_state(request)
+        await state.metrics.refresh(state.engine, timeout=5.0)
+        return Response(state.metrics.prometheus_text(), media_type=CONTENT_TYPE_LATEST)
+
+    for module in (openai, generate, control, weights):
+        app.include_router(module.router)
+        if hasattr(module, "info_router"):
+            app.include_router(module.info_router)
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server that prints one ready line, drains in-flight requests on shutdown, and
+    does not re-raise the caught signal (run_server returns normally)."""
+
+    def __init__(self, config: uvicorn.Config, on_ready, on_shutdown):
+        super().__init__(config)
+        self._on_ready, self._on_shutdown = on_ready, on_shutdown
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self._on_ready()
+
+    async def shutdown(self, sockets=None) -> None:
+        async def drain_logged():
+            try:
+                await self._on_shutdown()
+            except Exception:  # noqa: BLE001 - uvicorn's own timeout still ends the shutdown
+                logger.exception("draining in-flight requests failed")
+
+        drain = asyncio.ensure_future(drain_logged())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            drain.cancel()
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+async def serve(config: ServerConfig) -> None:
+    """Bind, load the engine, serve until SIGINT/SIGTERM, shut everything down."""
+    from engine.async_llm import AsyncLLM
+
+    if config.api_key is None and not _is_loopback(config.host):
+        _log(f"WARNING: listening on {config.host} without --api-key: anyone who can reach it can generate, "
+             "pause, and replace the weights")
+    sock = socket.create_server((config.host, config.port), reuse_port=False)
+    host, port = sock.getsockname()[:2]
+    t0 = time.perf_counter()
+    _log(f"loading the model {config.model or '(default: SmolLM2-135M-Instruct)'} ...")
+    engine = AsyncLLM(config.model, **config.engine_kwargs)
+    try:
+        c = engine.config
+        _log(f"{c.model_config.architecture} from {c.model} ({c.dtype}, {c.device}, max_model_len "
+             f"{engine.max_model_len}) loaded in {time.perf_counter() - t0:.1f} s")
+        app = build_app(engine, config)
+        ucfg = uvicorn.Config(app, log_level=config.log_level, access_log=False, lifespan="on",
+                              timeout_graceful_shutdown=int(config.shutdown_grace_s) + 10, timeout_keep_alive=30)
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+        def on_ready():
+            auth = " (API key required)" if config.api_key else ""
+            print(f"[rollout] serving {app.state.rollout.model_name} on {url}{auth}", flush=True)
+
+        async def on_shutdown():
+            state = getattr(app.state, "rollout", None)
+            if state is None:
+                return
+            state.shutting_down.set()
+            _log(f"shutting down: {len(state.in_flight)} request(s) in flight get {config.shutdown_grace_s:g} s")
+            deadline = time.monotonic() + config.shutdown_grace_s
+            while state.in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if state.in_flight and await engine.is_paused():
+                await engine.resume_generation()  # requests waiting on the pause enter the engine ...
+            for _ in range(100):  # ... and are aborted with the others, each with a final response
+                if not state.in_flight:
+                    break
+                await state.abort_all_in_flight()
+                await asyncio.sleep(0.05)
+
+        await _Server(ucfg, on_ready, on_shutdown).serve(sockets=[sock])
+    finally:
+        sock.close()
+        engine.shutdown()
+        _log("stopped")
+
+
+def run_server(config: ServerConfig) -> int:
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(config))
+    except KeyboardInterrupt:
+        pass
+    except (ValueError, OSError) as e:  # bad engine options, unknown model, port in use
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _log(msg: str) -> None:
+    print(f"[rollout] {msg}", file=sys.stderr, flush=True)

@@ -1,0 +1,117 @@
+"""Weight pushes end to end: this test process is the trainer (rank 0 of a gloo group), the
+server's engine worker rank 1. A push of changed tensors changes the engine's checksum to
+exactly what the trainer computes, labels the new tokens with the new version, and pushing the
+originals back restores the original output; vLLM's four phases driven by hand work too."""
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollout.client import RolloutAPIError
+from weight_sync import WeightSender, weights_checksum
+
+PROMPT = "The capital of France is"
+GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def original(model_path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(model_path) / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def transfer(client):
+    client.init_weight_transfer(backend="gloo", timeout_s=60)
+    yield client
+    client.close_weight_transfer()
+
+
+def test_push_changes_weights_checksum_and_version(transfer, original):
+    client = transfer
+    assert client.weights_checksum() == weights_checksum(original.items(), torch.float32)
+    before = client.generate(PROMPT, GREEDY)[0]
+    changed = {"model.norm.weight": original["model.norm.weight"] * 0.5,
+               "model.layers.0.mlp.down_proj.weight": original["model.layers.0.mlp.down_proj.weight"].flip(0)}
+    version = client.weight_version() + 1
+    result = client.push_weights(changed.items(), version=version)
+    assert result["weight_version"] == version and result["send"]["num_tensors"] == 2
+    assert client.weights_checksum() == weights_checksum({**original, **changed}.items(), torch.float32)
+    after = client.generate(PROMPT, GREEDY)[0]
+    assert set(after.weight_versions) == {version}
+    assert after.token_ids != before.token_ids
+    # push the originals back (default version: previous + 1): the output is the original one
+    result = client.push_weights([(n, original[n]) for n in changed])
+    assert result["weight_version"] == version + 1
+    assert client.weights_checksum() == weights_checksum(original.items(), torch.float32)
+    assert client.generate(PROMPT, GREEDY)[0].token_ids == before.token_ids
+
+
+def test_refused_push_leaves_weights_whole(transfer, original):
+    client = transfer
+    good = client.weights_checksum()
+    bad = [("model.norm.weight", torch.zeros(3))]  # wrong shape: the receiver refuses
+    with pytest.raises(RolloutAPIError) as e:
+        client.push_weights(bad)
+    assert e.value.status == 400 and "shape" in e.value.message
+    assert client.weights_checksum() == good
+    assert not client.is_paused()  # resumed even though the push failed
+    version = client.weight_version()  # the group is still usable
+    client.push_weights([("model.norm.weight", original["model.norm.weight"])])
+    assert client.weight_version() == version + 1 and client.weights_checksum() == good
+
+
+def test_vllm_four_phases_by_hand(transfer, original):
+    """What a trainer written against vLLM's HTTP API does: pause, start, update_weights (its
+    update_info) concurrently with the broadcast, finish(weight_version), resume."""
+    client = transfer
+    named = [("model.norm.weight", original["model.norm.weight"])]
+    client.pause()
+    client.start_weight_update(is_checkpoint_format=True)
+    box = {}
+    t = threading.Thread(target=lambda: box.update(r=client.update_weights(
+        {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[576]], "packed": True})))
+    t.start()
+    WeightSender(client._group).send(named, dtype=torch.float32)
+    t.join(60)
+    assert "weight_version" in box["r"]
+    with pytest.raises(RolloutAPIError) as e:  # not a version this engine can take
+        client.finish_weight_update("latest")
+    assert e.value.status == 400 and e.value.param == "weight_version"
+    client.finish_weight_update(box["r"]["weight_version"])
+    client.resume()
+    assert client.weight_version() == box["r"]["weight_version"]
+
+
+def test_chunked_update_is_one_version(transfer, original):
+    client = transfer
+    good = client.weights_checksum()
+    version = client.weight_version() + 3
+    with client.weight_update(version=version) as update:  # paused throughout, one version at the end
+        update.send([("model.norm.weight", original["model.norm.weight"])])
+        update.send([("model.layers.1.mlp.up_proj.weight", original["model.layers.1.mlp.up_proj.weight"])])
+        assert client.is_paused()
+    assert update.num_sends == 2 and update.weight_version == version == client.weight_version()
+    assert not client.is_paused() and client.weights_checksum() == good
+
+
+def test_async_client_push(server, original):
+    import asyncio
+
+    from rollout.client import AsyncRolloutClient
+    from tests.rollout.conftest import ADMIN_KEY, API_KEY
+
+    async def main():
+        async with AsyncRolloutClient(server.url, api_key=API_KEY, admin_api_key=ADMIN_KEY, timeout=120) as c:
+            await c.init_weight_transfer(backend="gloo", timeout_s=60)
+            version = await c.weight_version() + 1
+            result = await c.push_weights([("model.norm.weight", original["model.norm.weight"])])
+            assert result["weight_version"] == version
+            [out] = await c.generate(PROMPT, GREEDY)
+            assert set(out.weight_versions) == {version}
+            assert await c.weights_checksum() == weights_checksum(original.items(), torch.float32)
+
+    asyncio.run(main())
