@@ -1,9 +1,9 @@
-# `make test` and `make generate` create .venv/ on first use and reuse it afterwards.
+# `make serve`, `make test` and `make generate` create .venv/ on first use and reuse it afterwards.
 PY      := .venv/bin/python
 PROMPT  ?= What is the capital of France?
 STAMP   := .venv/.installed
 
-.PHONY: venv test test-all test-slow generate bench clean
+.PHONY: venv test test-all test-slow serve generate bench clean
 
 venv: $(STAMP)
 
@@ -25,6 +25,9 @@ test-slow: $(STAMP)
 
 test-all: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not gpu"
+
+serve: $(STAMP)
+	HF_HUB_OFFLINE=1 .venv/bin/rollout serve --host 127.0.0.1 --port 8000
 
 generate: $(STAMP)
 	HF_HUB_OFFLINE=1 .venv/bin/rollout generate "$(PROMPT)"
