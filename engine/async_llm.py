@@ -185,8 +185,11 @@ class AsyncLLM:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             state = self.output_processor.requests.get(rid)
             children = self.output_processor.abort(rid)
-            if state is not None and state.queue is not None:
-                state.queue.put(_aborted_output(state))
+            if state is not None and state.queue is not None:  # the caller gets a final output now
+                for seq in state.seqs:
+                    if seq.finish_reason is None or seq.resumable:  # not finished for real
+                        seq.finish_reason, seq.resumable = "abort", False
+                state.queue.put(self.output_processor.make_output(state))  # honours DELTA
             await self.client.abort_requests_async(children)
 
     # ---- the output handler ---------------------------------------------------------------------
@@ -282,6 +285,9 @@ class AsyncLLM:
     async def get_weight_version(self) -> int:
         return await self._call("get_weight_version")
 
+    async def set_weight_version(self, version: int) -> int:
+        return await self._call("set_weight_version", version)
+
     async def sleep(self, level: int = 1) -> None:
         await self._call("sleep", level)
 
@@ -332,13 +338,3 @@ def _check_streaming_params(p: SamplingParams) -> None:
         raise InvalidRequestError("streaming input does not support output_kind FINAL_ONLY")
     if p.stop:
         raise InvalidRequestError("streaming input does not support stop strings")
-
-
-def _aborted_output(state) -> RequestOutput:
-    from engine.outputs import CompletionOutput
-
-    return RequestOutput(request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
-                         outputs=[CompletionOutput(index=s.index, text=s.text, token_ids=list(s.token_ids),
-                                                   logprobs=s.logprobs, finish_reason="abort",
-                                                   weight_versions=list(s.weight_versions)) for s in state.seqs],
-                         finished=True)

@@ -158,6 +158,14 @@ class EngineCore:
     def get_weight_version(self) -> int:
         return self.weight_version
 
+    def set_weight_version(self, version: int) -> int:
+        """Relabel the current weights (vLLM's finish_weight_update sets the version after the
+        transfer); tokens produced from now on carry it."""
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise InvalidRequestError(f"weight version must be an int, got {version!r}")
+        self.weight_version = version
+        return version
+
     # ---- RL control: pause, weights, sleep --------------------------------------------------
     def abort_all(self) -> int:
         """Abort every request; their final outputs (finish_reason abort) follow as outputs."""

@@ -172,6 +172,9 @@ class LLM:
     def weights_checksum(self) -> str:
         return self.client.call_utility("weights_checksum")
 
+    def set_weight_version(self, version: int) -> int:
+        return self.client.call_utility("set_weight_version", version)
+
     def sleep(self, level: int = 1) -> None:
         self.client.call_utility("sleep", level)
 

@@ -122,7 +122,7 @@ class OutputProcessor:
             ready[parent_id] = state
         results = failed
         for state in ready.values():
-            out = self._make_output(state)
+            out = self.make_output(state)
             if out is not None:
                 results.append((state, out))
             if state.finished:
@@ -162,7 +162,7 @@ class OutputProcessor:
                 return o.finish_reason is None
         return False
 
-    def _make_output(self, state: RequestState) -> Optional[RequestOutput]:
+    def make_output(self, state: RequestState) -> Optional[RequestOutput]:
         kind = state.params.output_kind
         finished = state.finished
         if kind == RequestOutputKind.FINAL_ONLY and not finished:

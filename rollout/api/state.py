@@ -16,7 +16,7 @@ from typing import AsyncGenerator, Optional, Union
 
 from fastapi import Request
 
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from rollout.api.errors import APIError, engine_error
 from rollout.config import ServerConfig
@@ -75,11 +75,8 @@ class ServerState:
         self.in_flight[request_id] = arrival
         self.metrics.request_started()
         delta = params.output_kind == RequestOutputKind.DELTA
-        sent: dict[int, CompletionOutput] = {}  # DELTA: what was handed out so far, per sequence
         try:
             async for out in self.engine.generate(prompt, params, request_id):
-                if delta:
-                    _fix_abort_delta(out, sent)
                 prompt_len = len(out.prompt_token_ids)
                 for c in out.outputs:
                     if c.token_ids and first_token is None:
@@ -138,30 +135,6 @@ async def until_disconnect(request: Request, coro):
         task.cancel()
         raise APIError(499, "the client disconnected")
     return task.result()
-
-
-def _fix_abort_delta(out: RequestOutput, sent: dict[int, CompletionOutput]) -> None:
-    """Workaround for an engine bug: AsyncLLM.abort() hands a DELTA stream its *cumulative*
-    output as the last delta, merged after any delta still queued (so: queued + sent + queued).
-    Cut it back to what is new, from what this stream already handed out (`sent`, updated)."""
-    for c in out.outputs:
-        prev = sent.setdefault(c.index, CompletionOutput(c.index, "", [], weight_versions=[]))
-        a, n = len(prev.token_ids), len(c.token_ids)
-        k = (n - a) // 2
-        keep = None  # slice of c to keep
-        if c.finish_reason == "abort" and a and n >= a:
-            if c.token_ids[:a] == prev.token_ids:  # cumulative, nothing was queued
-                keep, text = slice(a, n), c.text[len(prev.text):]
-            elif (n - a) % 2 == 0 and c.token_ids[k:k + a] == prev.token_ids and c.token_ids[:k] == c.token_ids[k + a:]:
-                keep, text = slice(0, k), c.text[:(len(c.text) - len(prev.text)) // 2]
-        if keep is not None:
-            c.token_ids, c.weight_versions, c.text = c.token_ids[keep], c.weight_versions[keep], text
-            if c.logprobs is not None:
-                c.logprobs = c.logprobs[keep]
-            if c.top_logprobs is not None:
-                c.top_logprobs = c.top_logprobs[keep]
-        prev.token_ids += c.token_ids
-        prev.text += c.text
 
 
 def get_state(request: Request) -> ServerState:

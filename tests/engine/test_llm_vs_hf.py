@@ -6,7 +6,6 @@ prefill, a KV cache so small that preemption must happen). The fast suite checks
 `-m slow` checks all 32 prompts x 64 tokens.
 """
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from tests.engine.hf_reference import CHATS, chat_token_ids, hf_greedy, hf_prompt_logprobs, load_hf
