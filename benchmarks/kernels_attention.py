@@ -8,7 +8,6 @@ every OpenMP-parallel call (torch's and ours) waits for descheduled threads (~10
 """
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -17,6 +16,7 @@ import torch  # noqa: E402
 
 from kernels import cpu_ext  # noqa: E402
 from kernels.attention import paged_decode_attention_ref  # noqa: E402
+from timing import ms_per_call  # noqa: E402  (benchmarks/timing.py)
 
 H, KVH, D, BS = 9, 3, 64, 16
 
@@ -29,26 +29,6 @@ def make_inputs(B, seq_len, dtype, gen):
     q = torch.randn(B, H, D, generator=gen).to(dtype)
     lens = torch.full((B,), seq_len, dtype=torch.int32)
     return q, kv[0], kv[1], table, lens
-
-
-def ms_per_call(fn, batch_s=0.01, total_s=0.3):
-    """Best mean over many ~10 ms batches of calls: robust to other processes' bursts."""
-    fn()
-    n = 1
-    while True:  # calibrate the batch size
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        if time.perf_counter() - t0 >= batch_s:
-            break
-        n *= 2
-    best, t_end = float("inf"), time.perf_counter() + total_s
-    while time.perf_counter() < t_end:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / n)
-    return best * 1e3
 
 
 def main():

@@ -14,7 +14,6 @@ every OpenMP-parallel call (torch's and ours) waits for descheduled threads.
 """
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -23,29 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels import activation, cpu_ext, norm, rotary
+from timing import ms_per_call  # noqa: E402  (benchmarks/timing.py)
 
 H, HQ, HKV, D, I, BS = 576, 9, 3, 64, 1536, 16
 EPS = 1e-5
-
-
-def ms_per_call(fn, batch_s=0.01, total_s=0.3):
-    """Best mean over many ~10 ms batches of calls: robust to other processes' bursts."""
-    fn()
-    n = 1
-    while True:  # calibrate the batch size
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        if time.perf_counter() - t0 >= batch_s:
-            break
-        n *= 2
-    best, t_end = float("inf"), time.perf_counter() + total_s
-    while time.perf_counter() < t_end:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / n)
-    return best * 1e3
 
 
 def write_kv(k_cache, v_cache, k, v, slots):  # engine/attention.write_kv

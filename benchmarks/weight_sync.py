@@ -116,7 +116,7 @@ def run(backend: str, dtypes, bucket_labels, reps, rows):
     try:
         # The transport alone: no packing, no fresh memory, no protocol.
         buf = torch.ones(RAW_BYTES, dtype=torch.uint8, device=group.device)
-        raw = min(_timed(lambda: [group.broadcast(buf) for _ in range(RAW_COUNT)] + [group.barrier()])
+        raw = min(_timed(lambda b=buf: [group.broadcast(b) for _ in range(RAW_COUNT)] + [group.barrier()])
                   for _ in range(RAW_REPS))
         copy_gbps = copy_bandwidth(group.device)
         rows.append((backend, "raw bytes", f"{RAW_BYTES // MiB}x{RAW_COUNT}", RAW_COUNT, raw,

@@ -78,10 +78,6 @@ class Request:
         return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens:]
-
-    @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
