@@ -8,7 +8,9 @@
     assert client.weights_checksum() == weight_sync.weights_checksum(model.named_parameters(), torch.float32)
 
 Every endpoint is described once, as a `_Call` (method, path, body, how to read the answer, whether
-it is idempotent); the two clients differ only in how they run it (`_run`). Idempotent calls (GET,
+it is idempotent); the two clients differ only in how they run it (`_run`). With `wandb_run=run` (or
+True for the current `wandb.run`) every push logs rollout/push_seconds, push_gb_per_s and
+weight_version to the trainer's own W&B run, without advancing its step. Idempotent calls (GET,
 /health, is_*, versions) are retried on connection errors; the others never are. A non-2xx answer
 raises `RolloutAPIError` with the server's message and the field at fault (`param`).
 """
@@ -22,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import httpx
 
-from rollout.client_weights import AsyncWeightPushMixin, WeightPushMixin
+from rollout.client_weights import AsyncWeightPushMixin, WeightPushMixin, log_push
 
 Prompt = Union[str, Sequence[int]]
 RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
@@ -197,8 +199,14 @@ class _Endpoints:
 
     def push_weights_from_disk(self, path: str, version: Optional[int] = None):
         """Load a safetensors folder on the server's disk (pause generation first, or run idle)."""
-        return self._run(_Call("POST", "/update_weights_from_disk", json={"path": str(path), "version": version},
-                               admin=True, timeout=LONG_TIMEOUT))
+        t0 = time.perf_counter()
+
+        def logged(body: dict) -> dict:
+            log_push(self.wandb_run, "disk", time.perf_counter() - t0, body.get("num_bytes"), body.get("weight_version"))
+            return body
+
+        return self._run(_Call("POST", "/update_weights_from_disk", logged,
+                               json={"path": str(path), "version": version}, admin=True, timeout=LONG_TIMEOUT))
 
     update_weights_from_disk = push_weights_from_disk
 
@@ -243,10 +251,11 @@ class RolloutClient(_Transport, _Endpoints, WeightPushMixin):
     connection pool)."""
 
     def __init__(self, url: str = "http://127.0.0.1:8000", api_key: Optional[str] = None,
-                 admin_api_key: Optional[str] = None, timeout: float = 60.0, retries: int = 3):
+                 admin_api_key: Optional[str] = None, timeout: float = 60.0, retries: int = 3,
+                 wandb_run: Any = None):
         super().__init__(url, api_key, admin_api_key, timeout, retries)
         self.http = httpx.Client(timeout=timeout)
-        WeightPushMixin.__init__(self)
+        WeightPushMixin.__init__(self, wandb_run)
 
     def _run(self, call: _Call):
         for attempt in range(self.retries + 1 if call.idempotent else 1):
@@ -297,10 +306,11 @@ class AsyncRolloutClient(_Transport, _Endpoints, AsyncWeightPushMixin):
     """asyncio client: the same methods, awaited."""
 
     def __init__(self, url: str = "http://127.0.0.1:8000", api_key: Optional[str] = None,
-                 admin_api_key: Optional[str] = None, timeout: float = 60.0, retries: int = 3):
+                 admin_api_key: Optional[str] = None, timeout: float = 60.0, retries: int = 3,
+                 wandb_run: Any = None):
         super().__init__(url, api_key, admin_api_key, timeout, retries)
         self.http = httpx.AsyncClient(timeout=timeout)
-        AsyncWeightPushMixin.__init__(self)
+        AsyncWeightPushMixin.__init__(self, wandb_run)
 
     async def _run(self, call: _Call):
         for attempt in range(self.retries + 1 if call.idempotent else 1):

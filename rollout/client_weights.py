@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
 ABORT_AFTER_S = 5.0  # after the server failed an update, how long the sender may take to notice
@@ -30,6 +33,28 @@ def _update_info(named: list, dtype, version: Optional[int]) -> dict:
             "shapes": [list(t.shape) for _, t in named], "packed": True, "weight_version": version}
 
 
+def log_push(wandb_run: Any, source: str, seconds: float, num_bytes: Optional[int], version: Optional[int]) -> None:
+    """Log one push to the trainer's W&B run (`True`: the current `wandb.run`). commit=False: the
+    values join the trainer's next `log` call instead of advancing its step."""
+    if wandb_run is None or wandb_run is False:
+        return
+    if wandb_run is True:
+        import wandb
+
+        wandb_run = wandb.run
+        if wandb_run is None:
+            return
+    data = {"rollout/push_seconds": seconds, f"rollout/push_{source}_seconds": seconds}
+    if num_bytes:
+        data["rollout/push_gb_per_s"] = num_bytes / max(seconds, 1e-9) / 1e9
+    if version is not None:
+        data["rollout/weight_version"] = version
+    try:
+        wandb_run.log(data, commit=False)
+    except Exception as e:  # noqa: BLE001 - metrics must never fail a push
+        logger.warning("logging the push to W&B failed: %s", e)
+
+
 def _torch_dtype(name: Optional[str]):
     import torch
 
@@ -37,10 +62,11 @@ def _torch_dtype(name: Optional[str]):
 
 
 class WeightPushMixin:
-    def __init__(self):
+    def __init__(self, wandb_run: Any = None):
         self._group = None
         self._push_dtype = None
         self._bucket_bytes = None
+        self.wandb_run = wandb_run
 
     def init_weight_transfer(self, backend: str = "gloo", master_address: str = "127.0.0.1",
                              master_port: Optional[int] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -103,6 +129,7 @@ class WeightPushMixin:
                 update.weight_version = self.finish_weight_update(update.version)
         finally:
             self.resume()
+        update.log(self.wandb_run)
 
     @contextlib.contextmanager
     def paused(self, mode: str = "abort", clear_cache: bool = True):
@@ -171,6 +198,11 @@ class WeightUpdate:
                 "send": self.stats[-1]["send"] if self.stats else None,
                 "update": self.stats[-1]["update"] if self.stats else None, "num_sends": self.num_sends}
 
+    def log(self, wandb_run: Any) -> None:
+        if self.num_sends:
+            log_push(wandb_run, "broadcast", time.perf_counter() - self.t0,
+                     sum(s["send"]["num_bytes"] for s in self.stats), self.weight_version)
+
 
 def _capture(box: dict, fn, *args) -> None:
     try:
@@ -182,10 +214,11 @@ def _capture(box: dict, fn, *args) -> None:
 class AsyncWeightPushMixin:
     """The same protocol for AsyncRolloutClient; blocking collectives run in threads."""
 
-    def __init__(self):
+    def __init__(self, wandb_run: Any = None):
         self._group = None
         self._push_dtype = None
         self._bucket_bytes = None
+        self.wandb_run = wandb_run
 
     async def init_weight_transfer(self, backend: str = "gloo", master_address: str = "127.0.0.1",
                                    master_port: Optional[int] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -232,6 +265,7 @@ class AsyncWeightPushMixin:
                 update.weight_version = await self.finish_weight_update(update.version)
         finally:
             await self.resume()
+        update.log(self.wandb_run)
 
     @contextlib.asynccontextmanager
     async def paused(self, mode: str = "abort", clear_cache: bool = True):

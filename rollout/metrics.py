@@ -191,19 +191,26 @@ class WandbLogger:
         self.run = wandb.init(project=project, name=run_name, config=config or {}, mode=mode,
                               job_type="rollout-server")
         self.mode = mode
+        self.step = 0
+        self.metrics: Optional[ServerMetrics] = None
 
     async def run_forever(self, metrics: ServerMetrics) -> None:
-        step = 0
+        self.metrics = metrics
         while True:
             await asyncio.sleep(self.interval_s)
-            data = metrics.snapshot()
-            try:
-                await asyncio.to_thread(self.run.log, data, step=step)
-            except Exception as e:  # noqa: BLE001 - metrics must never take the server down
-                logger.warning("wandb.log failed: %s", e)
-            step += 1
+            await asyncio.to_thread(self.log, metrics.snapshot())
+
+    def log(self, data: dict) -> None:
+        try:
+            self.run.log(data, step=self.step)
+            self.step += 1
+        except Exception as e:  # noqa: BLE001 - metrics must never take the server down
+            logger.warning("wandb.log failed: %s", e)
 
     def finish(self) -> None:
+        """One last point (the state at shutdown), then close the run."""
+        if self.metrics is not None:
+            self.log(self.metrics.snapshot())
         try:
             self.run.finish()
         except Exception as e:  # noqa: BLE001

@@ -4,6 +4,7 @@ API keys on, a small context and body limit so the limits are cheap to hit.
 
 Teardown sends SIGTERM and checks a clean exit: return code 0 and no engine-core child left.
 """
+import json
 import os
 import re
 import signal
@@ -64,6 +65,19 @@ def start_server(*extra: str) -> Server:
             raise RuntimeError(f"rollout serve did not come up:\n{Path(log.name).read_text()[-4000:]}")
         time.sleep(0.1)
     return Server(found["url"], proc, log.name)
+
+
+def wandb_history(wandb_dir) -> list[dict]:
+    """The history rows of the one offline W&B run under `wandb_dir`, read back with wandb's own
+    transaction-log reader (`wandb leet inspect --json`)."""
+    runs = list(Path(wandb_dir).glob("wandb/offline-run-*"))
+    assert len(runs) == 1, f"expected one offline W&B run under {wandb_dir}: {runs}"
+    cli = Path(sys.executable).parent / "wandb"
+    out = subprocess.run([str(cli), "leet", "inspect", "--json", str(runs[0])], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    return [r["history"]["item"] for r in records if r.get("type") == "history"]
 
 
 def children_of(pid: int) -> list[int]:

@@ -3,7 +3,8 @@
     python -m tests.rollout.trainer_e2e URL API_KEY ADMIN_KEY MODE PROMPTS_JSON
 
 MODE "client": only rollout.RolloutClient: generate with logprobs, push perturbed weights
-(pause -> broadcast -> swap -> resume, one call), generate again.
+(pause -> broadcast -> swap -> resume, one call), generate again; the client logs the push to
+the trainer's own (offline) W&B run.
 MODE "vllm": plain httpx, making the calls exactly as vLLM documents its RL HTTP API (the
 weight-transfer guide, docs.vllm.ai/en/latest/training/weight_transfer, and its example
 examples/online_serving/rlhf_http_nccl.py): /pause, /sleep + /wake_up, /init_weight_transfer_engine,
@@ -24,17 +25,23 @@ GREEDY = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True, "logprobs": 
 
 
 def with_client(url, api_key, admin_key, prompts, state) -> dict:
+    import wandb
+
     from rollout import RolloutClient
 
-    with RolloutClient(url, api_key=api_key, admin_api_key=admin_key, timeout=300) as client:
+    run = wandb.init(project="rollout-trainer-test", mode="offline")
+    with RolloutClient(url, api_key=api_key, admin_api_key=admin_key, timeout=300, wandb_run=run) as client:
         before = client.generate(prompts, GREEDY)
         client.init_weight_transfer(backend="gloo")
         client.push_weights(state.items(), version=1)
+        run.log({"train/step": 1})  # the trainer's own step commits the push's values with it
         after = client.generate(prompts, GREEDY)
         client.close_weight_transfer()
-        return {"before": [o.token_ids for o in before], "after": [o.token_ids for o in after],
-                "after_versions": [o.weight_versions for o in after], "after_logprobs": [o.logprobs for o in after],
-                "version": client.weight_version()}
+        version = client.weight_version()
+    run.finish()
+    return {"before": [o.token_ids for o in before], "after": [o.token_ids for o in after],
+            "after_versions": [o.weight_versions for o in after], "after_logprobs": [o.logprobs for o in after],
+            "version": version}
 
 
 def vllm_style(url, api_key, admin_key, prompts, state) -> dict:
