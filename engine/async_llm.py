@@ -92,7 +92,7 @@ class AsyncLLM:
         self._output_handler: Optional[asyncio.Task] = None
         self.dead_error: Optional[EngineDeadError] = None
         self._pause_mode: Optional[str] = None  # None while generating
-        self._resumed: Optional[asyncio.Event] = None  # new requests wait on it while paused
+        self._gated: dict[str, asyncio.Event] = {}  # requests that arrived while paused -> their gate
 
     @property
     def max_model_len(self) -> int:
@@ -104,8 +104,6 @@ class AsyncLLM:
         """Stream RequestOutputs for one request (cumulative, delta or final-only, per
         sampling_params.output_kind). Closing the generator or cancelling the task aborts it."""
         self._start_output_handler()
-        if self._pause_mode is not None:
-            await self._resumed.wait()  # paused: new requests wait, they do not fail
         params = sampling_params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.output_processor.requests:
@@ -120,6 +118,8 @@ class AsyncLLM:
         self.output_processor.add_request(request_id, text, ids, params, children, queue=collector)
         finished = False
         try:
+            if not await self._admitted(request_id):  # aborted while waiting: its final output is queued
+                children = []
             for i, cid in enumerate(children):
                 child = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
                 await self.client.add_request_async(EngineCoreRequest(cid, ids, child, self.processor.eos_token_id))
@@ -147,9 +147,10 @@ class AsyncLLM:
         finished = False
         feeder = None
         try:
-            await self.client.add_request_async(
-                EngineCoreRequest(request_id, ids, params, self.processor.eos_token_id, streaming=True))
-            feeder = asyncio.ensure_future(self._feed(inputs, request_id, collector))
+            if await self._admitted(request_id):
+                await self.client.add_request_async(
+                    EngineCoreRequest(request_id, ids, params, self.processor.eos_token_id, streaming=True))
+                feeder = asyncio.ensure_future(self._feed(inputs, request_id, collector))
             while not finished:
                 out = await collector.get()
                 finished = out.finished
@@ -175,6 +176,17 @@ class AsyncLLM:
         except Exception as e:  # a bad chunk fails this request only
             collector.put(e if isinstance(e, (InvalidRequestError, EngineDeadError)) else InvalidRequestError(str(e)))
 
+    async def _admitted(self, request_id: str) -> bool:
+        """While paused, a new request waits here (it does not fail) until resume_generation();
+        False if it was aborted meanwhile (abort() has queued its final output)."""
+        if self._pause_mode is not None:
+            gate = self._gated[request_id] = asyncio.Event()
+            try:
+                await gate.wait()
+            finally:
+                self._gated.pop(request_id, None)
+        return request_id in self.output_processor.requests
+
     def _abort_now(self, request_id: str) -> None:
         """Forget the request here and tell the core, without awaiting (safe in finally blocks)."""
         children = self.output_processor.abort(request_id)
@@ -185,12 +197,16 @@ class AsyncLLM:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             state = self.output_processor.requests.get(rid)
             children = self.output_processor.abort(rid)
+            if rid in self._gated:  # still waiting on the pause: it never reached the core
+                self._gated[rid].set()
+                children = []
             if state is not None and state.queue is not None:  # the caller gets a final output now
                 for seq in state.seqs:
                     if seq.finish_reason is None or seq.resumable:  # not finished for real
                         seq.finish_reason, seq.resumable = "abort", False
                 state.queue.put(self.output_processor.make_output(state))  # honours DELTA
-            await self.client.abort_requests_async(children)
+            if children:
+                await self.client.abort_requests_async(children)
 
     # ---- the output handler ---------------------------------------------------------------------
     def _start_output_handler(self) -> None:
@@ -232,9 +248,6 @@ class AsyncLLM:
         if mode not in ("abort", "wait", "keep"):
             raise InvalidRequestError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
         self._start_output_handler()
-        if self._resumed is None:
-            self._resumed = asyncio.Event()
-        self._resumed.clear()
         self._pause_mode = mode
         if mode == "keep":
             await self._call("pause_scheduling")
@@ -249,14 +262,15 @@ class AsyncLLM:
         if self._pause_mode == "keep":
             await self._call("resume_scheduling")
         self._pause_mode = None
-        if self._resumed is not None:
-            self._resumed.set()
+        for gate in self._gated.values():
+            gate.set()
 
     async def is_paused(self) -> bool:
         return self._pause_mode is not None
 
     async def _wait_idle(self) -> None:
-        while self.output_processor.has_unfinished():
+        # requests waiting on the pause gate have not started: they do not count
+        while len(self.output_processor.requests) > len(self._gated):
             if self.dead_error is not None:
                 raise self.dead_error
             await asyncio.sleep(0.005)

@@ -26,7 +26,7 @@ import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.core_proc import HANDSHAKE_TIMEOUT_MS, Hello, Ready, Startup
-from engine.errors import EngineDeadError, EngineStateError
+from engine.errors import EngineDeadError, EngineStateError, remote_error
 from engine.protocol import (EngineCoreOutputs, EngineCoreRequest, RequestType, StreamInput, UtilityOutput,
                              UtilityRequest)
 from engine.serial import MsgpackDecoder, MsgpackEncoder
@@ -269,7 +269,7 @@ class SyncMPClient(_MPClientBase):
         if result is None:
             raise EngineDeadError(self.dead_reason)
         if result.failure is not None:
-            raise RuntimeError(result.failure)
+            raise remote_error(result.failure_type, result.failure)
         return result.result
 
     def shutdown(self) -> None:
@@ -367,7 +367,7 @@ class AsyncMPClient(_MPClientBase):
             self._pending.pop(call_id, None)
             raise TimeoutError(f"{method} did not answer within {timeout} s") from None
         if result.failure is not None:
-            raise RuntimeError(result.failure)
+            raise remote_error(result.failure_type, result.failure)
         return result.result
 
     def shutdown(self) -> None:

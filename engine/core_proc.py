@@ -163,13 +163,13 @@ class EngineCoreProc:
             try:
                 self.core.add_request(msg)
             except InvalidRequestError as e:  # fails this request only
-                self._reject(msg.request_id, str(e))
+                self._reject(msg.request_id, e)
         elif kind == RequestType.STREAM_INPUT:
             try:
                 self.core.add_stream_input(msg)
             except InvalidRequestError as e:
                 self.core.abort_requests([msg.request_id])
-                self._reject(msg.request_id, str(e))
+                self._reject(msg.request_id, e)
         elif kind == RequestType.ABORT:
             outputs = self.core.abort_requests(msg)
             if outputs:
@@ -177,8 +177,9 @@ class EngineCoreProc:
         elif kind == RequestType.UTILITY:
             self.output_queue.put(EngineCoreOutputs(utility_output=self._call(msg)))
 
-    def _reject(self, request_id: str, error: str) -> None:
-        out = EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ABORT, error=error)
+    def _reject(self, request_id: str, error: InvalidRequestError) -> None:
+        out = EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
+                               error=str(error), error_type=type(error).__name__)
         self.output_queue.put(EngineCoreOutputs(outputs=[out]))
 
     def _call(self, req: UtilityRequest) -> UtilityOutput:
@@ -188,4 +189,8 @@ class EngineCoreProc:
         try:
             return UtilityOutput(req.call_id, result=fn(*req.args, **req.kwargs))
         except Exception as e:  # reported to the caller; the engine keeps serving
-            return UtilityOutput(req.call_id, failure=f"{type(e).__name__}: {e}")
+            return UtilityOutput(req.call_id, failure=_message(e), failure_type=type(e).__name__)
+
+
+def _message(e: BaseException) -> str:
+    return e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 and isinstance(e.args[0], str) else str(e)

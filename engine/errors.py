@@ -2,7 +2,10 @@
 
 Bad input is a `ValueError` subclass (`InvalidRequestError`, `UnsupportedModelError`): the
 request is refused and the engine keeps serving. `EngineDeadError` means the engine is gone.
+Errors raised in the engine-core process travel as (type name, message) and are raised again
+with their type by the client (`remote_error`), so callers catch the same classes as in-process.
 """
+from typing import Optional
 
 
 class InvalidRequestError(ValueError):
@@ -19,3 +22,21 @@ class UnsupportedModelError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine core is gone; every pending and later call fails with this."""
+
+
+# types a caller may catch, re-raised as themselves when they cross the process boundary
+_REMOTE_TYPES = {c.__name__: c for c in (InvalidRequestError, EngineStateError, UnsupportedModelError, ValueError,
+                                         TypeError, KeyError, FileNotFoundError, NotADirectoryError,
+                                         IsADirectoryError, TimeoutError, NotImplementedError)}
+
+
+def remote_error(type_name: Optional[str], message: str, default: type = RuntimeError) -> Exception:
+    """The exception for a failure the engine core reported as (type name, message)."""
+    if type_name == "WeightTransferError":
+        from weight_sync.group import WeightTransferError
+
+        return WeightTransferError(message)
+    cls = _REMOTE_TYPES.get(type_name or "")
+    if cls is not None:
+        return cls(message)
+    return default(f"{type_name}: {message}" if type_name else message)

@@ -9,7 +9,7 @@ from typing import Optional
 
 from tokenizers.decoders import DecodeStream
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, remote_error
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol import EngineCoreOutput, FinishReason
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -105,7 +105,7 @@ class OutputProcessor:
             if o.error is not None:  # the core refused it: fail the whole request
                 to_abort.extend(c for c in self.abort(parent_id) if c != o.request_id)
                 ready.pop(parent_id, None)
-                failed.append((state, InvalidRequestError(o.error)))
+                failed.append((state, remote_error(o.error_type, o.error, default=InvalidRequestError)))
                 continue
             seq = state.seqs[state.children[o.request_id]]
             if o.prompt_logprobs is not None and state.prompt_logprobs is None:

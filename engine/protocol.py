@@ -69,6 +69,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     resumable: bool = False  # a streaming-input chunk ended, the request waits for more input
     error: Optional[str] = None  # the core refused this request (bad input found there)
+    error_type: Optional[str] = None  # InvalidRequestError or a subclass
 
     @property
     def finished(self) -> bool:
@@ -78,7 +79,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     call_id: int
     result: Any = None
-    failure: Optional[str] = None
+    failure: Optional[str] = None  # the message of the exception the call raised
+    failure_type: Optional[str] = None  # its class name (engine.errors.remote_error raises it again)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

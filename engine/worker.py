@@ -10,7 +10,7 @@ from typing import Iterable, Optional
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
+from engine.errors import EngineStateError, InvalidRequestError
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 
@@ -65,7 +65,7 @@ class Worker:
         from weight_sync import WeightReceiver
 
         if getattr(self, "transfer_group", None) is None:
-            raise InvalidRequestError("no weight transfer group: call init_weight_transfer first")
+            raise EngineStateError("no weight transfer group: call init_weight_transfer first")
         staged = WeightReceiver(self.transfer_group).receive(self.expected_weights())
         return self._apply(staged)
 
@@ -106,8 +106,8 @@ class Worker:
             raise InvalidRequestError("weight update: no tensors")
         if not self.model_runner.weights_valid and set(staged) != set(self.expected_weights()):
             missing = sorted(set(self.expected_weights()) - set(staged))
-            raise InvalidRequestError(f"the weights were dropped (sleep level 2): a full update is needed, "
-                                      f"missing e.g. {missing[:3]}")
+            raise EngineStateError(f"the weights were dropped (sleep level 2): a full update is needed, "
+                                   f"missing e.g. {missing[:3]}")
         with torch.no_grad():
             for name, t in staged.items():
                 self.model.hf_view(name).copy_(t)
@@ -125,7 +125,7 @@ class Worker:
         from weight_sync import weights_checksum
 
         if not self.model_runner.weights_valid:
-            raise InvalidRequestError("the engine holds no weights (sleep level 2)")
+            raise EngineStateError("the engine holds no weights (sleep level 2)")
         return weights_checksum(self.model.hf_views())
 
     # ---- sleep / wake -----------------------------------------------------------------------

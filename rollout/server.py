@@ -261,9 +261,7 @@ async def serve(config: ServerConfig) -> None:
             deadline = time.monotonic() + config.shutdown_grace_s
             while state.in_flight and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            if state.in_flight and await engine.is_paused():
-                await engine.resume_generation()  # requests waiting on the pause enter the engine ...
-            for _ in range(100):  # ... and are aborted with the others, each with a final response
+            for _ in range(100):  # the rest (also those waiting on a pause) end with a final "abort"
                 if not state.in_flight:
                     break
                 await state.abort_all_in_flight()

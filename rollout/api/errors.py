@@ -6,9 +6,8 @@ an admin route -> 403, unknown route -> 404, body too large -> 413, EngineStateE
 state: asleep, no weights, not paused, no update in progress) -> 409, EngineDeadError -> 503,
 a timeout -> 504, anything else -> 500.
 
-Trap: errors raised inside the engine-core process cross the process boundary as
-`RuntimeError("<TypeName>: <message>")` (utility calls) or as a plain InvalidRequestError
-(requests the core refused); `engine_error()` recovers the kind from the text.
+Errors raised inside the engine-core process arrive here with their own type again
+(engine.errors.remote_error), so the mapping is by class, never by message text.
 """
 import json
 import logging
@@ -21,17 +20,16 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineDeadError, EngineStateError, InvalidRequestError
+from weight_sync.group import WeightTransferError
 
 logger = logging.getLogger("rollout")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "method_not_allowed", 409: "engine_state_error",
           413: "request_too_large", 500: "internal_error", 503: "engine_dead_error", 504: "timeout_error"}
-# markers of a state error that reached us as a plain InvalidRequestError / RuntimeError text
-_STATE_MARKERS = ("EngineStateError", "asleep", "holds no weights", "pause generation before",
-                  "no weight transfer group", "the weights were dropped")
-_BAD_INPUT_PREFIXES = ("InvalidRequestError", "ValueError", "TypeError", "KeyError", "FileNotFoundError",
-                       "UnsupportedModelError", "IsADirectoryError", "NotADirectoryError")
+# bad input found by the engine (ValueError covers InvalidRequestError / UnsupportedModelError;
+# TypeError: wrong arguments to a collective_rpc method; OSError kinds: a bad checkpoint path)
+_BAD_INPUT = (ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
 
 
 class APIError(Exception):
@@ -57,28 +55,19 @@ def engine_error(e: BaseException, param: Optional[str] = None) -> APIError:
         return e
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine is dead: {e}")
-    if isinstance(e, (TimeoutError,)):
+    if isinstance(e, TimeoutError):
         return APIError(504, str(e) or "the engine did not answer in time")
     text = str(e)
-    if isinstance(e, EngineStateError) or (isinstance(e, (InvalidRequestError, RuntimeError))
-                                           and any(m in text for m in _STATE_MARKERS)):
-        return APIError(409, _strip_type(text))
-    if isinstance(e, InvalidRequestError):
-        return APIError(400, text, param or _param_of(text))
-    if isinstance(e, RuntimeError) and text.startswith(_BAD_INPUT_PREFIXES):
-        return APIError(400, _strip_type(text), param or _param_of(text))
-    if isinstance(e, RuntimeError) and text.startswith("WeightTransferError"):
+    if isinstance(e, EngineStateError):
+        return APIError(409, text)
+    if isinstance(e, WeightTransferError):
         if "refused" in text or "sender aborted" in text:  # names / shapes / dtypes did not match
-            return APIError(400, _strip_type(text), param or "update_info", type="weight_transfer_error")
-        return APIError(500, _strip_type(text), type="weight_transfer_error")
-    if isinstance(e, ValueError):
+            return APIError(400, text, param or "update_info", type="weight_transfer_error")
+        return APIError(500, text, type="weight_transfer_error")
+    if isinstance(e, _BAD_INPUT):
         return APIError(400, text, param or _param_of(text))
     logger.exception("unexpected error", exc_info=e)
     return APIError(500, f"{type(e).__name__}: {e}")
-
-
-def _strip_type(text: str) -> str:
-    return re.sub(r"^[A-Za-z]+(Error|Exception): ", "", text)
 
 
 def _param_of(text: str) -> Optional[str]:

@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from engine import LLM, EngineStateError, SamplingParams
+from engine import LLM, EngineStateError, InvalidRequestError, SamplingParams
 from engine.async_llm import AsyncLLM
 from tests.engine.hf_reference import CHATS, chat_token_ids, hf_greedy
 from tests.engine.perturb import hf_model_with, perturbed_state
-from weight_sync import find_free_port, weights_checksum
+from weight_sync import WeightTransferError, find_free_port, weights_checksum
 
 EXT = "tests.engine.rl_worker_ext.MemoryProbe"
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -65,7 +65,7 @@ def test_push_bad_pushes_then_good_push(llm, prompts, default_model_path):
     for mode, words in [("wrong_shape", "shape"), ("unknown_name", "unknown"), ("wrong_dtype", "dtype"),
                         ("die", "")]:
         result, trainer = push(llm, mode)
-        assert isinstance(result, Exception), f"{mode}: the engine accepted a bad push"
+        assert isinstance(result, WeightTransferError), f"{mode}: the engine accepted a bad push ({result!r})"
         assert words in str(result).lower(), f"{mode}: unclear error {result}"
         assert llm.weight_version == 0
         assert llm.weights_checksum() == base_sum, f"{mode} changed the weights"
@@ -137,6 +137,23 @@ def test_update_refused_while_running_and_asleep_states(default_model_path, tmp_
     llm.shutdown()
 
 
+def test_errors_keep_their_type_across_the_process_boundary(llm, tmp_path):
+    """Failures inside the engine-core process reach the caller as the same classes an
+    in-process engine raises, and the engine keeps serving."""
+    assert llm.client.__class__.__name__ == "SyncMPClient"
+    with pytest.raises(FileNotFoundError, match="no .*safetensors"):
+        llm.update_weights_from_disk(str(tmp_path))
+    with pytest.raises(InvalidRequestError, match="sleep level"):
+        llm.sleep(3)
+    with pytest.raises(EngineStateError, match="no weight transfer group"):
+        llm.update_weights()
+    with pytest.raises(TypeError):
+        llm.collective_rpc("weight_bytes", args=(1, 2, 3))
+    with pytest.raises(RuntimeError, match="no method"):
+        llm.client.call_utility("no_such_method")
+    assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def _rss(llm) -> int:
     return llm.collective_rpc("rss_bytes")[0]
 
@@ -161,8 +178,10 @@ def test_sleep_releases_memory_and_outputs_survive(llm, prompts):
     assert awake - slept2 >= 0.9 * (kv_bytes + weight_bytes), (awake, slept2, kv_bytes, weight_bytes)
     llm.wake_up(["weights"])
     llm.wake_up(["kv_cache"])
-    with pytest.raises(Exception, match="no weights"):
+    with pytest.raises(EngineStateError, match="no weights"):
         llm.generate(prompts, GREEDY, use_tqdm=False)
+    with pytest.raises(EngineStateError, match="no weights"):
+        llm.weights_checksum()
     llm.reload_weights(version=0)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == before
 
@@ -255,5 +274,37 @@ async def _pause_modes():
             v = o.outputs[0].weight_versions
             k = frozen[o.request_id]
             assert len(v) == 40 and v == [0] * k + [1] * (40 - k), (o.request_id, k, v)
+    finally:
+        llm.shutdown()
+
+
+def test_requests_waiting_on_a_pause_can_be_aborted():
+    asyncio.run(_aborts_while_paused())
+
+
+async def _aborts_while_paused():
+    """A request that arrived while paused has not reached the engine: abort() ends it at once
+    (finish_reason "abort", no tokens), and a second pause does not wait for it."""
+    llm = AsyncLLM(dtype="float32", kv_cache_memory=64 << 20)
+    try:
+        await llm.pause_generation(mode="abort")
+        seen = {}
+        p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        gone = asyncio.ensure_future(_collect(llm, "Hi", p, "gone", seen))
+        kept = asyncio.ensure_future(_collect(llm, "Hello", p, "kept", seen))
+        await asyncio.sleep(0.3)
+        assert not gone.done() and not kept.done()
+        await asyncio.wait_for(llm.pause_generation(mode="abort"), 10)  # the waiting ones are not running
+        await asyncio.wait_for(llm.pause_generation(mode="wait"), 10)
+        await llm.abort("gone")
+        out = await asyncio.wait_for(gone, 10)
+        assert out.finished and out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == []
+        assert not kept.done()
+        await llm.resume_generation()
+        out = await asyncio.wait_for(kept, 60)
+        assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 4
+        with pytest.raises(InvalidRequestError, match="vocabulary"):  # bad input fails at once, even while paused
+            await llm.pause_generation(mode="abort")
+            await _collect(llm, [10 ** 9], p, "bad", seen)
     finally:
         llm.shutdown()

@@ -65,8 +65,16 @@ def test_pause_abort_returns_partial_outputs(client):
     # a request that arrives while paused waits, then runs after resume
     late = threading.Thread(target=lambda: box.update(late=client.generate(PROMPT, SHORT)[0]), daemon=True)
     late.start()
+    # ... unless it is aborted: it ends at once with "abort" and no tokens
+    gone = threading.Thread(target=lambda: box.update(gone=client.generate(PROMPT, SHORT, request_id="gone")[0]),
+                            daemon=True)
+    gone.start()
     late.join(1.0)
     assert late.is_alive(), "a request finished while generation was paused"
+    assert client.abort_requests(["gone"]) == 1
+    gone.join(30)
+    assert box["gone"].finish_reason == "abort" and box["gone"].token_ids == []
+    assert late.is_alive()
     client.resume()
     late.join(120)
     assert box["late"].finish_reason == "length" and not client.is_paused()
