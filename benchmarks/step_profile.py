@@ -71,7 +71,7 @@ def main():
     lm_head_in_projections = TOTALS["lm_head"]  # compute_logits calls Linear too
     rows = [
         ("matmuls: projections", TOTALS["projections"] - lm_head_in_projections),
-        ("matmuls: LM head (+ float32 cast)", TOTALS["lm_head"]),
+        ("matmuls: LM head", TOTALS["lm_head"]),
         ("attention (paged decode kernel / prefill SDPA)", TOTALS["attention"]),
         ("norms, rotary + KV write, SiLU*up", TOTALS["small fused ops"]),
         ("rest of forward (embedding, views, Python)",

@@ -171,8 +171,9 @@ class LlamaModel:
         return fused_add_rms_norm(h, residual, self.norm, eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> (N, vocab) float32."""
-        return self.lm_head(hidden).float()
+        """(N, hidden) -> (N, vocab) in the model's dtype (the sampler reads bf16 as it is when
+        it can, and converts to float32 where it computes more than an argmax)."""
+        return self.lm_head(hidden)
 
 
 _MKLDNN_BF16: Optional[bool] = None

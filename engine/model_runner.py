@@ -144,7 +144,7 @@ class ModelRunner:
         hidden = self.model.forward(ids_t, pos_t, md, self.kv_caches)
         if len(logit_rows) < len(positions):
             hidden = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=dev)]
-        logits = self.model.compute_logits(hidden)  # (len(logit_rows), V) float32
+        logits = self.model.compute_logits(hidden)  # (len(logit_rows), V) in the model's dtype
         out = ModelRunnerOutput()
         if prompt_lp:
             self._prompt_logprobs(logits, prompt_lp, out)
@@ -164,7 +164,7 @@ class ModelRunner:
     def _prompt_logprobs(self, logits: torch.Tensor, prompt_lp, out: ModelRunnerOutput) -> None:
         for req, first, n in prompt_lp:
             s = req.num_computed_tokens
-            rows = logits[first:first + n].log_softmax(dim=-1)  # raw logits, position p predicts p+1
+            rows = logits[first:first + n].float().log_softmax(dim=-1)  # raw logits: position p predicts p+1
             targets = torch.tensor(req.all_token_ids[s + 1:s + 1 + n], dtype=torch.int64, device=rows.device)
             lps = rows.gather(1, targets[:, None]).squeeze(1).tolist()
             top = None

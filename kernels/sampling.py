@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import cpu_ext
+
 CDF_CHUNK = 1024
 
 
@@ -41,8 +43,33 @@ class SamplerOutput:
     top_logprobs: Optional[torch.Tensor] = None  # (N, k) float32
 
 
+def greedy_ref(logits: torch.Tensor, with_logprobs: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """First argmax per row of (N, V) logits and (optionally) its log-softmax, in float32."""
+    x = logits.float()
+    ids = x.argmax(dim=-1)
+    if not with_logprobs:
+        return ids, None
+    return ids, (x.gather(1, ids[:, None]) - torch.logsumexp(x, dim=-1, keepdim=True)).squeeze(1)
+
+
+def greedy(logits: torch.Tensor, with_logprobs: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """greedy_ref in one C++ pass on CPU (bf16 logits read as they are: no float32 copy)."""
+    if logits.is_cpu and logits.ndim == 2 and logits.stride(-1) == 1 and logits.dtype in (torch.float32,
+                                                                                         torch.bfloat16):
+        ext = cpu_ext.load()
+        if ext is not None and hasattr(ext, "greedy_logprobs"):
+            ids, lps = ext.greedy_logprobs(logits, with_logprobs)
+            return ids, lps if with_logprobs else None
+    return greedy_ref(logits, with_logprobs)
+
+
 def sample(logits: torch.Tensor, md: SamplingMetadata, generator: Optional[torch.Generator] = None) -> SamplerOutput:
-    """logits: (N, V) float32, modified in place by banned tokens. Returns sampled ids + logprobs."""
+    """logits: (N, V) float32 or the model's dtype (converted to float32 unless the batch is plain
+    greedy), modified in place by banned tokens. Returns sampled ids + logprobs."""
+    if md.all_greedy and not md.banned_tokens and not md.max_num_logprobs:  # no top-k logprobs
+        ids, lps = greedy(logits, md.max_num_logprobs is not None)
+        return SamplerOutput(token_ids=ids, logprobs=lps)
+    logits = logits.float()
     for row, ids in md.banned_tokens.items():
         logits[row, ids] = float("-inf")
     if md.all_greedy:

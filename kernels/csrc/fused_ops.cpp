@@ -7,6 +7,7 @@
 //   rope_and_cache(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, Hq, Hkv, D,
 //                  q_norm=None, k_norm=None, eps=1e-6) -> (q, k)
 //   rope_and_cache_qk(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> (q, k)
+//   greedy_logprobs(logits (N, V), with_logprobs) -> (argmax ids (N,), their log-softmax (N,))
 //
 // Rounding points follow the torch ops of Hugging Face's Llama (see kernels/norm.py,
 // kernels/activation.py, kernels/rotary.py for the reference formulas): a bf16 result is rounded
@@ -652,6 +653,73 @@ std::tuple<at::Tensor, at::Tensor> rope_and_cache_qk(
                              slot_mapping, std::nullopt, std::nullopt, 0.0);
 }
 
+// ---- greedy sampling -----------------------------------------------------------------------------
+// Per row: the first index of the maximum (torch.argmax; a row with a NaN gives its first NaN,
+// as torch does) and its log-softmax, -log(sum_i exp(x_i - max)), in two passes over the row
+// (max, then sum + index) instead of torch's argmax + float cast + logsumexp + gather. A row of
+// only -inf gives index 0 and a NaN logprob, like torch.
+template <typename T>
+void greedy_row(const T* x, int64_t n, bool with_logprob, int64_t& id, float& logprob) {
+  const vfloat neg_inf = splat(-__builtin_inff());
+  vint lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  auto at = [&](int64_t c) {  // the vector at c, lanes past the row's end -inf
+    return c + L <= n ? load(x + c) : (lane < int32_t(n - c) ? load_n(x + c, n - c) : neg_inf);
+  };
+  vfloat mv = neg_inf;
+  vint nan = {};
+  for (int64_t c = 0; c < n; c += L) {
+    const vfloat v = at(c);
+    nan |= (v != v);
+    mv = v > mv ? v : mv;
+  }
+  bool has_nan = false;
+  for (int64_t i = 0; i < L; ++i) has_nan |= nan[i] != 0;
+  if (has_nan) {
+    for (int64_t i = 0; i < n; ++i)
+      if (float v = static_cast<float>(x[i]); v != v) { id = i, logprob = v; return; }
+  }
+  float m = mv[0];
+  for (int64_t i = 1; i < L; ++i) m = std::max(m, mv[i]);
+  id = -1;
+  vfloat sum = {};
+  for (int64_t c = 0; c < n; c += L) {
+    const vfloat v = at(c);
+    if (id < 0) {
+      const vint hit = v == m;
+      for (int64_t i = 0; i < L; ++i)
+        if (hit[i]) { id = c + i; break; }
+    }
+    if (!with_logprob) {
+      if (id >= 0) break;
+      continue;
+    }
+    sum += sleef_expf(v - m);
+  }
+  float total = 0.0f;
+  for (int64_t i = 0; i < L; ++i) total += sum[i];
+  logprob = m == -__builtin_inff() ? __builtin_nanf("") : -std::log(total);  // all -inf: NaN, as torch
+  if (id < 0) id = 0;
+}
+
+std::tuple<at::Tensor, at::Tensor> greedy_logprobs(const at::Tensor& logits, bool with_logprobs) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1 &&
+                  dtype_ok(logits.scalar_type()) && logits.size(1) > 0,
+              "greedy_logprobs: logits must be a CPU (N, V) float32/bfloat16 tensor with a "
+              "contiguous last dim");
+  const int64_t N = logits.size(0), V = logits.size(1), stride = logits.stride(0);
+  at::Tensor ids = new_tensor({N}, at::kLong), lps = new_tensor({N}, at::kFloat);
+  int64_t* id = ids.data_ptr<int64_t>();
+  float* lp = lps.data_ptr<float>();
+  dispatch_dtype(logits.scalar_type(), "greedy_logprobs", [&](auto tag) {
+    using T_ = decltype(tag);
+    const T_* x = logits.data_ptr<T_>();
+    for_rows(N, V * (with_logprobs ? 4 : 1), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) greedy_row(x + r * stride, V, with_logprobs, id[r], lp[r]);
+    });
+  });
+  return {ids, lps};
+}
+
 void register_fused_ops(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
@@ -673,6 +741,10 @@ void register_fused_ops(pybind11::module_& m) {
         "rope_and_cache with separate (possibly strided) q, k, v views",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("positions"), py::arg("cos_sin"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
+  m.def("greedy_logprobs", &greedy_logprobs,
+        "(logits (N, V)) -> (first argmax per row (N,) int64, its log-softmax (N,) float32; "
+        "left unset unless with_logprobs)",
+        py::arg("logits"), py::arg("with_logprobs") = true);
 }
 
 }  // namespace rollout_fused

@@ -299,3 +299,37 @@ def test_large_batch_statistics_do_not_favour_low_ids():
     freq = torch.bincount(tokens, minlength=vocab).double() / n
     sigma = math.sqrt(0.1 * 0.9 / n)
     assert ((freq - 0.1).abs() <= 5 * sigma).all(), freq.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 37, 49152])
+def test_greedy_op_matches_argmax_and_log_softmax(dtype, vocab):
+    """The one-pass C++ greedy op (ids + logprobs, bf16 read without a float32 copy) against
+    torch: the first index of the maximum, ties and NaN rows included; -inf rows are uniform."""
+    from kernels.sampling import greedy, greedy_ref
+
+    x = random_logits(9, vocab, seed=vocab).to(dtype)
+    if vocab > 3:
+        x[1, 2] = x[1, vocab - 1] = x[1].max() + 1  # a tie: the first one wins
+        x[2, 3] = float("nan")  # torch.argmax picks the (first) NaN
+        x[3] = float("-inf")
+        x[4, :vocab // 2] = float("-inf")
+    for rows in (x, x[::2]):  # contiguous and strided rows
+        ids, lps = greedy(rows, True)
+        ref_ids, ref_lps = greedy_ref(rows, True)
+        assert ids.dtype == torch.int64 and lps.dtype == torch.float32
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(lps, ref_lps, atol=1e-5, rtol=0, equal_nan=True)
+        assert torch.equal(greedy(rows, False)[0], ref_ids) and greedy(rows, False)[1] is None
+
+
+def test_plain_greedy_batch_takes_bf16_logits_as_they_are():
+    logits = random_logits(6, 1000, seed=5).bfloat16()
+    md = SamplingMetadata(num_rows=6, all_greedy=True, max_num_logprobs=0)
+    out = sample(logits, md)
+    assert torch.equal(out.token_ids, logits.float().argmax(-1))
+    torch.testing.assert_close(out.logprobs, logits.float().log_softmax(-1).gather(
+        1, out.token_ids[:, None]).squeeze(1), atol=1e-5, rtol=0)
+    md.max_num_logprobs = 2  # top-k logprobs: the general path, in float32
+    out = sample(logits, md)
+    assert out.top_ids.shape == (6, 2) and out.top_logprobs.dtype == torch.float32
