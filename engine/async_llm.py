@@ -287,6 +287,10 @@ class AsyncLLM:
     async def update_weights_from_disk(self, path: str, version: Optional[int] = None) -> dict:
         return await self._call("update_weights_from_disk", path, version)
 
+    async def update_weights_from_ipc(self, handles: dict, version: Optional[int] = None) -> dict:
+        """See LLM.update_weights_from_ipc."""
+        return await self._call("update_weights_from_ipc", handles, version)
+
     async def reload_weights(self, version: Optional[int] = None) -> dict:
         return await self._call("reload_weights", version)
 

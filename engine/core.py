@@ -222,6 +222,16 @@ class EngineCore:
         stats = self.collective_rpc("update_weights_from_tensors", [list(named_tensors)])[0]
         return dict(stats, weight_version=self._after_update(version))
 
+    def update_weights_from_ipc(self, handles: dict, version: Optional[int] = None) -> dict:
+        self._check_can_update()
+        try:
+            stats = self.collective_rpc("update_weights_from_ipc", [handles])[0]
+        except InvalidRequestError:
+            raise
+        except (ValueError, TypeError, KeyError) as e:  # malformed handles are bad input
+            raise InvalidRequestError(f"weight update from IPC handles: {e}") from e
+        return dict(stats, weight_version=self._after_update(version))
+
     def reload_weights(self, version: Optional[int] = None) -> dict:
         """Explicitly reload the startup checkpoint (a level-2 sleep never does it by itself)."""
         self._check_can_update()

@@ -163,6 +163,12 @@ class LLM:
         """Tensors from this process (in-process engine only: an MP engine gets them over msgpack)."""
         return self.client.call_utility("update_weights_from_tensors", list(named_tensors), version)
 
+    def update_weights_from_ipc(self, handles: dict, version: Optional[int] = None) -> dict:
+        """Tensors shared by another process on this machine: `weight_sync.SharedWeights().share(...)`
+        (CUDA IPC for a trainer on the same GPU, shared memory on CPU); the trainer keeps them
+        alive until this returns."""
+        return self.client.call_utility("update_weights_from_ipc", handles, version)
+
     def reload_weights(self, version: Optional[int] = None) -> dict:
         return self.client.call_utility("reload_weights", version)
 

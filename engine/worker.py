@@ -91,6 +91,16 @@ class Worker:
             staged[name] = t.detach().to(self.model_runner.device, copy=True)
         return self._apply(staged)
 
+    def update_weights_from_ipc(self, handles: dict) -> dict:
+        """Tensors shared by a process on this machine (weight_sync.ipc: CUDA IPC or shared memory);
+        every name, shape and dtype is checked before anything is copied."""
+        from weight_sync.ipc import read_shared
+
+        expected = self.expected_weights()
+        staged = read_shared(handles, self.model_runner.device,
+                             check=lambda name, shape, dtype: self._check(name, shape, dtype, expected))
+        return self._apply(staged)
+
     @staticmethod
     def _check(name, shape, dtype, expected) -> None:
         if name not in expected:

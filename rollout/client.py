@@ -210,6 +210,18 @@ class _Endpoints:
 
     update_weights_from_disk = push_weights_from_disk
 
+    def update_weights_from_ipc(self, handles: dict, version: Optional[int] = None):
+        """Tensors shared from this machine (weight_sync.SharedWeights; keep it open until this
+        returns). Pause generation first, or run idle: `push_weights_shared` does it all."""
+        t0 = time.perf_counter()
+
+        def logged(body: dict) -> dict:
+            log_push(self.wandb_run, "ipc", time.perf_counter() - t0, body.get("num_bytes"), body.get("weight_version"))
+            return body
+
+        return self._run(_Call("POST", "/update_weights_from_ipc", logged, json={"handles": handles, "version": version},
+                               admin=True, timeout=LONG_TIMEOUT))
+
     def close_weight_transfer_engine(self):
         return self._run(_Call("POST", "/close_weight_transfer", admin=True))
 

@@ -131,6 +131,16 @@ class WeightPushMixin:
             self.resume()
         update.log(self.wandb_run)
 
+    def push_weights_shared(self, named_tensors: Iterable, version: Optional[int] = None,
+                            pause_mode: str = "abort") -> dict:
+        """For a trainer on the server's machine: pause -> share the tensors (CUDA IPC on a shared
+        GPU, shared memory on CPU; in the engine's dtype) -> the engine copies them in -> resume.
+        No transfer group needed."""
+        from weight_sync import SharedWeights
+
+        with self.paused(pause_mode), SharedWeights() as shared:
+            return self.update_weights_from_ipc(shared.share(named_tensors), version)
+
     @contextlib.contextmanager
     def paused(self, mode: str = "abort", clear_cache: bool = True):
         """with client.paused(): ...  (generation resumes on exit, also on error)"""
@@ -266,6 +276,15 @@ class AsyncWeightPushMixin:
         finally:
             await self.resume()
         update.log(self.wandb_run)
+
+    async def push_weights_shared(self, named_tensors: Iterable, version: Optional[int] = None,
+                                  pause_mode: str = "abort") -> dict:
+        """See RolloutClient.push_weights_shared."""
+        from weight_sync import SharedWeights
+
+        async with self.paused(pause_mode):
+            with SharedWeights() as shared:
+                return await self.update_weights_from_ipc(shared.share(named_tensors), version)
 
     @contextlib.asynccontextmanager
     async def paused(self, mode: str = "abort", clear_cache: bool = True):

@@ -17,20 +17,25 @@ before any tensor moves) -> size-capped dtype-homogeneous buckets -> all-reduce 
 every receiver has everything. The receiver stages into fresh tensors and returns them only
 when complete, so a failed push leaves the live weights whole.
 
-Other route: `load_safetensors_folder()` reads a (sharded) checkpoint from disk.
+Other routes: `load_safetensors_folder()` reads a (sharded) checkpoint from disk;
+`SharedWeights` / `read_shared` (ipc.py) hand tensors to an engine on the same machine (CUDA
+IPC on a shared GPU, shared memory on CPU).
 """
 from weight_sync.checkpoint import load_safetensors_folder
 from weight_sync.checksum import weights_checksum
 from weight_sync.group import WeightTransferError, WeightTransferGroup, find_free_port
+from weight_sync.ipc import SharedWeights, read_shared
 from weight_sync.protocol import DEFAULT_BUCKET_BYTES, WeightReceiver, WeightSender
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "SharedWeights",
     "WeightReceiver",
     "WeightSender",
     "WeightTransferError",
     "WeightTransferGroup",
     "find_free_port",
     "load_safetensors_folder",
+    "read_shared",
     "weights_checksum",
 ]

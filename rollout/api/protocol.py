@@ -253,3 +253,8 @@ class FinishWeightUpdateBody(_Strict):
 class UpdateFromDiskBody(_Strict):
     path: str
     version: Optional[int] = None
+
+
+class UpdateFromIPCBody(_Strict):
+    handles: dict  # from weight_sync.SharedWeights.share(): {"kind", "tensors", ...}
+    version: Optional[int] = None

@@ -12,7 +12,9 @@
     POST /finish_weight_update {"weight_version": v}   -> closes the update; v labels the weights
          (default: the previous version + 1 per /update_weights)
 
-Ours: POST /update_weights_from_disk {"path", "version"}, POST /close_weight_transfer,
+Ours: POST /update_weights_from_disk {"path", "version"}, POST /update_weights_from_ipc
+{"handles", "version"} (a trainer on the same machine: weight_sync.SharedWeights, CUDA IPC on a
+shared GPU or shared memory on CPU), POST /close_weight_transfer,
 GET /weights/version (and vLLM's GET /weight_info), GET /weights/checksum (compare with
 `weight_sync.weights_checksum` on the trainer's tensors to verify a push).
 
@@ -28,7 +30,7 @@ from fastapi import APIRouter, Request
 from rollout.api.control import call
 from rollout.api.errors import APIError
 from rollout.api.protocol import (FinishWeightUpdateBody, InitWeightTransferBody, StartWeightUpdateBody,
-                                  UpdateFromDiskBody, UpdateWeightsBody)
+                                  UpdateFromDiskBody, UpdateFromIPCBody, UpdateWeightsBody)
 from rollout.api.state import ServerState, WeightUpdate, get_state
 
 router = APIRouter(tags=["admin"])
@@ -117,6 +119,16 @@ async def update_weights_from_disk(body: UpdateFromDiskBody, request: Request):
     async with state.control_lock:
         result = await call(state.engine.update_weights_from_disk(body.path, body.version), "path")
     state.metrics.observe_push("disk", time.monotonic() - t0)
+    return dict(result, message="Weights updated")
+
+
+@router.post("/update_weights_from_ipc")
+async def update_weights_from_ipc(body: UpdateFromIPCBody, request: Request):
+    state = get_state(request)
+    t0 = time.monotonic()
+    async with state.control_lock:
+        result = await call(state.engine.update_weights_from_ipc(body.handles, body.version), "handles")
+    state.metrics.observe_push("ipc", time.monotonic() - t0)
     return dict(result, message="Weights updated")
 
 

@@ -308,3 +308,91 @@ async def _aborts_while_paused():
             await _collect(llm, [10 ** 9], p, "bad", seen)
     finally:
         llm.shutdown()
+
+
+# ---- weights shared by a process on the same machine (weight_sync.ipc) -------------------------
+
+def start_ipc_trainer(mode: str):
+    proc = subprocess.Popen([sys.executable, "-m", "tests.engine.ipc_trainer_proc", mode], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line, f"the IPC trainer died (exit code {proc.wait(60)})"
+    return proc, json.loads(line)
+
+
+def stop_ipc_trainer(proc) -> None:
+    proc.communicate("done\n", timeout=60)
+    assert proc.returncode == 0
+
+
+@pytest.mark.slow
+def test_weights_shared_by_a_trainer_process(llm, prompts, default_model_path):
+    """Shared memory from a real trainer process: bad shares leave the weights whole; a good one
+    matches transformers on the new weights and the trainer's checksum."""
+    llm.reload_weights(version=0)
+    base_sum = llm.weights_checksum()
+    for mode, words in (("wrong_shape", "shape"), ("unknown_name", "unknown")):
+        proc, shared = start_ipc_trainer(mode)
+        with pytest.raises(InvalidRequestError, match=words):
+            llm.update_weights_from_ipc(shared["handles"], version=5)
+        stop_ipc_trainer(proc)
+        assert llm.weight_version == 0 and llm.weights_checksum() == base_sum
+    proc, shared = start_ipc_trainer("full")
+    try:
+        result = llm.update_weights_from_ipc(shared["handles"], version=3)
+    finally:
+        stop_ipc_trainer(proc)
+    assert result["weight_version"] == 3 and llm.weights_checksum() == shared["checksum"]
+    after = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(o.outputs[0].weight_versions == [3] * 16 for o in after)
+    reference = hf_greedy(hf_model_with(default_model_path, perturbed_state(default_model_path)), prompts, 16)
+    assert [o.outputs[0].token_ids for o in after] == [r[0] for r in reference]
+    # the segment is gone once the trainer closed it: a clear error, weights unchanged
+    with pytest.raises(InvalidRequestError, match="closed it too early"):
+        llm.update_weights_from_ipc(shared["handles"])
+    assert llm.weights_checksum() == shared["checksum"]
+    llm.reload_weights(version=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_ipc_from_a_trainer_process_on_the_same_gpu(default_model_path):
+    engine = LLM(dtype="float32", device="cuda", kv_cache_memory=256 << 20)
+    try:
+        proc, shared = start_ipc_trainer("cuda")
+        try:
+            assert shared["handles"]["kind"] == "cuda"
+            assert engine.update_weights_from_ipc(shared["handles"], version=1)["weight_version"] == 1
+        finally:
+            stop_ipc_trainer(proc)
+        assert engine.weights_checksum() == shared["checksum"]
+    finally:
+        engine.shutdown()
+
+
+def test_ipc_handles_are_checked_and_never_run_code(tmp_path):
+    import base64
+    import os
+    import pickle
+
+    from weight_sync import SharedWeights, read_shared
+
+    cpu = torch.device("cpu")
+    for bad in ({}, {"kind": "nope", "tensors": []}, {"kind": "shm", "tensors": "x"}):
+        with pytest.raises(ValueError, match="IPC handles must be"):
+            read_shared(bad, cpu)
+    with SharedWeights() as shared:
+        h = shared.share([("a", torch.arange(6.0).view(2, 3)), ("b", torch.ones(2, dtype=torch.bfloat16))])
+        got = read_shared(h, cpu, check=lambda n, shape, dtype: None)
+        assert torch.equal(got["a"], torch.arange(6.0).view(2, 3)) and got["b"].dtype == torch.bfloat16
+        h["tensors"][0]["shape"] = [1000, 1000]
+        with pytest.raises(ValueError, match="outside the shared segment"):
+            read_shared(h, cpu)
+
+    class Evil:  # a "handle" whose unpickling would run a command
+        def __reduce__(self):
+            return os.system, (f"touch {tmp_path}/pwned",)
+
+    evil = {"kind": "cuda", "tensors": [{"name": "a", "handle": base64.b64encode(pickle.dumps(Evil())).decode()}]}
+    with pytest.raises(ValueError, match="may not name"):
+        read_shared(evil, cpu)
+    assert not (tmp_path / "pwned").exists()

@@ -80,6 +80,8 @@ CASES = [
      400, "init_info.master_port", ["master_port"]),
     ("disk-path", "POST", "/update_weights_from_disk", dict(json={"path": "/no/such/ckpt"}, headers=ADMIN), 400,
      "path", ["/no/such/ckpt"]),
+    ("ipc-handles", "POST", "/update_weights_from_ipc", dict(json={"handles": {"kind": "x"}}, headers=ADMIN), 400,
+     "handles", ["IPC handles must be"]),
     ("version-str", "POST", "/finish_weight_update", dict(json={"weight_version": "v1"}, headers=ADMIN), 400,
      "weight_version", ["integer"]),
     # calls in the wrong state

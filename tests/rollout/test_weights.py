@@ -115,3 +115,23 @@ def test_async_client_push(server, original):
             assert await c.weights_checksum() == weights_checksum(original.items(), torch.float32)
 
     asyncio.run(main())
+
+
+def test_push_weights_shared_from_this_machine(client, original):
+    """/update_weights_from_ipc through the client: shared memory, no transfer group; a bad
+    share is a 400 that leaves the weights whole."""
+    good = client.weights_checksum()
+    with pytest.raises(RolloutAPIError) as e:
+        client.push_weights_shared([("model.norm.weight", torch.zeros(3))])
+    assert e.value.status == 400 and "shape" in e.value.message
+    with pytest.raises(RolloutAPIError) as e:
+        client.update_weights_from_ipc({"kind": "shm", "shm": "no-such-segment", "tensors": []})
+    assert e.value.status == 400 and "segment" in e.value.message
+    assert client.weights_checksum() == good and not client.is_paused()
+    changed = {"model.norm.weight": original["model.norm.weight"] * 0.5}
+    version = client.weight_version() + 1
+    assert client.push_weights_shared(changed.items(), version=version)["weight_version"] == version
+    assert client.weights_checksum() == weights_checksum({**original, **changed}.items(), torch.float32)
+    assert set(client.generate(PROMPT, GREEDY)[0].weight_versions) == {version}
+    client.push_weights_shared([("model.norm.weight", original["model.norm.weight"])])
+    assert client.weights_checksum() == good

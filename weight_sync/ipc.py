@@ -1,0 +1,186 @@
+"""Weights handed to an engine on the same machine without a network copy.
+
+The trainer shares its tensors (`SharedWeights`), passes the small, JSON-able handle dict to the
+engine (`LLM.update_weights_from_ipc`), and keeps the tensors alive until the call returns; the
+engine reads the handles (`read_shared`), checks names, shapes and dtypes like any push before
+anything is copied, and swaps the copies into its weights atomically.
+
+- CUDA tensors: CUDA IPC memory handles (torch.multiprocessing's reductions), for a trainer
+  and an engine sharing a GPU: the engine reads the trainer's memory in place, no host copy.
+  The handle is a pickle of torch's rebuild call; the engine unpickles it with an allow-list of
+  torch's own rebuild functions and types, so a handle can never run other code.
+- CPU tensors: one POSIX shared-memory segment holding them all (one copy on the trainer's side,
+  one into the weights), named in the handles with each tensor's offset, dtype and shape.
+
+Handles: {"kind": "cuda" | "shm", "tensors": [...], "shm": name (shm only)}.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+import pickle
+from multiprocessing import shared_memory
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+
+ALIGN = 64
+
+# The globals a CUDA IPC handle may name: torch's rebuild functions and the types they take.
+_ALLOWED = {
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+    ("torch.multiprocessing.reductions", "rebuild_tensor"),
+    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+    ("torch.multiprocessing.reductions", "rebuild_event"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch", "Tensor"),
+    ("torch", "Size"),
+    ("torch.nn.parameter", "Parameter"),
+    ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),
+    ("torch", "UntypedStorage"),
+    ("torch", "TypedStorage"),
+    ("torch", "device"),
+    ("collections", "OrderedDict"),
+}
+
+
+_CREATED_HERE: set[str] = set()  # segments this process created (its resource tracker owns them)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class _HandleUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"a CUDA IPC handle may not name {module}.{name}")
+
+
+def _dump_cuda(t: torch.Tensor) -> str:
+    from multiprocessing.reduction import ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(t)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _load_cuda(handle: str) -> torch.Tensor:
+    try:
+        t = _HandleUnpickler(io.BytesIO(base64.b64decode(handle))).load()
+    except (pickle.UnpicklingError, EOFError, binascii.Error) as e:
+        raise ValueError(f"bad CUDA IPC handle: {e}") from None
+    if not isinstance(t, torch.Tensor):
+        raise ValueError("a CUDA IPC handle must hold one tensor")
+    return t
+
+
+class SharedWeights:
+    """The trainer's side: `handles = shared.share(named_tensors)`; keep `shared` open until the
+    engine's update returned, then `close()` (or use it as a context manager)."""
+
+    def __init__(self):
+        self._shm: Optional[shared_memory.SharedMemory] = None
+        self._keep: list[torch.Tensor] = []
+
+    def share(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict:
+        self.close()
+        named = [(n, t.detach()) for n, t in named_tensors]
+        if not named:
+            raise ValueError("nothing to share")
+        kinds = {t.device.type for _, t in named}
+        if kinds == {"cuda"}:
+            self._keep = [t for _, t in named]
+            return {"kind": "cuda", "tensors": [{"name": n, "handle": _dump_cuda(t)} for n, t in named]}
+        if kinds != {"cpu"}:
+            raise ValueError(f"tensors must be all CUDA or all CPU, got {sorted(kinds)}")
+        metas, offset = [], 0
+        for n, t in named:
+            metas.append({"name": n, "dtype": _dtype_name(t.dtype), "shape": list(t.shape), "offset": offset})
+            offset += (t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
+        self._shm = shared_memory.SharedMemory(create=True, size=max(offset, 1))
+        _CREATED_HERE.add(self._shm.name)
+        for (_, t), m in zip(named, metas):
+            nbytes = t.numel() * t.element_size()
+            dst = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=nbytes, offset=m["offset"])
+            dst.copy_(t.contiguous().view(-1).view(torch.uint8))
+            del dst  # no view may outlive the segment
+        return {"kind": "shm", "shm": self._shm.name, "tensors": metas}
+
+    def close(self) -> None:
+        self._keep = []
+        if self._shm is not None:
+            shm, self._shm = self._shm, None
+            shm.close()
+            shm.unlink()
+            _CREATED_HERE.discard(shm.name)
+
+    def __enter__(self) -> "SharedWeights":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_shared(handles: dict, device: torch.device, check: Optional[Callable] = None) -> dict[str, torch.Tensor]:
+    """The engine's side: fresh copies on `device` of the tensors behind the handles. `check(name,
+    shape, dtype)` runs for every tensor before anything is copied (raise to refuse the push)."""
+    if not isinstance(handles, dict) or handles.get("kind") not in ("cuda", "shm") \
+            or not isinstance(handles.get("tensors"), list):
+        raise ValueError('IPC handles must be {"kind": "cuda" | "shm", "tensors": [...]} (from SharedWeights)')
+    if handles["kind"] == "cuda":
+        named = [(m["name"], _load_cuda(m["handle"])) for m in handles["tensors"]]
+        return _checked_copies(named, device, check)
+    shm = _attach(str(handles.get("shm")))
+    try:
+        named = list(_views(shm, handles["tensors"]))
+        out = _checked_copies(named, device, check)
+        del named
+    finally:
+        shm.close()
+    return out
+
+
+def _checked_copies(named, device, check) -> dict[str, torch.Tensor]:
+    names = [n for n, _ in named]
+    if len(set(names)) != len(names):
+        raise ValueError("a tensor name appears twice in the handles")
+    if check is not None:
+        for n, t in named:
+            check(n, tuple(t.shape), t.dtype)
+    return {n: t.to(device, copy=True) for n, t in named}
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    try:
+        shm = shared_memory.SharedMemory(name=name, create=False)
+    except FileNotFoundError:
+        raise ValueError(f"no shared-memory segment {name!r}: the trainer closed it too early") from None
+    if name not in _CREATED_HERE:  # the trainer's segment: do not unlink it at exit (Python < 3.13)
+        try:
+            from multiprocessing import resource_tracker
+
+            resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+    return shm
+
+
+def _views(shm: shared_memory.SharedMemory, metas) -> Iterator[tuple[str, torch.Tensor]]:
+    for m in metas:
+        dtype = getattr(torch, str(m.get("dtype")), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{m.get('name')}: unknown dtype {m.get('dtype')!r}")
+        shape = [int(s) for s in m["shape"]]
+        numel = math.prod(shape)
+        offset = int(m["offset"])
+        if offset < 0 or any(s < 0 for s in shape) or offset + numel * dtype.itemsize > shm.size:
+            raise ValueError(f"{m['name']}: offset/shape outside the shared segment")
+        t = torch.frombuffer(shm.buf, dtype=dtype, count=numel, offset=offset) if numel else torch.empty(0, dtype=dtype)
+        yield str(m["name"]), t.view(shape)
