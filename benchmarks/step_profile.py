@@ -57,11 +57,12 @@ def main():
     model_mod.LlamaModel.forward = timed("forward", model_mod.LlamaModel.forward)
     model_mod.LlamaModel.compute_logits = timed("lm_head", model_mod.LlamaModel.compute_logits)
     model_mod.Linear.__call__ = timed("projections", model_mod.Linear.__call__)
-    fused = [n for n in ("fused_add_rms_norm", "rms_norm", "rope_and_cache", "rope_and_cache_qk", "silu_and_mul",
-                         "apply_rope", "write_kv") if hasattr(model_mod, n)]
-    for name in fused + ["attention"]:
-        setattr(model_mod, name, timed("attention" if name == "attention" else "small fused ops",
-                                       getattr(model_mod, name)))
+    ops = llm.client.core.runner.model.ops  # the per-layer ops the forward pass calls
+    for name in ("add_norm", "rope_and_cache", "silu_and_mul"):
+        setattr(ops, name, timed("small fused ops", getattr(ops, name)))
+    if ops.decode_attention is not None:
+        ops.decode_attention = timed("attention", ops.decode_attention)
+    model_mod.attention = timed("attention", model_mod.attention)  # steps with prefill chunks
 
     TOTALS.clear()
     t = time.perf_counter()
