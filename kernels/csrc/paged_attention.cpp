@@ -142,10 +142,13 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
         int64_t cnt, next_cnt = 0;
         for (int64_t t = start, offset = chunk_at(t, cnt); t < len;) {
           const int64_t next = t + cnt < len ? chunk_at(t + cnt, next_cnt) : 0;
+          // Every cache line of each row (leaving the second to the adjacent-line prefetcher
+          // made the kernel ~20% slower when the cache is cold, as it is in a decode step).
           if (prefetch)
             for (int64_t i = 0; i < next_cnt; ++i)
-              __builtin_prefetch(k_cache + next + i * tok_stride),  // (the adjacent-line
-              __builtin_prefetch(v_cache + next + i * tok_stride);  // prefetcher does the rest)
+              for (int64_t c = 0; c < D; c += 64 / int64_t(sizeof(T)))
+                __builtin_prefetch(k_cache + next + i * tok_stride + c),
+                __builtin_prefetch(v_cache + next + i * tok_stride + c);
           fn(t - start, cnt, offset);
           t += cnt, offset = next, cnt = next_cnt, next_cnt = 0;
         }
