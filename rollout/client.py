@@ -199,13 +199,7 @@ class _Endpoints:
 
     def push_weights_from_disk(self, path: str, version: Optional[int] = None):
         """Load a safetensors folder on the server's disk (pause generation first, or run idle)."""
-        t0 = time.perf_counter()
-
-        def logged(body: dict) -> dict:
-            log_push(self.wandb_run, "disk", time.perf_counter() - t0, body.get("num_bytes"), body.get("weight_version"))
-            return body
-
-        return self._run(_Call("POST", "/update_weights_from_disk", logged,
+        return self._run(_Call("POST", "/update_weights_from_disk", self._push_logger("disk"),
                                json={"path": str(path), "version": version}, admin=True, timeout=LONG_TIMEOUT))
 
     update_weights_from_disk = push_weights_from_disk
@@ -213,14 +207,19 @@ class _Endpoints:
     def update_weights_from_ipc(self, handles: dict, version: Optional[int] = None):
         """Tensors shared from this machine (weight_sync.SharedWeights; keep it open until this
         returns). Pause generation first, or run idle: `push_weights_shared` does it all."""
+        return self._run(_Call("POST", "/update_weights_from_ipc", self._push_logger("ipc"),
+                               json={"handles": handles, "version": version}, admin=True, timeout=LONG_TIMEOUT))
+
+    def _push_logger(self, source: str) -> Callable[[dict], dict]:
+        """A response parser that logs the push (timed from now) to the trainer's W&B run."""
         t0 = time.perf_counter()
 
         def logged(body: dict) -> dict:
-            log_push(self.wandb_run, "ipc", time.perf_counter() - t0, body.get("num_bytes"), body.get("weight_version"))
+            log_push(self.wandb_run, source, time.perf_counter() - t0, body.get("num_bytes"),
+                     body.get("weight_version"))
             return body
 
-        return self._run(_Call("POST", "/update_weights_from_ipc", logged, json={"handles": handles, "version": version},
-                               admin=True, timeout=LONG_TIMEOUT))
+        return logged
 
     def close_weight_transfer_engine(self):
         return self._run(_Call("POST", "/close_weight_transfer", admin=True))
