@@ -14,3 +14,11 @@ class MemoryProbe:
     def rss_bytes(self) -> int:
         with open("/proc/self/status") as f:
             return int(f.read().split("VmRSS:")[1].split()[0]) * 1024
+
+    def cuda_bytes(self) -> dict:
+        """Device memory as torch's allocator and as the driver see it."""
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+                "used": total - free}
