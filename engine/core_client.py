@@ -46,8 +46,9 @@ class InprocClient:
         self.num_blocks, self.max_model_len = self.core.num_blocks, self.core.max_model_len
         self._outputs: list = []
 
-    def add_request(self, req: EngineCoreRequest) -> None:
-        self.core.add_request(req)
+    def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
+        for req in reqs:
+            self.core.add_request(req)
 
     def add_stream_input(self, chunk: StreamInput) -> None:
         self.core.add_stream_input(chunk)
@@ -236,8 +237,10 @@ class SyncMPClient(_MPClientBase):
         except zmq.ZMQError as e:
             raise EngineDeadError(f"cannot reach the engine core: {e}") from e
 
-    def add_request(self, req: EngineCoreRequest) -> None:
-        self._send(RequestType.ADD, req)
+    def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
+        """All in one message: the core admits them together, so the first step's batch (and with
+        it every result) does not depend on how fast the requests arrived."""
+        self._send(RequestType.ADD_MANY, reqs)
 
     def add_stream_input(self, chunk: StreamInput) -> None:
         self._send(RequestType.STREAM_INPUT, chunk)

@@ -109,6 +109,7 @@ class EngineCoreProc:
         sock.connect(self.input_address)
         sock.send(b"")  # register our identity with the frontend's ROUTER
         decoders = {RequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+                    RequestType.ADD_MANY: MsgpackDecoder(list[EngineCoreRequest]),
                     RequestType.STREAM_INPUT: MsgpackDecoder(StreamInput),
                     RequestType.ABORT: MsgpackDecoder(list[str]),
                     RequestType.UTILITY: MsgpackDecoder(UtilityRequest)}
@@ -159,11 +160,12 @@ class EngineCoreProc:
             os._exit(1)
 
     def _handle(self, kind: RequestType, msg) -> None:
-        if kind == RequestType.ADD:
-            try:
-                self.core.add_request(msg)
-            except InvalidRequestError as e:  # fails this request only
-                self._reject(msg.request_id, e)
+        if kind in (RequestType.ADD, RequestType.ADD_MANY):
+            for req in msg if kind == RequestType.ADD_MANY else [msg]:
+                try:
+                    self.core.add_request(req)
+                except InvalidRequestError as e:  # fails this request only
+                    self._reject(req.request_id, e)
         elif kind == RequestType.STREAM_INPUT:
             try:
                 self.core.add_stream_input(msg)

@@ -55,10 +55,11 @@ class LLM:
             if len(params) != len(prompts):
                 raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
         processed = [self.processor.process(p, sp) for p, sp in zip(prompts, params)]
-        request_ids = []
+        request_ids, core_requests = [], []
         try:
             for (text, token_ids), sp in zip(processed, params):
-                request_ids.append(self._add_request(text, token_ids, sp))
+                request_ids.append(self._add_request(text, token_ids, sp, core_requests))
+            self.client.add_requests(core_requests)
             return self._run(request_ids, use_tqdm and len(request_ids) > 1)
         except BaseException:
             self._abort(request_ids)
@@ -72,14 +73,16 @@ class LLM:
         prompts = [self.processor.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _add_request(self, text: Optional[str], token_ids: list[int], params: SamplingParams) -> str:
+    def _add_request(self, text: Optional[str], token_ids: list[int], params: SamplingParams,
+                     core_requests: list[EngineCoreRequest]) -> str:
+        """Registers the request here and appends what the core gets (one per child) to core_requests."""
         rid = str(next(self._ids))
         children = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         self.output_processor.add_request(rid, text, token_ids, params.clone(output_kind=RequestOutputKind.FINAL_ONLY),
                                           children)
         for i, cid in enumerate(children):
             child = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
-            self.client.add_request(EngineCoreRequest(cid, token_ids, child, self.processor.eos_token_id))
+            core_requests.append(EngineCoreRequest(cid, token_ids, child, self.processor.eos_token_id))
         return rid
 
     def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:

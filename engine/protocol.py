@@ -26,6 +26,7 @@ class RequestType(bytes, enum.Enum):
     ABORT = b"\x01"
     UTILITY = b"\x02"
     STREAM_INPUT = b"\x03"
+    ADD_MANY = b"\x04"  # a list of requests the core admits together, before its next step
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -164,3 +164,15 @@ def test_seeded_sampling_and_n(tokenizer):
         assert all(lp <= 0 for lp in o.logprobs)
     # the n children share the prompt's blocks through the prefix cache
     assert a.num_cached_tokens > 0 or llm.get_stats()["prefix_hit_rate"] > 0
+
+
+def test_same_batch_gives_bit_identical_results(tokenizer):
+    """LLM.generate hands the engine core its whole batch in one message, so the batches it
+    steps (and with them every float) do not depend on how fast the requests arrived."""
+    prompts = chat_token_ids(tokenizer, CHATS[:8])
+    llm = LLM(dtype="float32", enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    runs = [[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+            for _ in range(3)]
+    llm.shutdown()
+    assert runs[0] == runs[1] == runs[2]
