@@ -26,40 +26,30 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
+from weight_sync.protocol import dtype_name, parse_dtype
+
 ALIGN = 64
 
-# The globals a CUDA IPC handle may name: torch's rebuild functions and the types they take.
+# The globals a CUDA IPC handle may name: torch's rebuild function for a (detached) CUDA tensor
+# and the types its arguments carry (the dtype is checked in find_class).
 _ALLOWED = {
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-    ("torch.multiprocessing.reductions", "rebuild_tensor"),
-    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-    ("torch.multiprocessing.reductions", "rebuild_event"),
-    ("torch._utils", "_rebuild_tensor_v2"),
     ("torch", "Tensor"),
     ("torch", "Size"),
-    ("torch.nn.parameter", "Parameter"),
-    ("torch.storage", "UntypedStorage"),
     ("torch.storage", "TypedStorage"),
-    ("torch", "UntypedStorage"),
-    ("torch", "TypedStorage"),
-    ("torch", "device"),
-    ("collections", "OrderedDict"),
+    ("torch.storage", "UntypedStorage"),
 }
 
 
 _CREATED_HERE: set[str] = set()  # segments this process created (its resource tracker owns them)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 class _HandleUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        if module == "torch" and parse_dtype(name) is not None:
+            return parse_dtype(name)
         raise pickle.UnpicklingError(f"a CUDA IPC handle may not name {module}.{name}")
 
 
@@ -102,7 +92,7 @@ class SharedWeights:
             raise ValueError(f"tensors must be all CUDA or all CPU, got {sorted(kinds)}")
         metas, offset = [], 0
         for n, t in named:
-            metas.append({"name": n, "dtype": _dtype_name(t.dtype), "shape": list(t.shape), "offset": offset})
+            metas.append({"name": n, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset})
             offset += (t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
         self._shm = shared_memory.SharedMemory(create=True, size=max(offset, 1))
         _CREATED_HERE.add(self._shm.name)
@@ -174,8 +164,8 @@ def _attach(name: str) -> shared_memory.SharedMemory:
 
 def _views(shm: shared_memory.SharedMemory, metas) -> Iterator[tuple[str, torch.Tensor]]:
     for m in metas:
-        dtype = getattr(torch, str(m.get("dtype")), None)
-        if not isinstance(dtype, torch.dtype):
+        dtype = parse_dtype(str(m.get("dtype")))
+        if dtype is None:
             raise ValueError(f"{m.get('name')}: unknown dtype {m.get('dtype')!r}")
         shape = [int(s) for s in m["shape"]]
         numel = math.prod(shape)
