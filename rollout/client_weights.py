@@ -36,14 +36,12 @@ def _update_info(named: list, dtype, version: Optional[int]) -> dict:
 def log_push(wandb_run: Any, source: str, seconds: float, num_bytes: Optional[int], version: Optional[int]) -> None:
     """Log one push to the trainer's W&B run (`True`: the current `wandb.run`). commit=False: the
     values join the trainer's next `log` call instead of advancing its step."""
-    if wandb_run is None or wandb_run is False:
-        return
     if wandb_run is True:
         import wandb
 
         wandb_run = wandb.run
-        if wandb_run is None:
-            return
+    if wandb_run is None or wandb_run is False:
+        return
     data = {"rollout/push_seconds": seconds, f"rollout/push_{source}_seconds": seconds}
     if num_bytes:
         data["rollout/push_gb_per_s"] = num_bytes / max(seconds, 1e-9) / 1e9

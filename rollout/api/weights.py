@@ -112,23 +112,25 @@ async def _relabel(state: ServerState, version: int) -> None:
 
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(body: UpdateFromDiskBody, request: Request):
-    state = get_state(request)
     if not Path(body.path).is_dir():
         raise APIError(400, f"path {body.path!r} is not a folder on the server", "path")
-    t0 = time.monotonic()
-    async with state.control_lock:
-        result = await call(state.engine.update_weights_from_disk(body.path, body.version), "path")
-    state.metrics.observe_push("disk", time.monotonic() - t0)
-    return dict(result, message="Weights updated")
+    state = get_state(request)
+    return await _timed_update(state, "disk", state.engine.update_weights_from_disk(body.path, body.version), "path")
 
 
 @router.post("/update_weights_from_ipc")
 async def update_weights_from_ipc(body: UpdateFromIPCBody, request: Request):
     state = get_state(request)
+    return await _timed_update(state, "ipc", state.engine.update_weights_from_ipc(body.handles, body.version),
+                               "handles")
+
+
+async def _timed_update(state: ServerState, source: str, update, param: str) -> dict:
+    """Run one whole-model update under the control lock and record its duration."""
     t0 = time.monotonic()
     async with state.control_lock:
-        result = await call(state.engine.update_weights_from_ipc(body.handles, body.version), "handles")
-    state.metrics.observe_push("ipc", time.monotonic() - t0)
+        result = await call(update, param)
+    state.metrics.observe_push(source, time.monotonic() - t0)
     return dict(result, message="Weights updated")
 
 
