@@ -114,15 +114,14 @@ class AsyncLLM:
             return
         text, ids = self.processor.process(prompt, params)
         collector = RequestOutputCollector(params.output_kind)
-        children = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
-        self.output_processor.add_request(request_id, text, ids, params, children, queue=collector)
+        reqs = self.processor.core_requests(request_id, ids, params)
+        self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in reqs], queue=collector)
         finished = False
         try:
             if not await self._admitted(request_id):  # aborted while waiting: its final output is queued
-                children = []
-            for i, cid in enumerate(children):
-                child = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
-                await self.client.add_request_async(EngineCoreRequest(cid, ids, child, self.processor.eos_token_id))
+                reqs = []
+            for req in reqs:
+                await self.client.add_request_async(req)
             while not finished:
                 out = await collector.get()
                 finished = out.finished

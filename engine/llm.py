@@ -18,7 +18,6 @@ from engine.errors import InvalidRequestError
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.processor import Processor, PromptType, load_tokenizer
-from engine.protocol import EngineCoreRequest
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 ParamsArg = Union[None, SamplingParams, Sequence[SamplingParams]]
@@ -58,8 +57,13 @@ class LLM:
         request_ids, core_requests = [], []
         try:
             for (text, token_ids), sp in zip(processed, params):
-                request_ids.append(self._add_request(text, token_ids, sp, core_requests))
-            self.client.add_requests(core_requests)
+                rid = str(next(self._ids))
+                reqs = self.processor.core_requests(rid, token_ids, sp)
+                final_only = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                self.output_processor.add_request(rid, text, token_ids, final_only, [r.request_id for r in reqs])
+                request_ids.append(rid)
+                core_requests.extend(reqs)
+            self.client.add_requests(core_requests)  # one message: the core admits the batch whole
             return self._run(request_ids, use_tqdm and len(request_ids) > 1)
         except BaseException:
             self._abort(request_ids)
@@ -72,18 +76,6 @@ class LLM:
             conversations = [conversations]
         prompts = [self.processor.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
-
-    def _add_request(self, text: Optional[str], token_ids: list[int], params: SamplingParams,
-                     core_requests: list[EngineCoreRequest]) -> str:
-        """Registers the request here and appends what the core gets (one per child) to core_requests."""
-        rid = str(next(self._ids))
-        children = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
-        self.output_processor.add_request(rid, text, token_ids, params.clone(output_kind=RequestOutputKind.FINAL_ONLY),
-                                          children)
-        for i, cid in enumerate(children):
-            child = params if params.n == 1 else params.clone(n=1, seed=None if params.seed is None else params.seed + i)
-            core_requests.append(EngineCoreRequest(cid, token_ids, child, self.processor.eos_token_id))
-        return rid
 
     def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -5,6 +5,7 @@ from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.protocol import EngineCoreRequest
 from engine.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict]
@@ -29,6 +30,15 @@ class Processor:
         text, ids = self.tokenize(prompt)
         self.check_token_ids(ids)
         return text, ids
+
+    def core_requests(self, request_id: str, token_ids: list[int], params: SamplingParams) -> list[EngineCoreRequest]:
+        """What the engine core runs for one request: itself, or its n children ("<id>-<i>", each
+        n=1, seeded seed+i) sharing the prompt's blocks."""
+        if params.n == 1:
+            return [EngineCoreRequest(request_id, token_ids, params, self.eos_token_id)]
+        return [EngineCoreRequest(f"{request_id}-{i}", token_ids,
+                                  params.clone(n=1, seed=None if params.seed is None else params.seed + i),
+                                  self.eos_token_id) for i in range(params.n)]
 
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
