@@ -33,6 +33,7 @@ logger = logging.getLogger("kernels")
 
 _SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp",
             Path(__file__).parent / "csrc" / "fused_ops.cpp"]
+_HEADERS = [Path(__file__).parent / "csrc" / "vec.h"]  # included by the sources: part of the hash
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 _STALE_LOCK_S = 600  # a build lock this old was left by a killed build
@@ -58,7 +59,7 @@ def _module_name() -> str:
     import torch
 
     h = hashlib.sha256(" ".join([torch.__version__, *_CFLAGS, *_LDFLAGS, _cpu_flags()]).encode())
-    for src in _SOURCES:
+    for src in _SOURCES + _HEADERS:
         h.update(src.read_bytes())
     return f"rollout_cpu_kernels_{h.hexdigest()[:10]}"
 

@@ -48,18 +48,15 @@
 #include <immintrin.h>  // a few AVX-512 intrinsics, each with a generic fallback
 #endif
 
+#include "vec.h"
+
 namespace rollout_fused {
 namespace {
 
+using namespace rollout_vec;
+using rollout_vec::load;  // overloaded below for bf16
+using rollout_vec::store;
 using bf16 = c10::BFloat16;
-constexpr int64_t L = 16;  // lanes per vector
-typedef float vfloat __attribute__((vector_size(4 * L)));
-typedef int32_t vint __attribute__((vector_size(4 * L)));
-typedef uint32_t vuint __attribute__((vector_size(4 * L)));
-typedef uint16_t vhalf __attribute__((vector_size(2 * L)));
-// Unaligned, aliasing views for loads and stores anywhere in float / bf16 arrays.
-typedef float vfloat_mem __attribute__((vector_size(4 * L), aligned(4), may_alias));
-typedef uint16_t vhalf_mem __attribute__((vector_size(2 * L), aligned(2), may_alias));
 
 // Work estimates, in units of ~0.1 ns of one core (measured on an AVX-512 + AMX Xeon): below
 // kParallelWork a call is single-threaded.
@@ -69,8 +66,6 @@ inline int64_t per_elem(at::ScalarType t, int64_t bf16_cost, int64_t f32_cost) {
 }
 constexpr int64_t kMaxHeadDim = 512;
 
-inline vfloat splat(float x) { return vfloat{} + x; }
-inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat_mem*>(p); }
 inline vfloat load(const bf16* p) {  // bf16 -> f32: widen (vpmovzxwd) and shift
 #if defined(__AVX512F__)  // (GCC splits the generic convertvector into 256-bit halves)
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -83,7 +78,6 @@ inline vuint bf16_round(vfloat v) {  // f32 -> bf16 rounding like c10::BFloat16,
   const vuint u = (vuint)v, rounded = (u + ((u >> 16) & 1) + 0x7FFF) & 0xFFFF0000u;
   return v != v ? vuint{} + 0x7FC00000u : rounded;  // NaN -> canonical quiet NaN
 }
-inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat_mem*>(p) = v; }
 inline void store(bf16* p, vfloat v) {
 #if defined(__AVX512F__)  // (vpmovdw; GCC's generic narrowing is a two-register permute)
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),

@@ -32,27 +32,20 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-constexpr int64_t L = 16;  // lanes per vector
-typedef float vfloat __attribute__((vector_size(4 * L)));
-typedef int32_t vint __attribute__((vector_size(4 * L)));
-typedef uint32_t vuint __attribute__((vector_size(4 * L)));
-typedef uint16_t vhalf __attribute__((vector_size(2 * L)));
-// Unaligned, aliasing views for loads and stores anywhere in float / bf16 arrays. (Not memcpy:
-// with -march=native GCC splits a 64-byte memcpy in two and then stalls on store forwarding.)
-typedef float vfloat_mem __attribute__((vector_size(4 * L), aligned(4), may_alias));
-typedef uint16_t vhalf_mem __attribute__((vector_size(2 * L), aligned(2), may_alias));
+using namespace rollout_vec;
+using rollout_vec::load;  // overloaded below for bf16
+using rollout_vec::store;
 
-inline vfloat splat(float x) { return vfloat{} + x; }
-inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat_mem*>(p); }
 inline vfloat load(const c10::BFloat16* p) {  // bf16 -> f32: a zero half below each value
   const vhalf h = *reinterpret_cast<const vhalf_mem*>(p), z = {};  // (one permute; GCC 12
   return (vfloat)__builtin_shufflevector(  // makes 5 ops of a convertvector to u32 << 16)
       z, h, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27,
       12, 28, 13, 29, 14, 30, 15, 31);
 }
-inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat_mem*>(p) = v; }
 inline void store(c10::BFloat16* p, vfloat v) {  // f32 -> bf16 rounding like c10::BFloat16
   const vuint u = (vuint)v, rounded = (u + ((u >> 16) & 1) + 0x7FFF) >> 16;
   const vuint bits = v != v ? vuint{} + 0x7FC0 : rounded;  // NaN -> canonical quiet NaN

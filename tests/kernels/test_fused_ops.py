@@ -9,7 +9,6 @@ such rare flips). On an AVX-512 torch build the ops are in fact bit-identical to
 import pytest
 import torch
 
-from kernels import cpu_ext
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
 from kernels.rotary import (
@@ -26,16 +25,6 @@ DTYPES = [torch.float32, torch.bfloat16]
 DTYPE_IDS = ["f32", "bf16"]
 TOKENS = [1, 7, 32, 300]
 AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
-
-
-@pytest.fixture(scope="module")
-def ext():
-    module = cpu_ext.load()
-    if module is None:
-        pytest.skip("C++ CPU kernels could not be built (see the 'kernels' log warning)")
-    if not hasattr(module, "rms_norm"):
-        pytest.skip("the fused ops could not be registered (see the 'kernels' log warning)")
-    return module
 
 
 def gen_for(*key):

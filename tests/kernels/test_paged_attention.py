@@ -4,16 +4,7 @@ import math
 import pytest
 import torch
 
-from kernels import cpu_ext
 from kernels.attention import paged_decode_attention, paged_decode_attention_ref
-
-
-@pytest.fixture(scope="module")
-def ext():
-    module = cpu_ext.load()
-    if module is None:
-        pytest.skip("C++ CPU kernels could not be built (see the 'kernels' log warning)")
-    return module
 
 
 def make_inputs(gen, B, num_heads, num_kv_heads, head_dim, block_size, max_len, dtype,

@@ -303,9 +303,10 @@ def test_large_batch_statistics_do_not_favour_low_ids():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [1, 15, 16, 37, 49152])
-def test_greedy_op_matches_argmax_and_log_softmax(dtype, vocab):
+def test_greedy_op_matches_argmax_and_log_softmax(ext, dtype, vocab):
     """The one-pass C++ greedy op (ids + logprobs, bf16 read without a float32 copy) against
-    torch: the first index of the maximum, ties and NaN rows included; -inf rows are uniform."""
+    torch: the first index of the maximum, ties and NaN rows included; an all -inf row gives
+    index 0 and a NaN logprob, as torch does."""
     from kernels.sampling import greedy, greedy_ref
 
     x = random_logits(9, vocab, seed=vocab).to(dtype)
@@ -315,7 +316,7 @@ def test_greedy_op_matches_argmax_and_log_softmax(dtype, vocab):
         x[3] = float("-inf")
         x[4, :vocab // 2] = float("-inf")
     for rows in (x, x[::2]):  # contiguous and strided rows
-        ids, lps = greedy(rows, True)
+        ids, lps = ext.greedy_logprobs(rows, True)
         ref_ids, ref_lps = greedy_ref(rows, True)
         assert ids.dtype == torch.int64 and lps.dtype == torch.float32
         assert torch.equal(ids, ref_ids)
