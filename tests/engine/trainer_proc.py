@@ -14,8 +14,8 @@ import torch
 
 from engine.default_model import default_model_path
 from tests.engine.perturb import perturbed_state
+from tests.weight_sync.partial_push import send_first_bucket_only
 from weight_sync import WeightSender, WeightTransferGroup, weights_checksum
-from weight_sync.protocol import _pack, plan_buckets
 
 
 def main(port: int, mode: str, world_size: int) -> None:
@@ -32,13 +32,7 @@ def main(port: int, mode: str, world_size: int) -> None:
     group = WeightTransferGroup("127.0.0.1", port, 0, world_size, timeout_s=20)
     sender = WeightSender(group, bucket_bytes=32 << 20)
     if mode == "die":  # header, verdict, one bucket, then the trainer dies mid-push
-        tensors, header = sender._collect(state.items(), None)
-        sender._send_header(header)
-        group.all_reduce_max(0)
-        first = plan_buckets(header)[0]
-        buf = torch.empty(first.nbytes, dtype=torch.uint8)
-        _pack(tensors, first, buf)
-        group.broadcast(buf)
+        send_first_bucket_only(sender, state.items())
         os._exit(1)
     result = {"checksum": weights_checksum(state.items())}
     try:

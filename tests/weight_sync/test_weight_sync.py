@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.weight_sync.partial_push import send_first_bucket_only
 from weight_sync import (
     WeightReceiver,
     WeightSender,
@@ -25,7 +26,7 @@ from weight_sync import (
     load_safetensors_folder,
     weights_checksum,
 )
-from weight_sync.protocol import ALIGN, PushHeader, TensorMeta, _pack, check_header, plan_buckets
+from weight_sync.protocol import ALIGN, PushHeader, TensorMeta, check_header, plan_buckets
 
 CTX = mp.get_context("spawn")
 BUCKET = 300_000  # forces many buckets, and cuts lm_head (4 MiB) into pieces
@@ -229,14 +230,7 @@ def _dying_sender_main(port, ready, how):
     """A trainer that sends the header and the first bucket, then dies (or hangs)."""
     ready.set()
     group = WeightTransferGroup("127.0.0.1", port, 0, 2, timeout_s=5)
-    sender = WeightSender(group, bucket_bytes=BUCKET)
-    tensors, header = sender._collect(make_tensors().items(), None)
-    sender._send_header(header)
-    group.all_reduce_max(0)
-    first = plan_buckets(header)[0]
-    buf = torch.empty(first.nbytes, dtype=torch.uint8)
-    _pack(tensors, first, buf)
-    group.broadcast(buf)
+    send_first_bucket_only(WeightSender(group, bucket_bytes=BUCKET), make_tensors().items())
     if how == "exit":
         os._exit(1)
     time.sleep(60)
