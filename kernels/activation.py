@@ -20,9 +20,8 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up (T, 2I) with a contiguous last dim -> new contiguous (T, I)."""
-    if (gate_up.is_cpu and gate_up.dtype in (torch.float32, torch.bfloat16) and gate_up.ndim == 2
-            and gate_up.stride(-1) == 1):
-        ext = cpu_ext.load()
-        if ext is not None and hasattr(ext, "silu_and_mul"):
+    if gate_up.ndim == 2 and gate_up.stride(-1) == 1:
+        ext = cpu_ext.ops_for(gate_up.device, gate_up.dtype)
+        if ext is not None:
             return ext.silu_and_mul(gate_up)
     return silu_and_mul_ref(gate_up)

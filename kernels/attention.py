@@ -47,9 +47,8 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale,
                            sliding_window=None):
     """C++ kernel on CPU when the extension builds (kernels.cpu_ext), else the reference."""
-    if (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-            and q.shape[-1] % 16 == 0):  # what the C++ op supports
-        ext = cpu_ext.load()
+    if cpu_ext.supports_head_dim("attention", q.shape[-1]):
+        ext = cpu_ext.ops_for(q.device, q.dtype)
         if ext is not None:
             return ext.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens,
                                               float(scale), int(sliding_window or 0))

@@ -1,7 +1,9 @@
-"""Lazily built C++ CPU kernels (torch.utils.cpp_extension, JIT).
+"""Lazily built C++ CPU kernels (torch.utils.cpp_extension, JIT), and the rules for when
+they apply.
 
-`load()` compiles `csrc/paged_attention.cpp` and `csrc/fused_ops.cpp` into one extension
-module on first use (~10-60 s, once per source version) into
+`load()` compiles `csrc/paged_attention.cpp`, `csrc/fused_ops.cpp` and their bindings
+(`csrc/bindings.cpp`, the one PYBIND11_MODULE; `csrc/ops.h` declares every op) into one
+extension module on first use (~10-60 s, once per source version) into
 `$ROLLOUT_CACHE/torch_extensions/<name>/` (default `~/.cache/rollout/...`) and returns the
 module, or None with one warning on the "kernels" logger if it cannot be built (no compiler,
 compile error); callers then fall back to pure torch. The module name carries a hash of the
@@ -13,11 +15,10 @@ Trap: torch's JIT build runs `ninja` from PATH. The `ninja` PyPI package install
 venv's bin/, which is not on PATH when python is run as `.venv/bin/python` without activating
 the venv, so we add the package's BIN_DIR to PATH when needed.
 
-The module's PYBIND11_MODULE is in paged_attention.cpp; fused_ops.cpp adds its functions
-(fused_add_rms_norm, rms_norm, silu_and_mul, rope_and_cache, rope_and_cache_qk) through its C
-entry point `rollout_register_fused_ops`, which `_register_fused_ops` calls once after the
-import. If that fails, the module still serves paged attention and callers of the fused ops
-(which check `hasattr(module, name)`) use their torch references.
+Eligibility, in one place: `ops_for(device, dtype)` is the module when its ops take tensors
+of that device and dtype (CPU, float32 / bfloat16), and `supports_head_dim(op, head_dim)` the
+head sizes the attention and rotary ops are built for. The per-call dispatchers in kernels/
+add only layout checks (contiguity); the model binds the ops once through the same rules.
 """
 import hashlib
 import logging
@@ -31,9 +32,9 @@ from pathlib import Path
 
 logger = logging.getLogger("kernels")
 
-_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp",
-            Path(__file__).parent / "csrc" / "fused_ops.cpp"]
-_HEADERS = [Path(__file__).parent / "csrc" / "vec.h"]  # included by the sources: part of the hash
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "bindings.cpp"]
+_HEADERS = [_CSRC / "ops.h", _CSRC / "vec.h"]  # included by the sources: part of the hash
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 _STALE_LOCK_S = 600  # a build lock this old was left by a killed build
@@ -111,29 +112,7 @@ def _build():
     if fresh:
         print(f"[rollout] compiled CPU kernels in {time.perf_counter() - t0:.0f} s",
               file=sys.stderr, flush=True)
-    try:
-        _register_fused_ops(module)
-    except Exception as e:
-        logger.warning("fused C++ CPU ops unavailable, using their pure-torch references "
-                       "(%s: %s)", type(e).__name__, str(e)[:300])
-        logger.debug("fused op registration failure", exc_info=True)
     return module
-
-
-def _register_fused_ops(module) -> None:
-    """Adds fused_ops.cpp's functions to the imported module (once per process).
-
-    ctypes.PyDLL opens the already-loaded .so again (same handle, same pybind11 state) and
-    calls its C entry point with the GIL held; a failure there raises its Python exception."""
-    import ctypes
-
-    if hasattr(module, "rms_norm"):
-        return
-    fn = ctypes.PyDLL(module.__file__).rollout_register_fused_ops
-    fn.argtypes = [ctypes.py_object]
-    fn.restype = ctypes.c_int
-    if fn(module) != 0:
-        raise RuntimeError("rollout_register_fused_ops failed")
 
 
 def load():
@@ -155,3 +134,21 @@ def load():
                 _module = None
             _tried = True
     return _module
+
+
+_DTYPES = ("float32", "bfloat16")
+# head sizes each op family is compiled for (csrc: 16-float vectors, at most 32 of them per head)
+_HEAD_DIM_RULES = {"attention": lambda d: d % 16 == 0 and 0 < d <= 512,
+                   "rotary": lambda d: d % 2 == 0 and 0 < d <= 512}
+
+
+def ops_for(device, dtype):
+    """The extension module if its ops take tensors of this device and dtype, else None."""
+    if getattr(device, "type", device) != "cpu" or str(dtype).removeprefix("torch.") not in _DTYPES:
+        return None
+    return load()
+
+
+def supports_head_dim(op: str, head_dim: int) -> bool:
+    """Whether the "attention" or "rotary" ops are built for heads of this size."""
+    return _HEAD_DIM_RULES[op](head_dim)

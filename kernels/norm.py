@@ -14,8 +14,6 @@ import torch
 
 from . import cpu_ext
 
-_DTYPES = (torch.float32, torch.bfloat16)
-
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF LlamaRMSNorm.forward over the last dim, op for op (float32 statistics)."""
@@ -35,11 +33,7 @@ def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weigh
 
 def _ext_for(x: torch.Tensor, weight: torch.Tensor):
     """The extension module if its C++ op takes these tensors, else None (cheap checks only)."""
-    if x.is_cpu and x.dtype in _DTYPES and weight.dtype == x.dtype:
-        ext = cpu_ext.load()
-        if ext is not None and hasattr(ext, "rms_norm"):
-            return ext
-    return None
+    return cpu_ext.ops_for(x.device, x.dtype) if weight.dtype == x.dtype else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -137,11 +137,8 @@ def rope_and_cache_ref(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_map
 def _rope_ext(x, cos_sin_cache, k_cache):
     """The extension module if its C++ op takes these tensors, else None (cheap checks only;
     the op itself rejects malformed inputs, such as non-contiguous caches, with a RuntimeError)."""
-    if (x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == x.dtype
-            and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous()):
-        ext = cpu_ext.load()
-        if ext is not None and hasattr(ext, "rope_and_cache"):
-            return ext
+    if k_cache.dtype == x.dtype and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous():
+        return cpu_ext.ops_for(x.device, x.dtype)
     return None
 
 
@@ -152,7 +149,7 @@ def _long(t):
 def rope_and_cache(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads: int,
                    num_kv_heads: int, head_dim: int, q_norm=None, k_norm=None, eps: float = 1e-6):
     """See rope_and_cache_ref. Returns new contiguous q (T, Hq, D) and k (T, Hkv, D)."""
-    if (qkv.ndim == 2 and qkv.stride(-1) == 1 and head_dim % 2 == 0 and head_dim <= 512
+    if (qkv.ndim == 2 and qkv.stride(-1) == 1 and cpu_ext.supports_head_dim("rotary", head_dim)
             and (q_norm is None or (q_norm.dtype == qkv.dtype and k_norm.dtype == qkv.dtype))):
         ext = _rope_ext(qkv, cos_sin_cache, k_cache)
         if ext is not None:
@@ -166,8 +163,7 @@ def rope_and_cache(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
 def rope_and_cache_qk(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
     """See rope_and_cache_qk_ref (q, k, v may be strided views with a contiguous last dim)."""
     if (q.ndim == 3 and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
-            and k.dtype == q.dtype and v.dtype == q.dtype and q.shape[-1] % 2 == 0
-            and q.shape[-1] <= 512):
+            and k.dtype == q.dtype and v.dtype == q.dtype and cpu_ext.supports_head_dim("rotary", q.shape[-1])):
         ext = _rope_ext(q, cos_sin_cache, k_cache)
         if ext is not None:
             return ext.rope_and_cache_qk(q, k, v, _long(positions), cos_sin_cache, k_cache, v_cache,

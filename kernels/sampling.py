@@ -54,10 +54,9 @@ def greedy_ref(logits: torch.Tensor, with_logprobs: bool) -> tuple[torch.Tensor,
 
 def greedy(logits: torch.Tensor, with_logprobs: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """greedy_ref in one C++ pass on CPU (bf16 logits read as they are: no float32 copy)."""
-    if logits.is_cpu and logits.ndim == 2 and logits.stride(-1) == 1 and logits.dtype in (torch.float32,
-                                                                                         torch.bfloat16):
-        ext = cpu_ext.load()
-        if ext is not None and hasattr(ext, "greedy_logprobs"):
+    if logits.ndim == 2 and logits.stride(-1) == 1:
+        ext = cpu_ext.ops_for(logits.device, logits.dtype)
+        if ext is not None:
             ids, lps = ext.greedy_logprobs(logits, with_logprobs)
             return ids, lps if with_logprobs else None
     return greedy_ref(logits, with_logprobs)

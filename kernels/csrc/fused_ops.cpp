@@ -27,13 +27,10 @@
 // time slice); larger ones split their rows with at::parallel_for (measured: 2 threads save
 // 25-40% from ~5 us of work on).
 //
-// The functions are added to the extension module built from paged_attention.cpp (which owns
-// PYBIND11_MODULE) by register_fused_ops(), called once by kernels/cpu_ext.py through the
-// C entry point rollout_register_fused_ops (ctypes) right after the import.
+// Declared in ops.h, bound to Python in bindings.cpp.
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
@@ -48,6 +45,7 @@
 #include <immintrin.h>  // a few AVX-512 intrinsics, each with a generic fallback
 #endif
 
+#include "ops.h"
 #include "vec.h"
 
 namespace rollout_fused {
@@ -714,46 +712,4 @@ std::tuple<at::Tensor, at::Tensor> greedy_logprobs(const at::Tensor& logits, boo
   return {ids, lps};
 }
 
-void register_fused_ops(pybind11::module_& m) {
-  namespace py = pybind11;
-  m.def("fused_add_rms_norm", &fused_add_rms_norm,
-        "(x (T, H), residual (T, H) or None, weight (H,), eps) -> (normed, new_residual); "
-        "new_residual = residual + x (x itself when residual is None)",
-        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
-  m.def("rms_norm", &rms_norm, "HF LlamaRMSNorm over the last dim of a 1-3 dim tensor",
-        py::arg("x"), py::arg("weight"), py::arg("eps"));
-  m.def("silu_and_mul", &silu_and_mul, "(T, 2I) -> silu(gate) * up, (T, I)",
-        py::arg("gate_up"));
-  m.def("rope_and_cache", &rope_and_cache,
-        "Rotary embedding of q and k from a fused qkv row (optionally per-head RMSNorm first), "
-        "writes k and v into the paged cache; returns contiguous (q, k)",
-        py::arg("qkv"), py::arg("positions"), py::arg("cos_sin"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("slot_mapping"), py::arg("num_heads"),
-        py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("q_norm") = py::none(),
-        py::arg("k_norm") = py::none(), py::arg("eps") = 1e-6);
-  m.def("rope_and_cache_qk", &rope_and_cache_qk,
-        "rope_and_cache with separate (possibly strided) q, k, v views",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("positions"), py::arg("cos_sin"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
-  m.def("greedy_logprobs", &greedy_logprobs,
-        "(logits (N, V)) -> (first argmax per row (N,) int64, its log-softmax (N,) float32; "
-        "left unset unless with_logprobs)",
-        py::arg("logits"), py::arg("with_logprobs") = true);
-}
-
 }  // namespace rollout_fused
-
-// Called once by kernels/cpu_ext.py (ctypes.PyDLL, GIL held) with the imported extension
-// module: adds the functions above to it. Returns 0, or -1 with a Python exception set.
-extern "C" __attribute__((visibility("default"))) int rollout_register_fused_ops(PyObject* module) {
-  try {
-    auto m = pybind11::reinterpret_borrow<pybind11::module_>(module);
-    rollout_fused::register_fused_ops(m);
-    return 0;
-  } catch (pybind11::error_already_set& e) {
-    e.restore();
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-  }
-  return -1;
-}

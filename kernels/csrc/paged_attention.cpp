@@ -24,7 +24,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -32,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -285,12 +285,4 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   else
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only, got ", q.scalar_type());
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Paged-attention decode (CPU); sliding_window <= 0 means no window",
-        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
-        pybind11::arg("block_table"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
-        pybind11::arg("sliding_window") = 0);
 }

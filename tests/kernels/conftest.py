@@ -12,9 +12,8 @@ def ext():
     exists, a failed build fails the tests (the engine would silently run the torch fallbacks)."""
     module = cpu_ext.load()
     compiler = shutil.which(os.environ.get("CXX", "c++"))
-    if module is None or not hasattr(module, "rms_norm"):
-        what = "built" if module is None else "registered (fused ops)"
+    if module is None:
         if compiler is None:
             pytest.skip("no C++ compiler: the C++ CPU kernels cannot be built here")
-        pytest.fail(f"the C++ CPU kernels could not be {what} with {compiler} (see the 'kernels' log warning)")
+        pytest.fail(f"the C++ CPU kernels could not be built with {compiler} (see the 'kernels' log warning)")
     return module

@@ -1,0 +1,36 @@
+// The extension module's Python bindings: every op declared in ops.h, one PYBIND11_MODULE.
+#include <torch/csrc/utils/pybind.h>
+
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  using namespace rollout_fused;
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Paged-attention decode (CPU); sliding_window <= 0 means no window",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0);
+  m.def("fused_add_rms_norm", &fused_add_rms_norm,
+        "(x (T, H), residual (T, H) or None, weight (H,), eps) -> (normed, new_residual); "
+        "new_residual = residual + x (x itself when residual is None)",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("rms_norm", &rms_norm, "HF LlamaRMSNorm over the last dim of a 1-3 dim tensor",
+        py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_and_mul", &silu_and_mul, "(T, 2I) -> silu(gate) * up, (T, I)",
+        py::arg("gate_up"));
+  m.def("rope_and_cache", &rope_and_cache,
+        "Rotary embedding of q and k from a fused qkv row (optionally per-head RMSNorm first), "
+        "writes k and v into the paged cache; returns contiguous (q, k)",
+        py::arg("qkv"), py::arg("positions"), py::arg("cos_sin"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("slot_mapping"), py::arg("num_heads"),
+        py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("q_norm") = py::none(),
+        py::arg("k_norm") = py::none(), py::arg("eps") = 1e-6);
+  m.def("rope_and_cache_qk", &rope_and_cache_qk,
+        "rope_and_cache with separate (possibly strided) q, k, v views",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("positions"), py::arg("cos_sin"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
+  m.def("greedy_logprobs", &greedy_logprobs,
+        "(logits (N, V)) -> (first argmax per row (N,) int64, its log-softmax (N,) float32; "
+        "left unset unless with_logprobs)",
+        py::arg("logits"), py::arg("with_logprobs") = true);
+}

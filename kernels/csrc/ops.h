@@ -1,0 +1,35 @@
+// The C++ CPU ops of the extension module, declared once: defined in paged_attention.cpp and
+// fused_ops.cpp, bound to Python in bindings.cpp (the module's only PYBIND11_MODULE).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+// paged_attention.cpp
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_table,
+                                  const at::Tensor& seq_lens, double scale,
+                                  int64_t sliding_window);
+
+// fused_ops.cpp
+namespace rollout_fused {
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x,
+                                                      const std::optional<at::Tensor>& residual,
+                                                      const at::Tensor& weight, double eps);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+std::tuple<at::Tensor, at::Tensor> rope_and_cache(
+    const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+    double eps);
+std::tuple<at::Tensor, at::Tensor> rope_and_cache_qk(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+    const at::Tensor& cos_sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& slot_mapping);
+std::tuple<at::Tensor, at::Tensor> greedy_logprobs(const at::Tensor& logits, bool with_logprobs);
+}  // namespace rollout_fused
