@@ -9,7 +9,12 @@ from typing import Optional
 
 
 class InvalidRequestError(ValueError):
-    """A request (prompt or sampling parameters) that the engine refuses."""
+    """A request (prompt or sampling parameters) that the engine refuses. `param` names the
+    field at fault when one does (an HTTP server reports it)."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
 
 
 class EngineStateError(InvalidRequestError):
@@ -32,10 +37,10 @@ _REMOTE_TYPES = {c.__name__: c for c in (InvalidRequestError, EngineStateError, 
 
 def remote_error(type_name: Optional[str], message: str, default: type = RuntimeError) -> Exception:
     """The exception for a failure the engine core reported as (type name, message)."""
-    if type_name == "WeightTransferError":
-        from weight_sync.group import WeightTransferError
+    if type_name in ("WeightTransferError", "WeightPushRefused"):
+        from weight_sync import group
 
-        return WeightTransferError(message)
+        return getattr(group, type_name)(message)
     cls = _REMOTE_TYPES.get(type_name or "")
     if cls is not None:
         return cls(message)

@@ -47,26 +47,26 @@ class Processor:
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidRequestError("the prompt is empty")
+                raise InvalidRequestError("the prompt is empty", "prompt")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
         raise InvalidRequestError(
-            f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+            f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}", "prompt")
 
     def check_token_ids(self, ids: list[int]) -> None:
         if not ids:
-            raise InvalidRequestError("the prompt is empty (no tokens)")
+            raise InvalidRequestError("the prompt is empty (no tokens)", "prompt")
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens, but the context holds {self.max_model_len} "
-                f"(max_model_len), leaving no room to generate")
+                f"(max_model_len), leaving no room to generate", "prompt")
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is out of the vocabulary [0, {self.vocab_size})")
+            raise InvalidRequestError(f"token id {bad} is out of the vocabulary [0, {self.vocab_size})", "prompt")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):

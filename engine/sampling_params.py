@@ -74,7 +74,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                f"must be 'processed' or 'raw', got {self.logprobs_mode!r}")
         _check(self.n == 1 or self.temperature > 0, "n", "n > 1 needs temperature > 0 (greedy copies are identical)")
         if self.stop and not self.detokenize:
-            raise InvalidRequestError("stop strings need detokenize=True")
+            raise InvalidRequestError("stop strings need detokenize=True", "stop")
 
     @property
     def greedy(self) -> bool:
@@ -90,4 +90,4 @@ def _is_num(x) -> bool:
 
 def _check(ok: bool, field: str, problem: str) -> None:
     if not ok:
-        raise InvalidRequestError(f"SamplingParams.{field} {problem}")
+        raise InvalidRequestError(f"SamplingParams.{field} {problem}", field)

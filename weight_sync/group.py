@@ -41,6 +41,11 @@ class WeightTransferError(RuntimeError):
     (peer died, timed out). The receiver's staged tensors are discarded; live weights are untouched."""
 
 
+class WeightPushRefused(WeightTransferError):
+    """A push stopped before any tensor moved: a receiver refused its names, shapes or dtypes, or
+    the sender aborted it. Bad input, not a transport failure: the group stays usable."""
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free right now on `host` (racy by nature, see the module docstring)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

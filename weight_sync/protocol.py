@@ -36,7 +36,7 @@ import msgspec
 import numpy as np
 import torch
 
-from weight_sync.group import WeightTransferError, WeightTransferGroup
+from weight_sync.group import WeightPushRefused, WeightTransferError, WeightTransferGroup
 
 __all__ = ["WeightSender", "WeightReceiver", "WeightTransferError", "DEFAULT_BUCKET_BYTES"]
 
@@ -172,9 +172,9 @@ class WeightSender:
         self._send_header(header)
         status = self.group.all_reduce_max(SENDER_ABORTED if header.error else OK)
         if header.error:
-            raise WeightTransferError(f"push aborted before sending anything: {header.error}")
+            raise WeightPushRefused(f"push aborted before sending anything: {header.error}")
         if status != OK:
-            raise WeightTransferError(
+            raise WeightPushRefused(
                 "a receiver refused the push (names, shapes or dtypes do not match its model; the "
                 "receiver's exception says which); nothing was sent"
             )
@@ -293,13 +293,13 @@ class WeightReceiver:
         header = self._recv_header()
         if header.error:
             self.group.all_reduce_max(OK)
-            raise WeightTransferError(f"the sender aborted the push: {header.error}")
+            raise WeightPushRefused(f"the sender aborted the push: {header.error}")
         reason = check_header(header, expected)
         status = self.group.all_reduce_max(REFUSED if reason else OK)
         if reason:
-            raise WeightTransferError(f"push refused by rank {self.group.rank}: {reason}")
+            raise WeightPushRefused(f"push refused by rank {self.group.rank}: {reason}")
         if status != OK:
-            raise WeightTransferError("push refused by another receiver (see its exception); nothing was received")
+            raise WeightPushRefused("push refused by another receiver (see its exception); nothing was received")
         out: dict[str, torch.Tensor] = {}
         buckets = plan_buckets(header)
         try:

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineDeadError, EngineStateError, InvalidRequestError
-from weight_sync.group import WeightTransferError
+from weight_sync.group import WeightPushRefused, WeightTransferError
 
 logger = logging.getLogger("rollout")
 
@@ -60,24 +60,14 @@ def engine_error(e: BaseException, param: Optional[str] = None) -> APIError:
     text = str(e)
     if isinstance(e, EngineStateError):
         return APIError(409, text)
+    if isinstance(e, WeightPushRefused):  # names / shapes / dtypes did not match
+        return APIError(400, text, param or "update_info", type="weight_transfer_error")
     if isinstance(e, WeightTransferError):
-        if "refused" in text or "sender aborted" in text:  # names / shapes / dtypes did not match
-            return APIError(400, text, param or "update_info", type="weight_transfer_error")
         return APIError(500, text, type="weight_transfer_error")
-    if isinstance(e, _BAD_INPUT):
-        return APIError(400, text, param or _param_of(text))
+    if isinstance(e, _BAD_INPUT):  # the field the engine names, else the one the route expects
+        return APIError(400, text, getattr(e, "param", None) or param)
     logger.exception("unexpected error", exc_info=e)
     return APIError(500, f"{type(e).__name__}: {e}")
-
-
-def _param_of(text: str) -> Optional[str]:
-    """The field an engine message names, e.g. 'SamplingParams.top_p must be ...' -> 'top_p'."""
-    m = re.search(r"SamplingParams\.(\w+)", text)
-    if m:
-        return m.group(1)
-    if "prompt" in text or "token id" in text or "max_model_len" in text:
-        return "prompt"
-    return None
 
 
 _UNION_TAG = re.compile(r"[a-z_]+\[.*\]|str|int|float|bool|none|function-.*|literal\[.*\]")
