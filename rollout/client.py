@@ -8,7 +8,9 @@
     assert client.weights_checksum() == weight_sync.weights_checksum(model.named_parameters(), torch.float32)
 
 Every endpoint is described once, as a `_Call` (method, path, body, how to read the answer, whether
-it is idempotent); the two clients differ only in how they run it (`_run`). With `wandb_run=run` (or
+it is idempotent); the two clients differ only in how they run it (`_run`). Weight pushes are
+`client.weights` (rollout/client_weights.py: one implementation for both clients; the
+push_weights / weight_update / ... methods here delegate to it). With `wandb_run=run` (or
 True for the current `wandb.run`) every push logs rollout/push_seconds, push_gb_per_s and
 weight_version to the trainer's own W&B run, without advancing its step. Idempotent calls (GET,
 /health, is_*, versions) are retried on connection errors; the others never are. A non-2xx answer
@@ -17,6 +19,7 @@ raises `RolloutAPIError` with the server's message and the field at fault (`para
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json as jsonlib
 import time
 from dataclasses import dataclass, field
@@ -24,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import httpx
 
-from rollout.client_weights import AsyncWeightPushMixin, WeightPushMixin, log_push
+from rollout.client_weights import DEFAULT_TIMEOUT_S, WeightTransfer, log_push
 
 Prompt = Union[str, Sequence[int]]
 RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
@@ -224,6 +227,28 @@ class _Endpoints:
     def close_weight_transfer_engine(self):
         return self._run(_Call("POST", "/close_weight_transfer", admin=True))
 
+    # ---- the trainer's side of weight pushes (rollout/client_weights.py, `self.weights`) --------
+    def init_weight_transfer(self, backend: str = "gloo", master_address: str = "127.0.0.1",
+                             master_port: Optional[int] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                             bucket_bytes: Optional[int] = None):
+        """Form the transfer group: this process is rank 0, the server's workers join."""
+        return self.weights.init(backend, master_address, master_port, timeout_s, bucket_bytes)
+
+    def push_weights(self, named_tensors, version: Optional[int] = None, pause_mode: str = "abort", dtype=None):
+        """pause -> broadcast -> atomic swap -> clear caches -> resume (see WeightTransfer.push)."""
+        return self.weights.push(named_tensors, version, pause_mode, dtype)
+
+    def weight_update(self, version: Optional[int] = None, pause_mode: str = "abort", dtype=None):
+        """One update in several chunks, as a context manager (see WeightTransfer.update)."""
+        return self.weights.update(version, pause_mode, dtype)
+
+    def push_weights_shared(self, named_tensors, version: Optional[int] = None, pause_mode: str = "abort"):
+        """Same machine: CUDA IPC on a shared GPU, shared memory on CPU; no group needed."""
+        return self.weights.push_shared(named_tensors, version, pause_mode)
+
+    def close_weight_transfer(self):
+        return self.weights.close()
+
 
 class _Transport:
     def __init__(self, url: str, api_key: Optional[str], admin_api_key: Optional[str], timeout: float,
@@ -257,7 +282,7 @@ def _api_error(resp: httpx.Response) -> RolloutAPIError:
     return RolloutAPIError(resp.status_code, err.get("message", ""), err.get("type", "error"), err.get("param"))
 
 
-class RolloutClient(_Transport, _Endpoints, WeightPushMixin):
+class RolloutClient(_Transport, _Endpoints):
     """Blocking client. Usable as a context manager (closes the weight transfer group and the
     connection pool)."""
 
@@ -266,7 +291,8 @@ class RolloutClient(_Transport, _Endpoints, WeightPushMixin):
                  wandb_run: Any = None):
         super().__init__(url, api_key, admin_api_key, timeout, retries)
         self.http = httpx.Client(timeout=timeout)
-        WeightPushMixin.__init__(self, wandb_run)
+        self.wandb_run = wandb_run
+        self.weights = WeightTransfer(self, is_async=False)
 
     def _run(self, call: _Call):
         for attempt in range(self.retries + 1 if call.idempotent else 1):
@@ -289,6 +315,15 @@ class RolloutClient(_Transport, _Endpoints, WeightPushMixin):
             for line in resp.iter_lines():
                 if line:
                     yield _delta(jsonlib.loads(line))
+
+    @contextlib.contextmanager
+    def paused(self, mode: str = "abort", clear_cache: bool = True):
+        """with client.paused(): ...  (generation resumes on exit, also on error)"""
+        self.pause(mode=mode, clear_cache=clear_cache)
+        try:
+            yield self
+        finally:
+            self.resume()
 
     def wait_until_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -313,7 +348,7 @@ class RolloutClient(_Transport, _Endpoints, WeightPushMixin):
         self.close()
 
 
-class AsyncRolloutClient(_Transport, _Endpoints, AsyncWeightPushMixin):
+class AsyncRolloutClient(_Transport, _Endpoints):
     """asyncio client: the same methods, awaited."""
 
     def __init__(self, url: str = "http://127.0.0.1:8000", api_key: Optional[str] = None,
@@ -321,7 +356,8 @@ class AsyncRolloutClient(_Transport, _Endpoints, AsyncWeightPushMixin):
                  wandb_run: Any = None):
         super().__init__(url, api_key, admin_api_key, timeout, retries)
         self.http = httpx.AsyncClient(timeout=timeout)
-        AsyncWeightPushMixin.__init__(self, wandb_run)
+        self.wandb_run = wandb_run
+        self.weights = WeightTransfer(self, is_async=True)
 
     async def _run(self, call: _Call):
         for attempt in range(self.retries + 1 if call.idempotent else 1):
@@ -344,6 +380,14 @@ class AsyncRolloutClient(_Transport, _Endpoints, AsyncWeightPushMixin):
             async for line in resp.aiter_lines():
                 if line:
                     yield _delta(jsonlib.loads(line))
+
+    @contextlib.asynccontextmanager
+    async def paused(self, mode: str = "abort", clear_cache: bool = True):
+        await self.pause(mode=mode, clear_cache=clear_cache)
+        try:
+            yield self
+        finally:
+            await self.resume()
 
     async def aclose(self) -> None:
         await self.close_weight_transfer()

@@ -75,7 +75,7 @@ def test_vllm_four_phases_by_hand(transfer, original):
     t = threading.Thread(target=lambda: box.update(r=client.update_weights(
         {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[576]], "packed": True})))
     t.start()
-    WeightSender(client._group).send(named, dtype=torch.float32)
+    WeightSender(client.weights.group).send(named, dtype=torch.float32)
     t.join(60)
     assert "weight_version" in box["r"]
     with pytest.raises(RolloutAPIError) as e:  # not a version this engine can take
