@@ -52,12 +52,12 @@ def main():
 
     # wrap: the step, the runner's pieces, the model's pieces
     core_mod.EngineCore.step = timed("step", core_mod.EngineCore.step)
-    runner_mod.ModelRunner.execute = timed("execute", runner_mod.ModelRunner.execute)
-    runner_mod.ModelRunner._sample = timed("sampling", runner_mod.ModelRunner._sample)
+    runner_mod.ModelRunner.execute_model = timed("execute", runner_mod.ModelRunner.execute_model)
+    runner_mod.ModelRunner.sample = timed("sampling", runner_mod.ModelRunner.sample)
     model_mod.LlamaModel.forward = timed("forward", model_mod.LlamaModel.forward)
     model_mod.LlamaModel.compute_logits = timed("lm_head", model_mod.LlamaModel.compute_logits)
     model_mod.Linear.__call__ = timed("projections", model_mod.Linear.__call__)
-    ops = llm.client.core.runner.model.ops  # the per-layer ops the forward pass calls
+    ops = llm.client.core.executor.workers[0].model.ops  # the per-layer ops the forward pass calls
     for name in ("add_norm", "rope_and_cache", "silu_and_mul"):
         setattr(ops, name, timed("small fused ops", getattr(ops, name)))
     if ops.decode_attention is not None:

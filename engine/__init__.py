@@ -1,14 +1,18 @@
 """The inference engine: paged KV cache, prefix caching, continuous batching, sampling.
 
-Data flow: LLM (frontend: text <-> token ids, stop strings, outputs) -> EngineCore (owner of
-scheduling state: Scheduler + KVCacheManager) -> ModelRunner (weights, KV cache tensors,
-forward pass, sampler) -> kernels/. Token ids are the ground truth everywhere; only the
-frontend knows text. This package never imports `rollout`.
+Data flow: LLM / AsyncLLM (frontend: text <-> token ids, stop strings, outputs) -> EngineCore
+(owner of scheduling, pause and sleep state: Scheduler + KVCacheManager) -> Executor ->
+Worker -> ModelRunner (weights, KV cache tensors, forward pass, sampler) -> kernels/. The
+scheduler hands the workers a SchedulerOutput and gets a ModelRunnerOutput back
+(engine/step_io.py). Token ids are the ground truth everywhere; only the frontend knows
+text. This package never imports `rollout`.
 """
+from engine.async_llm import AsyncLLM
 from engine.errors import EngineDeadError, EngineStateError, InvalidRequestError, UnsupportedModelError
 from engine.llm import LLM
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.streaming import StreamingInput
 
-__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-           "EngineDeadError", "EngineStateError", "InvalidRequestError", "UnsupportedModelError"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+           "StreamingInput", "EngineDeadError", "EngineStateError", "InvalidRequestError", "UnsupportedModelError"]

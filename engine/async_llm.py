@@ -8,16 +8,19 @@ RequestOutputs to per-request collectors fed by one output-handler task.
 
 Streaming input: pass an async generator of StreamingInput instead of a prompt; each chunk is
 appended to the same request (after what it generated so far), which keeps its KV cache
-between chunks, and the request ends when the generator ends. Unlike vLLM, the last token
-generated for a chunk is kept in the context (a multi-turn conversation needs its <|im_end|>).
+between chunks, and the request ends when the generator ends (engine/streaming.py has the
+whole protocol). Pause and sleep state live in the engine core: requests that arrive while
+paused are held there until resume; the control methods here only ask it.
 """
 import asyncio
 import collections
 import uuid
-from dataclasses import dataclass
-from typing import Any, AsyncGenerator, Optional, Sequence, Union
+from typing import Any, AsyncGenerator, Iterable, Optional, Sequence, Union
+
+import torch
 
 from engine.config import EngineConfig
+from engine.default_model import resolve_model
 from engine.core_client import AsyncMPClient
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.output_processor import OutputProcessor
@@ -25,16 +28,10 @@ from engine.outputs import RequestOutput
 from engine.processor import Processor, PromptType, load_tokenizer
 from engine.protocol import EngineCoreRequest, StreamInput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.streaming import StreamingInput, check_streaming_params
 
+__all__ = ["AsyncLLM", "StreamingInput"]
 OUTPUTS_PER_SLICE = 128  # the output handler yields to the event loop this often
-
-
-@dataclass
-class StreamingInput:
-    """One chunk of a streaming-input request: text or token ids, and optionally new params."""
-
-    prompt: PromptType
-    sampling_params: Optional[SamplingParams] = None
 
 
 class RequestOutputCollector:
@@ -84,15 +81,13 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
 
 class AsyncLLM:
     def __init__(self, model: Optional[str] = None, **config):
-        self.config = EngineConfig(model=model, **config)
+        self.config = EngineConfig(model=resolve_model(model), **config)
         self.tokenizer = load_tokenizer(self.config)
         self.client = AsyncMPClient(self.config)
         self.processor = Processor(self.config, self.tokenizer, self.client.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._output_handler: Optional[asyncio.Task] = None
         self.dead_error: Optional[EngineDeadError] = None
-        self._pause_mode: Optional[str] = None  # None while generating
-        self._gated: dict[str, asyncio.Event] = {}  # requests that arrived while paused -> their gate
 
     @property
     def max_model_len(self) -> int:
@@ -107,7 +102,7 @@ class AsyncLLM:
         params = sampling_params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.output_processor.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if hasattr(prompt, "__aiter__"):
             async for out in self._generate_streaming(prompt, params, request_id):
                 yield out
@@ -118,8 +113,6 @@ class AsyncLLM:
         self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in reqs], queue=collector)
         finished = False
         try:
-            if not await self._admitted(request_id):  # aborted while waiting: its final output is queued
-                reqs = []
             for req in reqs:
                 await self.client.add_request_async(req)
             while not finished:
@@ -132,13 +125,13 @@ class AsyncLLM:
 
     async def _generate_streaming(self, inputs: AsyncGenerator, params: SamplingParams,
                                   request_id: str) -> AsyncGenerator[RequestOutput, None]:
-        _check_streaming_params(params)
+        check_streaming_params(params)
         try:
             first = await inputs.__anext__()
         except StopAsyncIteration:
             raise InvalidRequestError("the streaming input produced no chunk") from None
         if first.sampling_params is not None:
-            _check_streaming_params(first.sampling_params)
+            check_streaming_params(first.sampling_params)
             params = first.sampling_params
         text, ids = self.processor.process(first.prompt, params)
         collector = RequestOutputCollector(params.output_kind)
@@ -146,10 +139,9 @@ class AsyncLLM:
         finished = False
         feeder = None
         try:
-            if await self._admitted(request_id):
-                await self.client.add_request_async(
-                    EngineCoreRequest(request_id, ids, params, self.processor.eos_token_id, streaming=True))
-                feeder = asyncio.ensure_future(self._feed(inputs, request_id, collector))
+            await self.client.add_request_async(
+                EngineCoreRequest(request_id, ids, params, self.processor.eos_token_id, streaming=True))
+            feeder = asyncio.ensure_future(self._feed(inputs, request_id, collector))
             while not finished:
                 out = await collector.get()
                 finished = out.finished
@@ -164,7 +156,7 @@ class AsyncLLM:
         try:
             async for chunk in inputs:
                 if chunk.sampling_params is not None:
-                    _check_streaming_params(chunk.sampling_params)
+                    check_streaming_params(chunk.sampling_params)
                 _, ids = self.processor.tokenize(chunk.prompt)
                 if not ids:
                     raise InvalidRequestError("a streaming-input chunk is empty")
@@ -174,17 +166,6 @@ class AsyncLLM:
             raise
         except Exception as e:  # a bad chunk fails this request only
             collector.put(e if isinstance(e, (InvalidRequestError, EngineDeadError)) else InvalidRequestError(str(e)))
-
-    async def _admitted(self, request_id: str) -> bool:
-        """While paused, a new request waits here (it does not fail) until resume_generation();
-        False if it was aborted meanwhile (abort() has queued its final output)."""
-        if self._pause_mode is not None:
-            gate = self._gated[request_id] = asyncio.Event()
-            try:
-                await gate.wait()
-            finally:
-                self._gated.pop(request_id, None)
-        return request_id in self.output_processor.requests
 
     def _abort_now(self, request_id: str) -> None:
         """Forget the request here and tell the core, without awaiting (safe in finally blocks)."""
@@ -196,9 +177,6 @@ class AsyncLLM:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             state = self.output_processor.requests.get(rid)
             children = self.output_processor.abort(rid)
-            if rid in self._gated:  # still waiting on the pause: it never reached the core
-                self._gated[rid].set()
-                children = []
             if state is not None and state.queue is not None:  # the caller gets a final output now
                 for seq in state.seqs:
                     if seq.finish_reason is None or seq.resumable:  # not finished for real
@@ -239,40 +217,22 @@ class AsyncLLM:
             op.requests.clear()
             op.child_to_parent.clear()
 
-    # ---- RL control: pause / resume ---------------------------------------------------------------
-    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+    # ---- RL control: pause / resume (the engine core owns the state) ------------------------------
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> dict:
         """Stop generating. "abort": in-flight requests end now with finish_reason "abort" and the
-        tokens so far; "wait": they run to completion; "keep": they freeze in place (KV kept) and
-        continue after resume_generation(). Either way new requests wait until resume."""
+        tokens so far; "wait": they run to completion (this returns then); "keep": they freeze in
+        place (KV kept) and continue after resume_generation(). New requests are held until the
+        resume either way. Returns {"aborted": n, "mode": mode}."""
         if mode not in ("abort", "wait", "keep"):
             raise InvalidRequestError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
-        self._start_output_handler()
-        self._pause_mode = mode
-        if mode == "keep":
-            await self._call("pause_scheduling")
-        else:
-            if mode == "abort":
-                await self._call("abort_all")
-            await self._wait_idle()
-        if clear_cache:
-            await self._call("reset_prefix_cache")
+        return await self._call("pause", mode, clear_cache)
 
-    async def resume_generation(self) -> None:
-        if self._pause_mode == "keep":
-            await self._call("resume_scheduling")
-        self._pause_mode = None
-        for gate in self._gated.values():
-            gate.set()
+    async def resume_generation(self) -> dict:
+        """Resume; returns {"paused_seconds": how long generation was paused, or None}."""
+        return await self._call("resume")
 
     async def is_paused(self) -> bool:
-        return self._pause_mode is not None
-
-    async def _wait_idle(self) -> None:
-        # requests waiting on the pause gate have not started: they do not count
-        while len(self.output_processor.requests) > len(self._gated):
-            if self.dead_error is not None:
-                raise self.dead_error
-            await asyncio.sleep(0.005)
+        return await self._call("is_paused")
 
     # ---- RL control: weights and sleep ------------------------------------------------------------
     async def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
@@ -285,6 +245,11 @@ class AsyncLLM:
 
     async def update_weights_from_disk(self, path: str, version: Optional[int] = None) -> dict:
         return await self._call("update_weights_from_disk", path, version)
+
+    async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                                          version: Optional[int] = None) -> dict:
+        """Tensors from this process (they travel to the engine core as raw frames)."""
+        return await self._call("update_weights_from_tensors", list(named_tensors), version)
 
     async def update_weights_from_ipc(self, handles: dict, version: Optional[int] = None) -> dict:
         """See LLM.update_weights_from_ipc."""
@@ -305,11 +270,13 @@ class AsyncLLM:
     async def set_weight_version(self, version: int) -> int:
         return await self._call("set_weight_version", version)
 
-    async def sleep(self, level: int = 1) -> None:
-        await self._call("sleep", level)
+    async def sleep(self, level: int = 1, mode: str = "abort") -> bool:
+        """Pause (with `mode`, unless paused) and free the KV cache and weights (see LLM.sleep)."""
+        return await self._call("sleep", level, mode)
 
-    async def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        await self._call("wake_up", tags)
+    async def wake_up(self, tags: Optional[list[str]] = None) -> dict:
+        """Restore "weights" and/or "kv_cache" (both by default); see EngineCore.wake_up."""
+        return await self._call("wake_up", tags)
 
     async def is_sleeping(self) -> bool:
         return await self._call("is_sleeping")
@@ -346,12 +313,3 @@ class AsyncLLM:
         if self._output_handler is not None:
             self._output_handler.cancel()
         self.client.shutdown()
-
-
-def _check_streaming_params(p: SamplingParams) -> None:
-    if p.n != 1:
-        raise InvalidRequestError("streaming input does not support n > 1")
-    if p.output_kind == RequestOutputKind.FINAL_ONLY:
-        raise InvalidRequestError("streaming input does not support output_kind FINAL_ONLY")
-    if p.stop:
-        raise InvalidRequestError("streaming input does not support stop strings")

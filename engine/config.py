@@ -92,7 +92,8 @@ def _eos_ids(folder: Path, cfg: dict) -> list[int]:
 class EngineConfig:
     """Engine options. Memory sizes are in bytes.
 
-    model: a local Hugging Face folder, or None for the embedded default model.
+    model: a local Hugging Face folder, or None for the embedded default model (already converted:
+        LLM / AsyncLLM resolve and convert it first; a config never converts anything).
     dtype: "auto" (bfloat16 on GPU and on CPUs with native bf16 matmul, float32 otherwise), or
         "float32" / "bfloat16" / "float16".
     kv_cache_memory: bytes for the KV cache; None = 2 GiB on CPU (pages are touched only as
@@ -117,9 +118,14 @@ class EngineConfig:
     model_config: ModelConfig = field(init=False, repr=False)
 
     def __post_init__(self):
-        from engine.default_model import default_model_path
+        from engine.default_model import converted_default_model
 
-        self.model = str(default_model_path()) if self.model is None else os.path.expanduser(str(self.model))
+        if self.model is None:  # the default model, converted by resolve_model() beforehand
+            self.model = str(converted_default_model())
+            if not (Path(self.model) / "config.json").is_file():
+                raise UnsupportedModelError("the default model is not converted yet: LLM(), AsyncLLM() and "
+                                            "`rollout serve` convert it once (engine.default_model.resolve_model)")
+        self.model = os.path.expanduser(str(self.model))
         if not Path(self.model).is_dir():
             raise UnsupportedModelError(f"model {self.model!r}: no such local folder (hub downloads are not supported)")
         self.model_config = ModelConfig.from_folder(self.model)

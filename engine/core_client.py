@@ -62,10 +62,21 @@ class InprocClient:
             raise EngineStateError("nothing can run: the engine is paused or asleep")
         return EngineCoreOutputs(outputs=outputs + self.core.step())
 
-    def call_utility(self, method: str, *args, **kwargs) -> Any:
+    def call_utility(self, method: str, *args, timeout: Optional[float] = None, **kwargs) -> Any:
+        """Call a core method now (`timeout` is moot in process); a Deferred answer is settled by
+        stepping the core, keeping the outputs for get_output()."""
+        from engine.core import Deferred
+
         if method.startswith("_") or not callable(getattr(self.core, method, None)):
             raise ValueError(f"the engine core has no method {method!r}")
-        return getattr(self.core, method)(*args, **kwargs)
+        result = getattr(self.core, method)(*args, **kwargs)
+        if isinstance(result, Deferred):  # step the core until it can answer (outputs are kept)
+            while not result.done():
+                if not self.core.has_work():
+                    raise EngineStateError(f"{method} cannot finish: nothing in the engine can run")
+                self._outputs.extend(self.core.step())
+            result = result.finish()
+        return result
 
     def check_health(self) -> None:
         pass

@@ -23,7 +23,7 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.core import Deferred, EngineCore
 from engine.errors import InvalidRequestError
 from engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, RequestType,
                              StreamInput, UtilityOutput, UtilityRequest)
@@ -99,6 +99,7 @@ class EngineCoreProc:
         self.output_queue: queue.Queue = queue.Queue()
         self.ctx = ctx
         self.input_address, self.output_address = input_address, output_address
+        self.deferred: list[tuple[int, Deferred]] = []  # utility calls answered once their condition holds
         threading.Thread(target=self._input_thread, daemon=True, name="core-input").start()
         threading.Thread(target=self._output_thread, daemon=True, name="core-output").start()
 
@@ -152,6 +153,8 @@ class EngineCoreProc:
                     outputs = self.core.step()
                     if outputs:
                         self.output_queue.put(EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic()))
+                if self.deferred:
+                    self._resolve_deferred()
         except BaseException as e:  # a bug in a step: every caller must learn it, now
             msg = f"engine core died: {type(e).__name__}: {e}"
             logger.error("%s\n%s", msg, traceback.format_exc())
@@ -177,21 +180,45 @@ class EngineCoreProc:
             if outputs:
                 self.output_queue.put(EngineCoreOutputs(outputs=outputs))
         elif kind == RequestType.UTILITY:
-            self.output_queue.put(EngineCoreOutputs(utility_output=self._call(msg)))
+            self._call(msg)
 
     def _reject(self, request_id: str, error: InvalidRequestError) -> None:
         out = EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
                                error=str(error), error_type=type(error).__name__)
         self.output_queue.put(EngineCoreOutputs(outputs=[out]))
 
-    def _call(self, req: UtilityRequest) -> UtilityOutput:
+    def _call(self, req: UtilityRequest) -> None:
         fn = getattr(self.core, req.method, None) if not req.method.startswith("_") else None
         if not callable(fn):
-            return UtilityOutput(req.call_id, failure=f"the engine core has no method {req.method!r}")
+            return self._answer(UtilityOutput(req.call_id, failure=f"the engine core has no method {req.method!r}"))
         try:
-            return UtilityOutput(req.call_id, result=fn(*req.args, **req.kwargs))
+            result = fn(*req.args, **req.kwargs)
         except Exception as e:  # reported to the caller; the engine keeps serving
-            return UtilityOutput(req.call_id, failure=_message(e), failure_type=type(e).__name__)
+            return self._answer(UtilityOutput(req.call_id, failure=_message(e), failure_type=type(e).__name__))
+        if isinstance(result, Deferred):
+            self.deferred.append((req.call_id, result))
+        else:
+            self._answer(UtilityOutput(req.call_id, result=result))
+
+    def _resolve_deferred(self) -> None:
+        waiting = []
+        for call_id, d in self.deferred:
+            if not d.done():
+                waiting.append((call_id, d))
+                continue
+            try:
+                self._answer(UtilityOutput(call_id, result=d.finish()))
+            except Exception as e:
+                self._answer(UtilityOutput(call_id, failure=_message(e), failure_type=type(e).__name__))
+        self.deferred = waiting
+
+    def _answer(self, out: UtilityOutput) -> None:
+        """Send a utility result, after the request outputs the call produced (an abort-mode
+        pause's final outputs reach the callers before the pause returns)."""
+        pending = self.core.take_pending_outputs()
+        if pending:
+            self.output_queue.put(EngineCoreOutputs(outputs=pending))
+        self.output_queue.put(EngineCoreOutputs(utility_output=out))
 
 
 def _message(e: BaseException) -> str:

@@ -8,11 +8,13 @@ By default the engine core runs in a child process (as behind AsyncLLM); `multip
 keeps it in this process, for tests and debugging.
 """
 import itertools
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
+import torch
 from tqdm import tqdm
 
 from engine.config import EngineConfig
+from engine.default_model import resolve_model
 from engine.core_client import InprocClient, SyncMPClient
 from engine.errors import InvalidRequestError
 from engine.output_processor import OutputProcessor
@@ -28,7 +30,7 @@ class LLM:
     keyword arguments are EngineConfig fields (dtype, max_num_seqs, max_model_len, ...)."""
 
     def __init__(self, model: Optional[str] = None, multiprocess: bool = True, **config):
-        self.config = EngineConfig(model=model, **config)
+        self.config = EngineConfig(model=resolve_model(model), **config)
         self.tokenizer = load_tokenizer(self.config)
         self.client = SyncMPClient(self.config) if multiprocess else InprocClient(self.config)
         self.processor = Processor(self.config, self.tokenizer, self.client.max_model_len)
@@ -116,32 +118,24 @@ class LLM:
     def collective_rpc(self, method: str, args: Sequence[Any] = (), kwargs: Optional[dict] = None,
                        timeout: Optional[float] = None) -> list[Any]:
         """Call a worker method (or a worker-extension method) on every worker."""
-        if isinstance(self.client, InprocClient):
-            return self.client.call_utility("collective_rpc", method, list(args), kwargs or {})
         return self.client.call_utility("collective_rpc", method, list(args), kwargs or {}, timeout=timeout)
 
     def check_health(self) -> None:
         self.client.check_health()
 
-    # ---- RL control (synchronous twins of AsyncLLM's) ---------------------------------------------
+    # ---- RL control (synchronous twins of AsyncLLM's; the engine core owns the state) ------------
     # Offline, generate() returns only when its requests are done, so pausing matters between
     # calls: "keep" freezes requests left in the engine; weights updates need a paused or idle engine.
-    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> dict:
         if mode not in ("abort", "wait", "keep"):
             raise InvalidRequestError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
-        if mode == "keep":
-            self.client.call_utility("pause_scheduling")
-        elif mode == "abort":
-            self.client.call_utility("abort_all")
-        # "wait": nothing is in flight between generate() calls
-        if clear_cache:
-            self.reset_prefix_cache()
+        return self.client.call_utility("pause", mode, clear_cache)
 
-    def resume_generation(self) -> None:
-        self.client.call_utility("resume_scheduling")
+    def resume_generation(self) -> dict:
+        return self.client.call_utility("resume")
 
     def is_paused(self) -> bool:
-        return self.client.call_utility("is_scheduling_paused")
+        return self.client.call_utility("is_paused")
 
     def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
                              backend: str = "gloo", timeout_s: float = 60.0) -> list[int]:
@@ -149,13 +143,15 @@ class LLM:
                                         backend, timeout_s)
 
     def update_weights(self, version: Optional[int] = None) -> dict:
+        """Receive one push from the trainer's WeightSender; bumps the version, clears caches."""
         return self.client.call_utility("update_weights", version)
 
     def update_weights_from_disk(self, path: str, version: Optional[int] = None) -> dict:
         return self.client.call_utility("update_weights_from_disk", path, version)
 
-    def update_weights_from_tensors(self, named_tensors, version: Optional[int] = None) -> dict:
-        """Tensors from this process (in-process engine only: an MP engine gets them over msgpack)."""
+    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                                    version: Optional[int] = None) -> dict:
+        """Tensors from this process (to an engine-core process they travel as raw frames)."""
         return self.client.call_utility("update_weights_from_tensors", list(named_tensors), version)
 
     def update_weights_from_ipc(self, handles: dict, version: Optional[int] = None) -> dict:
@@ -173,21 +169,22 @@ class LLM:
     def weights_checksum(self) -> str:
         return self.client.call_utility("weights_checksum")
 
+    def get_weight_version(self) -> int:
+        return self.client.call_utility("get_weight_version")
+
     def set_weight_version(self, version: int) -> int:
         return self.client.call_utility("set_weight_version", version)
 
-    def sleep(self, level: int = 1) -> None:
-        self.client.call_utility("sleep", level)
+    def sleep(self, level: int = 1, mode: str = "abort") -> bool:
+        """Pause (with `mode`, unless paused), free the KV cache, and offload (level 1) or drop
+        (level 2: a push or reload_weights() must follow) the weights."""
+        return self.client.call_utility("sleep", level, mode)
 
-    def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        self.client.call_utility("wake_up", tags)
+    def wake_up(self, tags: Optional[list[str]] = None) -> dict:
+        return self.client.call_utility("wake_up", tags)
 
     def is_sleeping(self) -> bool:
         return self.client.call_utility("is_sleeping")
-
-    @property
-    def weight_version(self) -> int:
-        return self.client.call_utility("get_weight_version")
 
     def shutdown(self) -> None:
         self.client.shutdown()

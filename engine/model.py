@@ -9,21 +9,19 @@ must run after any write to the plain tensors.
 The forward pass takes a flat batch of T tokens from many sequences (see engine/attention.py)
 and avoids nn.Module: at this model size per-op overhead is the enemy.
 """
-import glob
-import os
 from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from engine.attention import AttentionMetadata, attention
 from engine.config import ModelConfig
-from engine.errors import UnsupportedModelError
+from engine.errors import InvalidRequestError, UnsupportedModelError
 from kernels import cpu_ext
 from kernels.activation import silu_and_mul
 from kernels.norm import fused_add_rms_norm
 from kernels.rotary import rope_and_cache, rope_cos_sin_cache, rope_inv_freq
+from weight_sync.checkpoint import load_safetensors_folder
 
 
 class Linear:
@@ -50,21 +48,22 @@ class Layer:
 
 
 class LayerOps:
-    """The small per-layer ops, chosen once per model: the C++ functions themselves when they
-    take this model's tensors (CPU, float32/bfloat16; our own ops' outputs are contiguous), else
-    the checking wrappers (any device). In a decode step every call comes right after a matmul
-    has flushed the caches, and skipping the wrappers' checks saves ~5-10 us a call there."""
+    """The small per-layer ops, chosen once per model by kernels.cpu_ext's rules: the C++
+    functions themselves when they take this model's tensors (our own ops' outputs are
+    contiguous), else the checking wrappers (any device). In a decode step every call comes right
+    after a matmul has flushed the caches, and skipping the wrappers' checks saves ~5-10 us a call."""
 
     __slots__ = ("add_norm", "rope_and_cache", "silu_and_mul", "decode_attention")
 
     def __init__(self, device: torch.device, dtype: torch.dtype, head_dim: int):
-        ext = cpu_ext.load() if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
-        fused = ext is not None and hasattr(ext, "silu_and_mul") and head_dim % 2 == 0 and head_dim <= 512
+        ext = cpu_ext.ops_for(device, dtype)
+        fused = ext is not None and cpu_ext.supports_head_dim("rotary", head_dim)
         self.add_norm = ext.fused_add_rms_norm if fused else fused_add_rms_norm
         self.rope_and_cache = ext.rope_and_cache if fused else rope_and_cache
         self.silu_and_mul = ext.silu_and_mul if fused else silu_and_mul
         # (q, k_cache, v_cache, block_table, seq_lens, scale, window) for an all-decode step, or None
-        self.decode_attention = ext.paged_decode_attention if ext is not None and head_dim % 16 == 0 else None
+        attention_ok = ext is not None and cpu_ext.supports_head_dim("attention", head_dim)
+        self.decode_attention = ext.paged_decode_attention if attention_ok else None
 
 
 class LlamaModel:
@@ -131,26 +130,42 @@ class LlamaModel:
         for name in self._hf:
             yield name, self.hf_view(name)
 
-    def load_safetensors(self, folder: str, progress: bool = False) -> None:
-        files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {name: (tuple(v.shape), v.dtype) for name, v in self.hf_views()}
+
+    def check_weight(self, name: str, shape: tuple[int, ...], dtype: Optional[torch.dtype] = None) -> None:
+        """Refuse (InvalidRequestError) a tensor this model has no place for: unknown name, wrong
+        shape, or (when given) a dtype other than the model's."""
+        if name not in self._hf:
+            raise InvalidRequestError(f"unknown parameter {name!r} (this model has no such tensor)")
+        view = self.hf_view(name)
+        if tuple(shape) != tuple(view.shape):
+            raise InvalidRequestError(f"{name} has shape {list(shape)}, expected {list(view.shape)}")
+        if dtype is not None and dtype != view.dtype:
+            raise InvalidRequestError(f"{name} has dtype {dtype}, expected {view.dtype}")
+
+    def checkpoint_tensors(self, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors of a safetensors checkpoint (folder, shards + index, or one file) that this
+        model keeps: a tied checkpoint's copy of lm_head and rotary caches are skipped. The one
+        reader for start-up and for updates from disk."""
+        tied_head = self.mc.tie_word_embeddings
+        for name, t in load_safetensors_folder(path):
+            if name not in self._hf and ((name == "lm_head.weight" and tied_head) or "rotary_emb" in name):
+                continue
+            yield name, t
+
+    def load_weights(self, path: str) -> None:
+        """Load a whole checkpoint in place (start-up, reload_weights)."""
         missing = set(self._hf)
-        for path in files:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    if name not in self._hf:
-                        if name == "lm_head.weight" and self.mc.tie_word_embeddings:
-                            continue  # some tied checkpoints still carry a copy
-                        if "rotary_emb" in name:
-                            continue
-                        raise UnsupportedModelError(f"{path}: unexpected tensor {name!r}")
-                    view = self.hf_view(name)
-                    t = f.get_tensor(name)
-                    if tuple(t.shape) != tuple(view.shape):
-                        raise UnsupportedModelError(f"{name}: shape {tuple(t.shape)} != expected {tuple(view.shape)}")
-                    view.copy_(t)
-                    missing.discard(name)
+        try:
+            for name, t in self.checkpoint_tensors(path):
+                self.check_weight(name, tuple(t.shape))
+                self.hf_view(name).copy_(t)
+                missing.discard(name)
+        except (InvalidRequestError, ValueError, FileNotFoundError) as e:
+            raise UnsupportedModelError(f"{path}: {e}") from e
         if missing:
-            raise UnsupportedModelError(f"{folder}: missing tensors, e.g. {sorted(missing)[:3]}")
+            raise UnsupportedModelError(f"{path}: missing tensors, e.g. {sorted(missing)[:3]}")
         self.repack()
 
     def drop_packed(self) -> None:

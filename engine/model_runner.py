@@ -1,9 +1,12 @@
 """ModelRunner: turns a SchedulerOutput into one forward pass and sampled tokens.
 
-It owns the model weights and the KV cache tensors; it reads the scheduled requests' token
-ids and block ids, and never touches scheduling state.
+    execute_model(so): update_states -> prepare_inputs -> model.forward -> compute_logits
+                       -> prompt_logprobs (chunks that ask) -> sample (rows that reach their end)
+
+It owns the model weights, the KV cache tensors and each request's sampling state (params,
+seeded generator, prompt-logprob progress); everything else it reads from the SchedulerOutput.
+It never imports the scheduler or the KV block manager.
 """
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -11,10 +14,9 @@ import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk, prefill_mask
 from engine.config import EngineConfig
-from engine.kv_cache import KVCacheManager
 from engine.model import LlamaModel
-from engine.request import Request
-from engine.scheduler import SchedulerOutput
+from engine.sampling_params import SamplingParams
+from engine.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from kernels.sampling import SamplingMetadata, sample
 
 GiB = 1 << 30
@@ -22,12 +24,26 @@ CPU_DEFAULT_KV_CACHE_MEMORY = 2 * GiB
 
 
 @dataclass
-class ModelRunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
-    logprobs: dict[str, float] = field(default_factory=dict)
-    top_logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
-    # request id -> (logprobs of prompt tokens, top-k per prompt token) for this chunk
-    prompt_logprobs: dict[str, tuple[list[float], Optional[list]]] = field(default_factory=dict)
+class CachedRequestState:
+    """What the runner keeps for a request between steps."""
+
+    params: SamplingParams
+    generator: Optional[torch.Generator]  # seeded requests draw from their own generator
+    prompt_token_ids: Optional[list[int]] = None  # only with prompt_logprobs (the targets)
+    num_prompt_logprobs: int = 0  # prompt positions done (a recompute after preemption skips them)
+
+
+@dataclass
+class StepInputs:
+    """One step's flattened batch: decodes first (one token each), then prefill chunks."""
+
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64
+    attn: AttentionMetadata
+    logit_rows: list[int]  # rows of the T whose logits are needed, in this order
+    samplers: list[ScheduledRequest] = field(default_factory=list)  # rows that sample, in logit order
+    sample_rows: list[int] = field(default_factory=list)  # their index into logit_rows
+    prompt_rows: list[tuple[str, int, range]] = field(default_factory=list)  # (id, first logit row, positions)
 
 
 class ModelRunner:
@@ -37,19 +53,18 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         mc = config.model_config
-        t = time.perf_counter()
         if self.device.type == "cpu":
             from kernels import cpu_ext
 
             cpu_ext.load()  # build the C++ kernels now (once per machine), not in the first request
-        self.model = LlamaModel(mc, self.dtype, self.device, config.max_model_len)
-        self.model.load_safetensors(config.model)
-        self.load_seconds = time.perf_counter() - t
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.model: Optional[LlamaModel] = LlamaModel(mc, self.dtype, self.device, config.max_model_len)
+        self.model.load_weights(config.model)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)  # unseeded requests
+        self.requests: dict[str, CachedRequestState] = {}
         self.kv_cache: Optional[torch.Tensor] = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
-        self.weights_valid = True  # False after a level-2 sleep until a push or reload
+        self.weights_valid = True  # False after a level-2 sleep until a full push or reload
 
     # ---- KV cache -----------------------------------------------------------------------
     def kv_cache_bytes(self) -> int:
@@ -81,121 +96,136 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.update_states(so)
+        out = ModelRunnerOutput()
+        if not so.scheduled:
+            return out
         assert self.kv_cache is not None and self.weights_valid, "executing while asleep"
-        bs = self.block_size
-        # decodes first (one token each), then prefill chunks
-        decodes = [(r, n) for r, n in so.scheduled if n == 1]
-        prefills = [(r, n) for r, n in so.scheduled if n > 1]
+        inputs = self.prepare_inputs(so)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+        if len(inputs.logit_rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(inputs.logit_rows, dtype=torch.int64, device=self.device)]
+        logits = self.model.compute_logits(hidden)  # (len(logit_rows), V) in the model's dtype
+        if inputs.prompt_rows:
+            self.compute_prompt_logprobs(logits, inputs.prompt_rows, out)
+        if inputs.samplers:
+            if len(inputs.sample_rows) < logits.shape[0]:
+                logits = logits[torch.tensor(inputs.sample_rows, dtype=torch.int64)]
+            self.sample(logits, inputs.samplers, out)
+        return out
+
+    def update_states(self, so: SchedulerOutput) -> None:
+        """Forget finished requests, then (re)load announced ones (in this order: an id can be reused)."""
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        for nr in so.new_requests:
+            self.requests[nr.request_id] = self._request_state(nr, self.requests.get(nr.request_id))
+
+    @staticmethod
+    def _request_state(nr: NewRequestData, old: Optional[CachedRequestState]) -> CachedRequestState:
+        p = nr.sampling_params
+        generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+        if old is not None:  # new params for the next streaming chunk: the prompt's progress stays
+            return CachedRequestState(p, generator, old.prompt_token_ids, old.num_prompt_logprobs)
+        return CachedRequestState(p, generator, nr.prompt_token_ids)
+
+    def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        bs, dev = self.block_size, self.device
+        decodes = [r for r in so.scheduled if len(r.token_ids) == 1]
+        prefills = [r for r in so.scheduled if len(r.token_ids) > 1]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        table: list[list[int]] = []
-        seq_lens: list[int] = []
-        logit_rows: list[int] = []  # rows whose logits are needed
-        samplers: list[Request] = []  # requests that sample a token this step, in logit-row order
-        prompt_lp: list[tuple[Request, int, int]] = []  # (req, first logit row, num rows)
-        for req, _ in decodes:
-            s = req.num_computed_tokens
-            blocks = kv.block_ids(req.request_id)
-            input_ids.append(req.all_token_ids[s])
+        logit_rows: list[int] = []
+        inputs = StepInputs(None, None, AttentionMetadata(slot_mapping=None, num_decodes=len(decodes)), logit_rows)
+
+        def want_logits(sr: ScheduledRequest, row: int, n: int) -> None:
+            """Rows [row, row + n) hold sr's tokens: ask for prompt logprobs and the sample."""
+            pos = self._prompt_logprob_positions(sr)
+            if pos:
+                inputs.prompt_rows.append((sr.request_id, len(logit_rows), pos))
+                logit_rows.extend(range(row + pos.start - sr.start, row + pos.stop - sr.start))
+            if sr.sample:
+                inputs.sample_rows.append(len(logit_rows))
+                inputs.samplers.append(sr)
+                logit_rows.append(row + n - 1)
+
+        for sr in decodes:
+            s = sr.start
+            want_logits(sr, len(positions), 1)
+            input_ids.append(sr.token_ids[0])
             positions.append(s)
-            slots.append(blocks[s // bs] * bs + s % bs)
-            table.append(blocks)
-            seq_lens.append(s + 1)
-            if req.prompt_logprobs is not None and s + 1 < req.num_prompt_tokens:
-                prompt_lp.append((req, len(logit_rows), 1))
-                logit_rows.append(len(positions) - 1)
-            elif s + 1 == req.num_tokens:
-                logit_rows.append(len(positions) - 1)
-                samplers.append(req)
-        md = AttentionMetadata(slot_mapping=None, num_decodes=len(decodes))
+            slots.append(sr.block_ids[s // bs] * bs + s % bs)
+        md = inputs.attn
+        if decodes:
+            width = max(len(r.block_ids) for r in decodes)
+            md.decode_block_table = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in decodes],
+                                                 dtype=torch.int32, device=dev)
+            md.decode_seq_lens = torch.tensor([r.start + 1 for r in decodes], dtype=torch.int32, device=dev)
         slot_parts = [torch.tensor(slots, dtype=torch.int64)] if slots else []
         window = self.config.model_config.sliding_window
-        for req, n in prefills:
-            s = req.num_computed_tokens
-            row = len(positions)
-            blocks = kv.block_ids(req.request_id)
-            input_ids.extend(req.all_token_ids[s:s + n])
+        for sr in prefills:
+            s, n, row = sr.start, len(sr.token_ids), len(positions)
+            want_logits(sr, row, n)
+            input_ids.extend(sr.token_ids)
             positions.extend(range(s, s + n))
-            bt = torch.tensor(blocks, dtype=torch.int64)
+            bt = torch.tensor(sr.block_ids, dtype=torch.int64)
             pos = torch.arange(s, s + n)
             slot_parts.append(bt[pos // bs] * bs + pos % bs)
             md.prefills.append(PrefillChunk(q_start=row, q_len=n, seq_len=s + n,
-                                            block_ids=bt.to(self.device) if s else None,
-                                            mask=prefill_mask(s, n, window, self.device)))
-            if req.prompt_logprobs is not None:
-                last = min(s + n, req.num_prompt_tokens - 1)  # positions < last predict prompt tokens
-                if last > s:
-                    prompt_lp.append((req, len(logit_rows), last - s))
-                    logit_rows.extend(range(row, row + last - s))
-            if s + n == req.num_tokens:
-                logit_rows.append(row + n - 1)
-                samplers.append(req)
-        dev = self.device
+                                            block_ids=bt.to(dev) if s else None,
+                                            mask=prefill_mask(s, n, window, dev)))
         md.slot_mapping = torch.cat(slot_parts).to(dev) if len(slot_parts) > 1 else slot_parts[0].to(dev)
-        if decodes:
-            width = max(len(b) for b in table)
-            md.decode_block_table = torch.tensor([b + [0] * (width - len(b)) for b in table],
-                                                 dtype=torch.int32, device=dev)
-            md.decode_seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
-        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        hidden = self.model.forward(ids_t, pos_t, md, self.kv_caches)
-        if len(logit_rows) < len(positions):
-            hidden = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=dev)]
-        logits = self.model.compute_logits(hidden)  # (len(logit_rows), V) in the model's dtype
-        out = ModelRunnerOutput()
-        if prompt_lp:
-            self._prompt_logprobs(logits, prompt_lp, out)
-        if samplers:
-            n_prompt_rows = len(logit_rows) - len(samplers)
-            sample_logits = logits if not n_prompt_rows else logits[self._sampler_rows(prompt_lp, len(logit_rows))]
-            self._sample(sample_logits, samplers, out)
-        return out
+        inputs.input_ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        inputs.positions = torch.tensor(positions, dtype=torch.int64, device=dev)
+        return inputs
 
-    @staticmethod
-    def _sampler_rows(prompt_lp, num_rows) -> torch.Tensor:
-        skip = set()
-        for _, first, n in prompt_lp:
-            skip.update(range(first, first + n))
-        return torch.tensor([i for i in range(num_rows) if i not in skip], dtype=torch.int64)
+    def _prompt_logprob_positions(self, sr: ScheduledRequest) -> range:
+        """Positions p of this chunk whose logits give prompt token p + 1's logprob, not done before."""
+        state = self.requests[sr.request_id]
+        if state.prompt_token_ids is None:
+            return range(0)
+        return range(max(sr.start, state.num_prompt_logprobs),
+                     max(min(sr.start + len(sr.token_ids), len(state.prompt_token_ids) - 1), 0))
 
-    def _prompt_logprobs(self, logits: torch.Tensor, prompt_lp, out: ModelRunnerOutput) -> None:
-        for req, first, n in prompt_lp:
-            s = req.num_computed_tokens
-            rows = logits[first:first + n].float().log_softmax(dim=-1)  # raw logits: position p predicts p+1
-            targets = torch.tensor(req.all_token_ids[s + 1:s + 1 + n], dtype=torch.int64, device=rows.device)
+    def compute_prompt_logprobs(self, logits: torch.Tensor, prompt_rows, out: ModelRunnerOutput) -> None:
+        for rid, first, pos in prompt_rows:
+            state = self.requests[rid]
+            rows = logits[first:first + len(pos)].float().log_softmax(dim=-1)  # raw logits: p predicts p+1
+            targets = torch.tensor(state.prompt_token_ids[pos.start + 1:pos.stop + 1], dtype=torch.int64,
+                                   device=rows.device)
             lps = rows.gather(1, targets[:, None]).squeeze(1).tolist()
             top = None
-            k = req.params.prompt_logprobs
+            k = state.params.prompt_logprobs
             if k:
                 vals, ids = rows.topk(k, dim=-1)
                 top = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
-            out.prompt_logprobs[req.request_id] = (lps, top)
+            out.prompt_logprobs[rid] = (lps, top)
+            state.num_prompt_logprobs = pos.stop
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request], out: ModelRunnerOutput) -> None:
-        md = self._sampling_metadata(reqs)
-        res = sample(logits, md, self.generator)
-        token_ids = res.token_ids.tolist()
-        for req, t in zip(reqs, token_ids):
-            out.sampled[req.request_id] = t
-        if res.logprobs is not None:
-            lps = res.logprobs.tolist()
-            top_ids = res.top_ids.tolist() if res.top_ids is not None else None
-            top_lps = res.top_logprobs.tolist() if res.top_ids is not None else None
-            for i, req in enumerate(reqs):
-                k = req.params.logprobs
-                if k is None:
-                    continue
-                out.logprobs[req.request_id] = lps[i]
-                if k:
-                    out.top_logprobs[req.request_id] = list(zip(top_ids[i][:k], top_lps[i][:k]))
+    def sample(self, logits: torch.Tensor, samplers: list[ScheduledRequest], out: ModelRunnerOutput) -> None:
+        states = [self.requests[sr.request_id] for sr in samplers]
+        res = sample(logits, self._sampling_metadata(samplers, states), self.generator)
+        for sr, t in zip(samplers, res.token_ids.tolist()):
+            out.sampled[sr.request_id] = t
+        if res.logprobs is None:
+            return
+        lps = res.logprobs.tolist()
+        top_ids = res.top_ids.tolist() if res.top_ids is not None else None
+        top_lps = res.top_logprobs.tolist() if res.top_ids is not None else None
+        for i, (sr, state) in enumerate(zip(samplers, states)):
+            k = state.params.logprobs
+            if k is None:
+                continue
+            out.logprobs[sr.request_id] = lps[i]
+            if k:
+                out.top_logprobs[sr.request_id] = list(zip(top_ids[i][:k], top_lps[i][:k]))
 
-    def _sampling_metadata(self, reqs: list[Request]) -> SamplingMetadata:
-        ps = [r.params for r in reqs]
-        n = len(ps)
-        md = SamplingMetadata(num_rows=n, all_greedy=all(p.temperature == 0 for p in ps))
+    def _sampling_metadata(self, samplers: list[ScheduledRequest],
+                           states: list[CachedRequestState]) -> SamplingMetadata:
+        ps = [s.params for s in states]
+        md = SamplingMetadata(num_rows=len(ps), all_greedy=all(p.temperature == 0 for p in ps))
         dev = self.device
         if not md.all_greedy:
             md.temperature = torch.tensor([p.temperature or 1.0 for p in ps], dtype=torch.float32, device=dev)
@@ -207,13 +237,11 @@ class ModelRunner:
                 md.top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
             if any(p.min_p > 0 for p in ps):
                 md.min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev)
-            md.generators = {i: r.generator for i, r in enumerate(reqs) if r.generator is not None}
+            md.generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
         want = [p.logprobs for p in ps if p.logprobs is not None]
         if want:
             md.max_num_logprobs = max(want)
             if any(p.logprobs is not None and p.logprobs_mode == "raw" for p in ps):
                 md.raw_logprobs = torch.tensor([p.logprobs_mode == "raw" for p in ps], device=dev)
-        for i, r in enumerate(reqs):
-            if r.num_chunk_output_tokens < r.params.min_tokens and r.stop_ids:
-                md.banned_tokens[i] = sorted(r.stop_ids)
+        md.banned_tokens = {i: sr.banned_token_ids for i, sr in enumerate(samplers) if sr.banned_token_ids}
         return md

@@ -34,7 +34,6 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: Optional[int] = None
-    arrival_time: float = 0.0
     streaming: bool = False  # more input chunks may follow (StreamInput), until one says final
 
 

@@ -1,12 +1,11 @@
-"""Request: the engine core's state of one sequence (token ids only, no text)."""
+"""Request: the scheduler's state of one sequence (token ids only, no text). Workers never
+see it: what they need travels in the SchedulerOutput (engine/step_io.py)."""
 import enum
-from collections import deque
 from typing import Optional
-
-import torch
 
 from engine.protocol import EngineCoreRequest, FinishReason, StreamInput
 from engine.sampling_params import SamplingParams
+from engine.streaming import InputStream
 
 
 class RequestStatus(enum.IntEnum):
@@ -14,7 +13,8 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2
     IDLE = 3  # a streaming-input request between chunks: holds its KV blocks, waits for input
-    FINISHED = 4
+    HELD = 4  # arrived while generation is paused: admitted on resume
+    FINISHED = 5
 
 
 class Request:
@@ -32,15 +32,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: Optional[FinishReason] = None
         self.stop_reason: Optional[int] = None
-        self.last_sampled: Optional[int] = None
         self.eos_token_id = req.eos_token_id
-        self.generator: Optional[torch.Generator] = None
         self._set_params(self.params)
-        # streaming input: chunks queue here while the previous one is still generating
-        self.streaming = req.streaming
-        self.pending_inputs: deque[StreamInput] = deque()
-        self.input_closed = not req.streaming
-        self.resumable = False  # the last output ended a chunk, not the request
+        self.stream: Optional[InputStream] = InputStream() if req.streaming else None
         self.chunk_start = self.num_prompt_tokens  # where the current chunk's output begins
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks, grown lazily
         # prompt logprobs gathered over prefill chunks (sent with the first output token)
@@ -52,18 +46,14 @@ class Request:
         self.stop_ids = set(p.stop_token_ids or ())
         if self.eos_token_id is not None and not p.ignore_eos:
             self.stop_ids.add(self.eos_token_id)
-        if p.seed is not None:
-            self.generator = torch.Generator().manual_seed(p.seed)
 
     def apply_input(self, chunk: StreamInput) -> None:
         """Start the next chunk: its tokens follow everything so far (outputs included)."""
         self.all_token_ids.extend(chunk.prompt_token_ids)
         if chunk.sampling_params is not None:
             self._set_params(chunk.sampling_params)
-        self.input_closed = self.input_closed or chunk.final
         self.chunk_start = self.num_tokens
         self.finish_reason = self.stop_reason = None
-        self.resumable = False
 
     @property
     def num_chunk_output_tokens(self) -> int:
@@ -78,13 +68,19 @@ class Request:
         return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
+    def banned_token_ids(self) -> Optional[list[int]]:
+        """The stop tokens the next sample must avoid (min_tokens not reached yet)."""
+        if self.num_chunk_output_tokens < self.params.min_tokens and self.stop_ids:
+            return sorted(self.stop_ids)
+        return None
+
+    @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
     def append_token(self, token_id: int, max_model_len: int) -> bool:
         """Add a sampled token; returns True (and sets finish_reason) if the request is done."""
         self.all_token_ids.append(token_id)
-        self.last_sampled = token_id
         n = self.num_chunk_output_tokens
         max_tokens = self.params.max_tokens
         if n >= self.params.min_tokens and token_id in self.stop_ids:

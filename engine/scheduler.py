@@ -3,32 +3,36 @@ target (num_tokens); each step hands out tokens from a budget until requests cat
 That one rule covers chunked prefill, prefix-cache hits, decode, and recompute after
 preemption. Running requests go first, in arrival order; when blocks run out, the most
 recently admitted running request is preempted (its blocks freed, recomputed later).
+
+    schedule() -> SchedulerOutput (everything the workers need) -> workers -> ModelRunnerOutput
+    -> update_from_output() -> EngineCoreOutputs (one per request that got a token)
+
+Queues: waiting -> running; idle (streaming-input requests between chunks, holding their
+blocks: engine/streaming.py); held (requests that arrived while generation is paused).
+The pause state lives here and nowhere else (the engine core sets it, everyone else asks).
 """
+import enum
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from engine.kv_cache import KVCacheManager
-from engine.protocol import FinishReason, StreamInput
+from engine.protocol import EngineCoreOutput, FinishReason, StreamInput
 from engine.request import Request, RequestStatus
+from engine.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from engine.streaming import StreamState
 
 
-@dataclass
-class SchedulerOutput:
-    """The requests to run this step and how many tokens each computes."""
-
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    num_preempted: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+class PauseState(enum.Enum):
+    UNPAUSED = "unpaused"
+    PAUSED_NEW = "paused_new"  # pause modes abort / wait: admitted requests run on, new ones are held
+    PAUSED_ALL = "paused_all"  # pause mode keep: nothing runs; requests keep their KV for the resume
 
 
 @dataclass
 class SchedulerStats:
     num_running: int
-    num_waiting: int
+    num_waiting: int  # held requests (arrived while paused) included
     kv_usage: float
     prefix_hit_rate: float
     num_preemptions: int
@@ -43,37 +47,60 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.idle: dict[str, Request] = {}  # streaming-input requests waiting for their next chunk
+        self.held: deque[Request] = deque()  # arrived while paused; admitted on resume
         self.requests: dict[str, Request] = {}
+        self.pause_state = PauseState.UNPAUSED
         self.num_preemptions = 0
         self.num_prefill_tokens = 0
-        self._next_chunk_after_output: list[tuple[Request, StreamInput]] = []
-        self.paused = False  # pause mode "keep": nothing is scheduled, requests keep their state
+        # what the workers learn with the next SchedulerOutput
+        self._new_requests: list[NewRequestData] = []
+        self._finished_ids: list[str] = []
 
+    # ---- requests in ----------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id!r}"
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self._announce(req)
+        self._enqueue(req)
+
+    def _announce(self, req: Request) -> None:
+        """Tell the workers about req's (new) sampling params with the next step."""
+        p = req.params
+        self._new_requests.append(NewRequestData(req.request_id, p, None if p.prompt_logprobs is None
+                                                 else req.prompt_token_ids))
+
+    def _enqueue(self, req: Request) -> None:
+        """req has tokens to compute: it waits for a slot, or for the resume while paused."""
+        if self.pause_state is PauseState.UNPAUSED:
+            req.status = RequestStatus.WAITING if req.num_computed_tokens == 0 else RequestStatus.PREEMPTED
+            self.waiting.append(req)
+        else:
+            req.status = RequestStatus.HELD
+            self.held.append(req)
+
+    def set_pause_state(self, state: PauseState) -> None:
+        self.pause_state = state
+        if state is PauseState.UNPAUSED:
+            held, self.held = self.held, deque()
+            for req in held:
+                self._enqueue(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     def has_active(self) -> bool:
-        """Requests that are running or waiting to run (idle streaming requests excluded)."""
+        """Requests admitted to run (running or waiting); idle and held ones excluded."""
         return bool(self.running or self.waiting)
 
-    def preempt_all(self) -> None:
-        """Free every request's KV blocks; they recompute from scratch when scheduled again."""
-        while self.running:
-            self._preempt(self.running.pop())
-        while self._preempt_idle():
-            pass
-        for req in self.waiting:
-            if req.num_computed_tokens:
-                self.kv.free(req)
-                req.num_computed_tokens = 0
+    def can_step(self) -> bool:
+        return self.pause_state is not PauseState.PAUSED_ALL and self.has_active()
 
+    # ---- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(new_requests=self._new_requests, finished_req_ids=self._finished_ids)
+        self._new_requests, self._finished_ids = [], []
+        if self.pause_state is PauseState.PAUSED_ALL:
+            return out
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -89,7 +116,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append((req, n))
+                out.scheduled.append(self._scheduled(req, n))
                 budget -= n
                 i += 1
         if out.num_preempted:
@@ -111,9 +138,103 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append((req, n))
+            out.scheduled.append(self._scheduled(req, n))
             budget -= n
         return out
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        s = req.num_computed_tokens
+        sample = s + n == req.num_tokens
+        return ScheduledRequest(req.request_id, s, req.all_token_ids[s:s + n], self.kv.block_ids(req.request_id),
+                                sample, req.banned_token_ids if sample else None)
+
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput,
+                           weight_version: int) -> list[EngineCoreOutput]:
+        """Advance computed counts, append sampled tokens, end chunks and requests. Returns an
+        output for every request that received a token this step (finished ones included)."""
+        outputs = []
+        for sr in out.scheduled:
+            rid = sr.request_id
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:  # aborted while the step ran
+                continue
+            n = len(sr.token_ids)
+            if req.num_computed_tokens < req.chunk_start:  # the prompt, or a streaming chunk's new input
+                self.num_prefill_tokens += min(n, req.chunk_start - req.num_computed_tokens)
+            req.num_computed_tokens += n
+            if rid in result.prompt_logprobs:
+                lps, top = result.prompt_logprobs[rid]
+                req.prompt_logprobs.extend(lps)
+                if top is not None:
+                    req.prompt_top_logprobs.extend(top)
+            token = result.sampled.get(rid)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end
+            ended = req.append_token(token, self.max_model_len)
+            o = self._output(req, [token], weight_version)
+            if rid in result.logprobs:
+                o.new_logprobs = [result.logprobs[rid]]
+                if rid in result.top_logprobs:
+                    o.new_top_logprobs = [result.top_logprobs[rid]]
+            outputs.append(o)
+            if ended:
+                o.resumable = self._end_chunk(req)
+        return outputs
+
+    def _output(self, req: Request, tokens: list[int], weight_version: int) -> EngineCoreOutput:
+        o = EngineCoreOutput(request_id=req.request_id, new_token_ids=tokens, weight_version=weight_version,
+                             finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+                             num_cached_tokens=req.num_cached_tokens)
+        if req.prompt_logprobs is not None and tokens and req.num_output_tokens == 1:
+            o.prompt_logprobs = req.prompt_logprobs
+            o.prompt_top_logprobs = req.prompt_top_logprobs
+        return o
+
+    # ---- streaming input (the state machine is engine/streaming.py) --------------------------
+    def _end_chunk(self, req: Request) -> bool:
+        """The request's current chunk ended (stop or length); returns whether the request goes on."""
+        if req.stream is None:
+            self._finish(req, req.finish_reason)
+            return False
+        next_chunk = req.stream.on_chunk_end()
+        if next_chunk is not None:  # it keeps running with the queued chunk
+            self._start_chunk(req, next_chunk)
+        elif req.stream.state is StreamState.CLOSED:
+            self._finish(req, req.finish_reason)
+        else:
+            self.running.remove(req)
+            req.status = RequestStatus.IDLE
+            self.idle[req.request_id] = req
+        return req.stream.resumable
+
+    def add_stream_input(self, req: Request, chunk: StreamInput) -> Optional[EngineCoreOutput]:
+        """Queue or start the next chunk; returns the final output if closing the input ended it."""
+        start = req.stream.on_input(chunk)
+        if req.stream.state is StreamState.CLOSED:  # closed while awaiting input: done
+            self._finish(req, req.finish_reason)
+            return self._output(req, [], 0)
+        if start is not None:
+            del self.idle[req.request_id]
+            self._start_chunk(req, start)
+            self._enqueue(req)
+        return None
+
+    def _start_chunk(self, req: Request, chunk: StreamInput) -> None:
+        req.apply_input(chunk)
+        if chunk.sampling_params is not None:
+            self._announce(req)
+
+    # ---- preemption, abort, finish -------------------------------------------------------------
+    def preempt_all(self) -> None:
+        """Free every request's KV blocks; they recompute from scratch when scheduled again."""
+        while self.running:
+            self._preempt(self.running.pop())
+        while self._preempt_idle():
+            pass
+        for req in (*self.waiting, *self.held):
+            if req.num_computed_tokens:
+                self.kv.free(req)
+                req.num_computed_tokens = 0
 
     def _preempt_idle(self) -> bool:
         """Free the blocks of one idle streaming request (it recomputes on its next chunk)."""
@@ -132,68 +253,6 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish requests. Returns the
-        requests that received a token this step (finished ones included)."""
-        progressed = []
-        for req, n in out.scheduled:
-            if req.is_finished:  # aborted while the step ran
-                continue
-            if req.num_computed_tokens < req.chunk_start:  # the prompt, or a streaming chunk's new input
-                self.num_prefill_tokens += min(n, req.chunk_start - req.num_computed_tokens)
-            req.num_computed_tokens += n
-            token = sampled.get(req.request_id)
-            if token is None:
-                continue  # a prefill chunk that did not reach the end
-            if req.append_token(token, self.max_model_len):
-                if req.input_closed and not req.pending_inputs:
-                    self._finish(req, req.finish_reason)
-                else:
-                    self._end_chunk(req)
-            progressed.append(req)
-        return progressed
-
-    # ---- streaming input ----------------------------------------------------------------
-    def _end_chunk(self, req: Request) -> None:
-        """A streaming request finished generating for its current chunk."""
-        req.resumable = True
-        if req.pending_inputs:
-            # the output for this step still reports the ended chunk; the next one starts now
-            chunk = req.pending_inputs.popleft()
-            self._next_chunk_after_output.append((req, chunk))
-            return
-        self.running.remove(req)
-        req.status = RequestStatus.IDLE
-        self.idle[req.request_id] = req
-
-    def add_stream_input(self, req: Request, chunk: StreamInput) -> Optional[Request]:
-        """Queue or apply the next chunk; returns req if closing its input finished it."""
-        if not chunk.prompt_token_ids:  # only closes the input stream
-            if req.pending_inputs:
-                req.pending_inputs[-1].final = True
-            elif req.status == RequestStatus.IDLE:  # nothing more to do: the request is done
-                req.resumable = False
-                self._finish(req, req.finish_reason)
-                return req
-            else:
-                req.input_closed = True
-            return None
-        if req.status != RequestStatus.IDLE:
-            req.pending_inputs.append(chunk)
-            return None
-        del self.idle[req.request_id]
-        req.apply_input(chunk)
-        req.status = RequestStatus.WAITING if req.num_computed_tokens == 0 else RequestStatus.PREEMPTED
-        self.waiting.append(req)
-        return None
-
-    def start_pending_chunks(self) -> None:
-        """Apply the chunks queued behind chunks that ended this step (after their outputs)."""
-        for req, chunk in self._next_chunk_after_output:
-            if not req.is_finished:
-                req.apply_input(chunk)
-        self._next_chunk_after_output.clear()
-
     def abort(self, request_ids: Iterable[str]) -> list[Request]:
         aborted = []
         for rid in request_ids:
@@ -209,12 +268,15 @@ class Scheduler:
             self.running.remove(req)
         elif req.status == RequestStatus.IDLE:
             del self.idle[req.request_id]
+        elif req.status == RequestStatus.HELD:
+            self.held.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         self.kv.free(req)
         del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, self.kv.prefix_hit_rate,
-                              self.num_preemptions, self.num_prefill_tokens)
+        return SchedulerStats(len(self.running), len(self.waiting) + len(self.held), self.kv.usage,
+                              self.kv.prefix_hit_rate, self.num_preemptions, self.num_prefill_tokens)

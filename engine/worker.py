@@ -1,6 +1,10 @@
-"""Worker: one model replica (weights, KV cache tensors, forward pass). It is the target of
-`collective_rpc`: any public method of the worker, or of the worker extension class named in
-the config (how RL frameworks add `update_weights`-style methods), can be called by name.
+"""Worker: one model replica (weights, KV cache tensors, forward pass) behind the executor.
+
+The engine core reaches it only through the executor: `execute_model(scheduler_output)` for a
+step, and `collective_rpc` for everything else, where any public method of the worker, or of
+the worker extension class named in the config (how RL frameworks add `update_weights`-style
+methods), can be called by name. Weight updates stage and check the whole update first, then
+copy it in: a failed or interrupted update leaves the old weights serving, bit for bit.
 """
 import ctypes
 import gc
@@ -13,6 +17,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineStateError, InvalidRequestError
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
+from engine.step_io import ModelRunnerOutput, SchedulerOutput
 
 
 class Worker:
@@ -20,11 +25,22 @@ class Worker:
         self.config = config
         self.rank = rank
         self.model_runner = ModelRunner(config)
+        self.transfer_group = None  # weight_sync.WeightTransferGroup while a trainer's group is open
+        self._offloaded: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # sleep level 1 on CUDA
 
     @property
-    def model(self):
+    def model(self) -> Optional[LlamaModel]:
         return self.model_runner.model
 
+    # ---- the step -------------------------------------------------------------------------
+    def initialize_kv_cache(self) -> int:
+        """Allocate the KV cache; returns its number of blocks."""
+        return self.model_runner.init_kv_cache()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
+
+    # ---- introspection --------------------------------------------------------------------
     def get_rank(self) -> int:
         return self.rank
 
@@ -37,11 +53,6 @@ class Worker:
                 "num_parameters": sum(v.numel() for _, v in self.model.hf_views())}
 
     # ---- weight updates ---------------------------------------------------------------------
-    # Every route stages and validates the whole update first, then copies it in: a failed or
-    # interrupted update leaves the old weights serving, bit for bit.
-    def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {name: (tuple(v.shape), v.dtype) for name, v in self.model.hf_views()}
-
     def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
                              backend: str = "gloo", rank_offset: int = 1, timeout_s: float = 60.0) -> int:
         """Join the trainer's group (trainer = rank 0); returns this worker's rank in it."""
@@ -54,9 +65,8 @@ class Worker:
         return rank
 
     def close_weight_transfer(self) -> bool:
-        group = getattr(self, "transfer_group", None)
-        if group is not None:
-            group.close()
+        if self.transfer_group is not None:
+            self.transfer_group.close()
         self.transfer_group = None
         return True
 
@@ -64,30 +74,24 @@ class Worker:
         """Receive one broadcast push (metadata, then buckets) and swap it in."""
         from weight_sync import WeightReceiver
 
-        if getattr(self, "transfer_group", None) is None:
+        if self.transfer_group is None:
             raise EngineStateError("no weight transfer group: call init_weight_transfer first")
-        staged = WeightReceiver(self.transfer_group).receive(self.expected_weights())
-        return self._apply(staged)
+        return self._apply(WeightReceiver(self.transfer_group).receive(self.model.expected_weights()))
 
     def update_weights_from_disk(self, path: str) -> dict:
-        """Load a safetensors folder (sharded too), cast to the engine's dtype, and swap it in."""
-        from weight_sync import load_safetensors_folder
-
-        expected = self.expected_weights()
+        """Load a safetensors checkpoint (the loader of start-up), cast to the engine's dtype, swap it in."""
+        expected = self.model.expected_weights()
         staged = {}
-        for name, t in load_safetensors_folder(path):
-            if name == "lm_head.weight" and name not in expected and self.config.model_config.tie_word_embeddings:
-                continue
-            self._check(name, tuple(t.shape), None, expected)
+        for name, t in self.model.checkpoint_tensors(path):
+            self.model.check_weight(name, tuple(t.shape))
             staged[name] = t.to(expected[name][1])
         return self._apply(staged)
 
     def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict:
         """Tensors handed over in this process (same checks as a push, dtypes must match)."""
-        expected = self.expected_weights()
         staged = {}
         for name, t in named_tensors:
-            self._check(name, tuple(t.shape), t.dtype, expected)
+            self.model.check_weight(name, tuple(t.shape), t.dtype)
             staged[name] = t.detach().to(self.model_runner.device, copy=True)
         return self._apply(staged)
 
@@ -96,38 +100,27 @@ class Worker:
         every name, shape and dtype is checked before anything is copied."""
         from weight_sync.ipc import read_shared
 
-        expected = self.expected_weights()
-        staged = read_shared(handles, self.model_runner.device,
-                             check=lambda name, shape, dtype: self._check(name, shape, dtype, expected))
-        return self._apply(staged)
-
-    @staticmethod
-    def _check(name, shape, dtype, expected) -> None:
-        if name not in expected:
-            raise InvalidRequestError(f"weight update: unknown parameter {name!r}")
-        want_shape, want_dtype = expected[name]
-        if shape != want_shape:
-            raise InvalidRequestError(f"weight update: {name} has shape {list(shape)}, expected {list(want_shape)}")
-        if dtype is not None and dtype != want_dtype:
-            raise InvalidRequestError(f"weight update: {name} has dtype {dtype}, expected {want_dtype}")
+        return self._apply(read_shared(handles, self.model_runner.device, check=self.model.check_weight))
 
     def _apply(self, staged: dict[str, torch.Tensor]) -> dict:
         if not staged:
             raise InvalidRequestError("weight update: no tensors")
-        if not self.model_runner.weights_valid and set(staged) != set(self.expected_weights()):
-            missing = sorted(set(self.expected_weights()) - set(staged))
-            raise EngineStateError(f"the weights were dropped (sleep level 2): a full update is needed, "
-                                   f"missing e.g. {missing[:3]}")
+        runner = self.model_runner
+        if not runner.weights_valid:
+            missing = sorted(set(self.model.expected_weights()) - set(staged))
+            if missing:
+                raise EngineStateError(f"the weights were dropped (sleep level 2): a full update is needed, "
+                                       f"missing e.g. {missing[:3]}")
         with torch.no_grad():
             for name, t in staged.items():
                 self.model.hf_view(name).copy_(t)
         self.model.repack()
-        self.model_runner.weights_valid = True
+        runner.weights_valid = True
         return {"num_tensors": len(staged), "num_bytes": sum(t.numel() * t.element_size() for t in staged.values())}
 
     def reload_weights(self) -> dict:
         """Reload the checkpoint the engine was started from (explicit, never implicit)."""
-        self.model_runner.model.load_safetensors(self.config.model)
+        self.model.load_weights(self.config.model)
         self.model_runner.weights_valid = True
         return {"path": self.config.model}
 
@@ -144,25 +137,26 @@ class Worker:
         already there; their prepacked copies are dropped). Level 2: weights freed too."""
         runner = self.model_runner
         runner.free_kv_cache()
-        if level == 2:
-            runner.model = None
+        if level == 2:  # (a second sleep goes deeper, never shallower)
+            runner.model, self._offloaded = None, None
             runner.weights_valid = False
+        elif runner.model is None or self._offloaded:
+            pass  # already dropped (level 2) or offloaded
         elif runner.device.type == "cuda":
             self._offloaded = [(t, t.to("cpu", non_blocking=False).pin_memory()) for t in _tensors(runner.model)]
-            for t, host in self._offloaded:
+            for t, _ in self._offloaded:
                 t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         else:
             runner.model.drop_packed()
         _release_memory(runner.device)
 
-    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+    def wake_up(self, tags: list[str]) -> None:
         runner = self.model_runner
-        tags = tags or ["weights", "kv_cache"]
         if "weights" in tags:
             if runner.model is None:  # level 2: fresh (zero) tensors; a push or reload must fill them
                 runner.model = LlamaModel(self.config.model_config, runner.dtype, runner.device,
                                           self.config.max_model_len)
-            elif getattr(self, "_offloaded", None):
+            elif self._offloaded:
                 for t, host in self._offloaded:
                     t.data = host.to(t.device)
                 self._offloaded = None
@@ -195,7 +189,7 @@ def _release_memory(device: torch.device) -> None:
             pass
 
 
-def worker_class(extension: str | None) -> type:
+def worker_class(extension: Optional[str]) -> type:
     """Worker, or Worker with the extension class mixed in ("package.module.Class" or
     "package.module:Class"); the extension's methods see `self` as the worker."""
     if not extension:

@@ -2,9 +2,9 @@
 to Weights & Biases (`WandbLogger`, the same series every few seconds).
 
 Two sources: the server's own events (requests, time to first token, pause and weight-push
-durations), recorded as they happen; and the engine's counters (`AsyncLLM.get_stats()`: queue
-depth, KV usage, prefix hit rate, tokens generated, weight version), polled every
-`stats_interval_s` and again on every scrape. Throughput is the generated-token rate between
+durations), recorded as they happen; and the engine core's counters and state
+(`AsyncLLM.get_stats()`: queue depth, KV usage, prefix hit rate, tokens generated, weight
+version, pause and sleep state), polled every `stats_interval_s` and again on every scrape. Throughput is the generated-token rate between
 two polls. Each server has its own CollectorRegistry (no global state: several servers, or a
 test, can live in one process). wandb is imported only when a project is given.
 """
@@ -31,7 +31,10 @@ _ENGINE_GAUGES = {"num_running": ("num_requests_running", "Requests in the engin
                   "kv_usage": ("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use"),
                   "prefix_hit_rate": ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache"),
                   "weight_version": ("weight_version", "Version of the weights now serving"),
-                  "num_free_blocks": ("kv_cache_free_blocks", "Free KV-cache blocks")}
+                  "num_free_blocks": ("kv_cache_free_blocks", "Free KV-cache blocks"),
+                  "is_paused": ("is_paused", "1 while generation is paused"),
+                  "paused_seconds": ("paused_seconds", "How long generation has been paused (0 when not)"),
+                  "is_sleeping": ("is_sleeping", "1 while the engine sleeps")}
 
 
 class _EngineCollector:
@@ -50,8 +53,6 @@ class _EngineCollector:
                 yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(s[key]))
         yield GaugeMetricFamily(f"{PREFIX}_generation_throughput_tokens_per_s",
                                 "Generated tokens per second over the last stats interval", value=self.m.throughput)
-        yield GaugeMetricFamily(f"{PREFIX}_is_paused", "1 while generation is paused", value=float(self.m.paused))
-        yield GaugeMetricFamily(f"{PREFIX}_is_sleeping", "1 while the engine sleeps", value=float(self.m.sleeping))
         yield GaugeMetricFamily(f"{PREFIX}_engine_healthy", "0 once the engine is dead", value=float(self.m.healthy))
 
 
@@ -81,7 +82,6 @@ class ServerMetrics:
         self.weight_updates = Counter(f"{PREFIX}_weight_updates", "Successful weight updates", ["source"], registry=r)
         self.engine_stats: dict = {}
         self.throughput = 0.0
-        self.paused = self.sleeping = False
         self.healthy = True
         self._last_poll: Optional[tuple[float, int]] = None  # (time, num_generated_tokens)
         self._last: dict[str, float] = {}  # latest durations, for W&B
@@ -113,7 +113,10 @@ class ServerMetrics:
         self.num_in_flight -= 1
         self.in_flight.dec()
 
-    def observe_pause(self, seconds: float) -> None:
+    def observe_pause(self, seconds: Optional[float]) -> None:
+        """A pause ended after `seconds` (None: nothing was paused)."""
+        if seconds is None:
+            return
         self.pause_seconds.observe(seconds)
         self._last["pause_s"] = seconds
 
@@ -159,8 +162,7 @@ class ServerMetrics:
         """The same series as a flat dict (for W&B)."""
         s = self.engine_stats
         out = {f"engine/{k}": float(v) for k, v in s.items() if isinstance(v, (int, float))}
-        out.update({"engine/throughput_tokens_per_s": self.throughput, "server/is_paused": float(self.paused),
-                    "server/is_sleeping": float(self.sleeping),
+        out.update({"engine/throughput_tokens_per_s": self.throughput,
                     "server/requests_in_flight": float(self.num_in_flight)})
         out.update({f"server/{k}_total": float(v) for k, v in self.totals.items()})
         out.update({f"server/last_{k}": v for k, v in self._last.items()})

@@ -161,6 +161,7 @@ def build_app(engine, config: Optional[ServerConfig] = None) -> FastAPI:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             if wandb_logger is not None:
+                await state.metrics.refresh(engine, timeout=5.0)  # the last point: the state at shutdown
                 await asyncio.to_thread(wandb_logger.finish)
 
     app = FastAPI(title="rollout", lifespan=lifespan)

@@ -1,6 +1,6 @@
 """RL control routes, with vLLM's names and parameters (query parameters where vLLM uses them):
 
-    POST /pause?mode=abort|wait|keep&clear_cache=true   -> {"status": "paused"}
+    POST /pause?mode=abort|wait|keep&clear_cache=true   -> {"status": "paused", "aborted": n}
     POST /resume                                         -> {"status": "resumed"}
     GET  /is_paused                                      -> {"is_paused": bool}
     POST /sleep?level=1|2&mode=abort|wait|keep           -> {"status": "sleeping", "level": n}
@@ -15,8 +15,9 @@
     GET  /server_info                                    -> model, dtype, device, limits, state
 
 Like vLLM's /sleep, a sleep while generating first pauses with `mode`; the wake-up that
-leaves nothing asleep resumes what that sleep paused. The routes that change state run one at a
-time (`ServerState.control_lock`).
+leaves nothing asleep resumes what that sleep paused. The engine core owns the pause and sleep
+state (every route asks it); the routes that change it run one at a time
+(`ServerState.control_lock`).
 """
 import time
 from typing import Literal, Optional
@@ -25,7 +26,7 @@ from fastapi import APIRouter, Query, Request
 
 from rollout.api.errors import APIError, engine_error
 from rollout.api.protocol import AbortRequestsBody, CollectiveRPCBody
-from rollout.api.state import ServerState, get_state
+from rollout.api.state import get_state
 
 router = APIRouter(tags=["admin"])
 info_router = APIRouter(tags=["info"])
@@ -42,38 +43,22 @@ async def call(coro, param: Optional[str] = None):
         raise engine_error(e, param) from e
 
 
-async def _pause(state: ServerState, mode: str, clear_cache: bool) -> None:
-    t0 = time.monotonic()
-    await call(state.engine.pause_generation(mode=mode, clear_cache=clear_cache), "mode")
-    state.metrics.pause_call_seconds.observe(time.monotonic() - t0)
-    if state.paused_since is None:
-        state.paused_since = time.monotonic()
-    state.metrics.paused = True
-
-
-async def _resume(state: ServerState) -> None:
-    await call(state.engine.resume_generation())
-    if state.paused_since is not None:
-        state.metrics.observe_pause(time.monotonic() - state.paused_since)
-    state.paused_since = None
-    state.paused_by_sleep = False
-    state.metrics.paused = False
-
-
 @router.post("/pause")
 async def pause(request: Request, mode: PauseMode = Query("abort"), clear_cache: bool = Query(True)):
     state = get_state(request)
+    t0 = time.monotonic()
     async with state.control_lock:
-        await _pause(state, mode, clear_cache)
-        state.paused_by_sleep = False  # an explicit pause outlives a later wake-up
-    return {"status": "paused", "mode": mode}
+        result = await call(state.engine.pause_generation(mode=mode, clear_cache=clear_cache), "mode")
+    state.metrics.pause_call_seconds.observe(time.monotonic() - t0)
+    return {"status": "paused", "mode": mode, "aborted": result["aborted"]}
 
 
 @router.post("/resume")
 async def resume(request: Request):
     state = get_state(request)
     async with state.control_lock:
-        await _resume(state)
+        result = await call(state.engine.resume_generation())
+    state.metrics.observe_pause(result["paused_seconds"])
     return {"status": "resumed"}
 
 
@@ -88,17 +73,7 @@ async def sleep(request: Request, level: int = Query(1), mode: PauseMode = Query
     if level not in (1, 2):
         raise APIError(400, f"level must be 1 or 2, got {level}", "level")
     async with state.control_lock:
-        paused_here = not await call(state.engine.is_paused())
-        if paused_here:
-            await _pause(state, mode, clear_cache=False)
-            state.paused_by_sleep = True
-        try:
-            await call(state.engine.sleep(level), "level")
-        except APIError:
-            if paused_here:
-                await _resume(state)
-            raise
-        state.sleeping = state.metrics.sleeping = True
+        await call(state.engine.sleep(level, mode), "level")
     return {"status": "sleeping", "level": level}
 
 
@@ -109,19 +84,14 @@ async def wake_up(request: Request, tags: Optional[list[str]] = Query(None)):
     if bad:
         raise APIError(400, f"tags must be 'weights' and/or 'kv_cache', got {bad}", "tags")
     async with state.control_lock:
-        await call(state.engine.wake_up(tags or None), "tags")
-        state.sleeping = state.metrics.sleeping = bool(await call(state.engine.is_sleeping()))
-        if not state.sleeping and state.paused_by_sleep:
-            await _resume(state)
-    return {"status": "sleeping" if state.sleeping else "awake"}
+        result = await call(state.engine.wake_up(tags or None), "tags")
+    state.metrics.observe_pause(result["paused_seconds"])
+    return {"status": "sleeping" if result["is_sleeping"] else "awake"}
 
 
 @info_router.get("/is_sleeping")
 async def is_sleeping(request: Request):
-    state = get_state(request)
-    sleeping = bool(await call(state.engine.is_sleeping()))
-    state.sleeping = state.metrics.sleeping = sleeping
-    return {"is_sleeping": sleeping}
+    return {"is_sleeping": bool(await call(get_state(request).engine.is_sleeping()))}
 
 
 @router.post("/reset_prefix_cache")
@@ -174,5 +144,5 @@ async def server_info(request: Request):
     return {"model": state.model_name, "model_path": state.model_path, "dtype": cfg.dtype, "device": cfg.device,
             "max_model_len": state.engine.max_model_len, "max_num_seqs": cfg.max_num_seqs,
             "weight_version": await call(state.engine.get_weight_version()),
-            "is_paused": await call(state.engine.is_paused()), "is_sleeping": state.sleeping,
+            "is_paused": await call(state.engine.is_paused()), "is_sleeping": await call(state.engine.is_sleeping()),
             "requests_in_flight": len(state.in_flight)}

@@ -1,11 +1,11 @@
 """ServerState: what the routes share (one per app, in `app.state.rollout`): the engine, the
-config, metrics, the generation requests in flight, and the RL bookkeeping the engine does not
-keep (when the pause began, whether /sleep paused generation itself, the weight update under way).
+config, metrics, the generation requests in flight, and the weight update under way. Pause and
+sleep state are not here: the engine core owns them and the routes ask it.
 
-`generate()` here is the only path from a route to `AsyncLLM.generate`: it refuses requests
-while the engine sleeps (409, instead of a refusal from the core after the headers are out),
-tracks the request (for /abort_requests and shutdown), records metrics, and turns engine
-exceptions into APIErrors.
+`generate()` here is the only path from a route to `AsyncLLM.generate`: it tracks the request
+(for /abort_requests and shutdown), records metrics, and turns engine exceptions into
+APIErrors (the routes prime a stream before sending headers, so an engine refusal, e.g. 409
+while asleep, is still a clean error response).
 """
 import asyncio
 import time
@@ -39,9 +39,6 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.model_name = config.served_model_name or _model_name(engine)
         self.in_flight: dict[str, float] = {}  # request id -> arrival (monotonic)
-        self.paused_since: Optional[float] = None
-        self.paused_by_sleep = False
-        self.sleeping = False
         self.weight_update: Optional[WeightUpdate] = None
         self.shutting_down = asyncio.Event()
         self.control_lock = asyncio.Lock()  # pause/resume/sleep/wake/weight routes run one at a time
@@ -60,8 +57,6 @@ class ServerState:
     def check_can_generate(self) -> None:
         if self.shutting_down.is_set():
             raise APIError(503, "the server is shutting down")
-        if self.sleeping:
-            raise APIError(409, "the engine is asleep: POST /wake_up before generating")
 
     async def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
                        param: str = "prompt") -> AsyncGenerator[RequestOutput, None]:

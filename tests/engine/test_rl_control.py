@@ -67,14 +67,14 @@ def test_push_bad_pushes_then_good_push(llm, prompts, default_model_path):
         result, trainer = push(llm, mode)
         assert isinstance(result, WeightTransferError), f"{mode}: the engine accepted a bad push ({result!r})"
         assert words in str(result).lower(), f"{mode}: unclear error {result}"
-        assert llm.weight_version == 0
+        assert llm.get_weight_version() == 0
         assert llm.weights_checksum() == base_sum, f"{mode} changed the weights"
         again = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in before]
 
     result, trainer = push(llm, "full")
     assert trainer["ok"], trainer
-    assert result["weight_version"] == 1 and llm.weight_version == 1
+    assert result["weight_version"] == 1 and llm.get_weight_version() == 1
     assert llm.weights_checksum() == trainer["checksum"]
     # prompts[0] was cached before the push; its first request after it must recompute it
     # (the later prompts may share blocks that prompts[0] computes in this very step)
@@ -89,7 +89,7 @@ def test_push_bad_pushes_then_good_push(llm, prompts, default_model_path):
     llm.reload_weights(version=2)
     assert llm.weights_checksum() == base_sum
     result, trainer = push(llm, "subset", version=7)
-    assert trainer["ok"] and llm.weight_version == 7
+    assert trainer["ok"] and llm.get_weight_version() == 7
     state = perturbed_state(default_model_path)
     expected = dict(_base_state(default_model_path))
     for name in ("model.norm.weight", "model.layers.3.mlp.down_proj.weight"):
@@ -336,7 +336,7 @@ def test_weights_shared_by_a_trainer_process(llm, prompts, default_model_path):
         with pytest.raises(InvalidRequestError, match=words):
             llm.update_weights_from_ipc(shared["handles"], version=5)
         stop_ipc_trainer(proc)
-        assert llm.weight_version == 0 and llm.weights_checksum() == base_sum
+        assert llm.get_weight_version() == 0 and llm.weights_checksum() == base_sum
     proc, shared = start_ipc_trainer("full")
     try:
         result = llm.update_weights_from_ipc(shared["handles"], version=3)

@@ -9,6 +9,7 @@ from engine.protocol import EngineCoreRequest, FinishReason
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.step_io import ModelRunnerOutput
 
 EOS = 2
 _ids = itertools.count()
@@ -30,12 +31,17 @@ def make_scheduler(num_blocks=100, block_size=4, max_num_seqs=16, budget=64, max
 def step(sched: Scheduler, token=7):
     """schedule -> pretend to run -> update. Returns (scheduled {id: n}, output, finished ids)."""
     out = sched.schedule()
-    sampled = {r.request_id: token for r, n in out.scheduled if r.num_computed_tokens + n >= r.num_tokens}
-    for r, n in out.scheduled:
-        assert r.num_computed_tokens + n <= r.num_tokens, "scheduled past the request's tokens"
-    progressed = sched.update_after_step(out, sampled)
-    assert {r.request_id for r in progressed} == set(sampled)
-    return {r.request_id: n for r, n in out.scheduled}, out, [r.request_id for r in progressed if r.is_finished]
+    sampled = {r.request_id: token for r in out.scheduled if r.sample}
+    for r in out.scheduled:
+        req = sched.requests[r.request_id]
+        assert r.start == req.num_computed_tokens
+        assert r.token_ids == req.all_token_ids[r.start:r.start + len(r.token_ids)]
+        assert r.sample == (r.start + len(r.token_ids) == req.num_tokens), "sample exactly at the last token"
+        assert r.block_ids == sched.kv.block_ids(r.request_id)
+    outputs = sched.update_from_output(out, ModelRunnerOutput(sampled=sampled), weight_version=0)
+    assert {o.request_id for o in outputs} == set(sampled)
+    return ({r.request_id: len(r.token_ids) for r in out.scheduled}, out,
+            [o.request_id for o in outputs if o.finished])
 
 
 def run_to_completion(sched: Scheduler, max_steps=1000):
@@ -61,7 +67,7 @@ def test_chunked_prefill_alone_takes_ceil_prompt_over_budget_steps():
     chunks = []
     while a.num_output_tokens == 0:
         scheduled, out, _ = step(sched)
-        assert out.total_tokens <= 32
+        assert out.total_num_scheduled_tokens <= 32
         chunks.append(scheduled[a.request_id])
     assert chunks == [32, 32, 32, 4]
     assert a.num_computed_tokens == 100 and a.num_tokens == 101
@@ -83,7 +89,7 @@ def test_chunked_prefill_mixes_decodes_of_other_requests():
     while a.num_output_tokens == 0:
         scheduled, out, _ = step(sched)
         prefill_steps += 1
-        assert out.total_tokens <= 32
+        assert out.total_num_scheduled_tokens <= 32
         assert scheduled[b.request_id] == 1, "the running decode must be in every step"
         assert scheduled[a.request_id] > 1
         assert list(scheduled)[0] == b.request_id  # running requests first
@@ -194,7 +200,8 @@ def test_abort_frees_blocks():
         assert r.status == RequestStatus.FINISHED and r.finish_reason == FinishReason.ABORT
     assert not sched.has_unfinished() and not sched.running and not sched.waiting
     check_pool_idle(sched)
-    assert sched.schedule().scheduled == []
+    out = sched.schedule()
+    assert out.scheduled == [] and out.finished_req_ids == [a.request_id, w.request_id]
 
 
 def test_abort_while_step_runs_is_ignored_by_update():
@@ -203,7 +210,7 @@ def test_abort_while_step_runs_is_ignored_by_update():
     sched.add_request(a)
     out = sched.schedule()
     sched.abort([a.request_id])
-    assert sched.update_after_step(out, {a.request_id: 7}) == []
+    assert sched.update_from_output(out, ModelRunnerOutput(sampled={a.request_id: 7}), 0) == []
     assert a.num_output_tokens == 0 and a.finish_reason == FinishReason.ABORT
     check_pool_idle(sched)
 

@@ -2,7 +2,7 @@
 
 Loaded by the engine-core process (a fresh interpreter) through
 `AsyncLLM(worker_extension_cls="tests.engine.worker_ext.TestWorkerExtension")`; its methods
-see `self` as the worker (rank, model, model_runner).
+see `self` as the worker (rank, model, model_runner, execute_model).
 """
 import os
 import time
@@ -34,24 +34,24 @@ class TestWorkerExtension:
         return "must not be reachable"
 
     def break_next_step(self) -> bool:
-        """Corrupt the model runner so that the next engine step raises."""
+        """Make the next engine step raise."""
 
         def broken(*args, **kwargs):
             raise RuntimeError("injected step failure")
 
-        self.model_runner.execute = broken
+        self.execute_model = broken
         return True
 
     def record_steps(self) -> bool:
         """From now on, remember how many tokens each step computes for each request."""
-        execute = type(self.model_runner).execute.__get__(self.model_runner)
+        execute = type(self).execute_model.__get__(self)
         self.recorded_steps = []
 
-        def recording(so, kv):
-            self.recorded_steps.append({r.request_id: n for r, n in so.scheduled})
-            return execute(so, kv)
+        def recording(scheduler_output):
+            self.recorded_steps.append({r.request_id: len(r.token_ids) for r in scheduler_output.scheduled})
+            return execute(scheduler_output)
 
-        self.model_runner.execute = recording
+        self.execute_model = recording
         return True
 
     def take_recorded_steps(self) -> list:

@@ -70,7 +70,7 @@ def test_sigint_gives_in_flight_requests_a_final_response_and_leaves_no_child(tm
     assert max(r["engine/num_generated_tokens"] for r in rows) > 0
     assert max(r["engine/throughput_tokens_per_s"] for r in rows) > 0
     assert max(r["engine/kv_usage"] for r in rows) > 0
-    assert rows[0]["server/is_paused"] == 0 and rows[-1]["server/is_paused"] == 1  # the last point: at shutdown
+    assert rows[0]["engine/is_paused"] == 0 and rows[-1]["engine/is_paused"] == 1  # the last point: at shutdown
 
 
 def test_dead_engine_core_is_503_not_a_hang():

@@ -1,0 +1,58 @@
+"""The two payloads of one engine step, at the scheduler <-> worker boundary:
+
+    Scheduler.schedule() -> SchedulerOutput -> Executor.execute_model (every worker)
+        -> ModelRunnerOutput -> Scheduler.update_from_output() -> EngineCoreOutputs
+
+A SchedulerOutput carries everything a worker needs, so a worker never reads scheduling state
+(no Request objects, no KVCacheManager): it may live in another process. Workers keep a small
+state per request (sampling params, the seeded generator, prompt-logprob progress), created by
+`new_requests` and dropped by `finished_req_ids`; the token ids and block tables of a step
+travel in `scheduled`. All are msgspec Structs, so they can cross a process boundary as is.
+"""
+from typing import Optional
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request the workers have not seen, or whose sampling params changed (a streaming-input
+    chunk with new params): workers (re)load its params and, when seeded, a fresh generator."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: Optional[list[int]] = None  # only with prompt_logprobs: the targets
+
+
+class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request's share of a step: compute `token_ids` at positions start, start + 1, ...
+    writing their K/V into the slots that `block_ids` (the request's whole block table) maps."""
+
+    request_id: str
+    start: int  # the request's tokens already in the KV cache
+    token_ids: list[int]
+    block_ids: list[int]
+    sample: bool = False  # the step reaches the request's last token: sample the next one
+    banned_token_ids: Optional[list[int]] = None  # stop tokens masked out before min_tokens
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    scheduled: list[ScheduledRequest] = []  # in scheduling order: running requests first
+    new_requests: list[NewRequestData] = []
+    finished_req_ids: list[str] = []  # finished or aborted since the last step: workers forget them
+    num_preempted: int = 0
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.scheduled)
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What a step computed, by request id. logprobs / top_logprobs only for requests that
+    asked; prompt_logprobs: (logprob of each prompt token this chunk predicts, top-k per token)."""
+
+    sampled: dict[str, int] = {}
+    logprobs: dict[str, float] = {}
+    top_logprobs: dict[str, list[tuple[int, float]]] = {}
+    prompt_logprobs: dict[str, tuple[list[float], Optional[list[list[tuple[int, float]]]]]] = {}

@@ -1,0 +1,222 @@
+"""The engine core as the one owner of pause and sleep state, on a tiny random-weight model:
+
+- random sequences of pause (abort / wait / keep), resume, sleep (levels 1 and 2, every pause
+  mode), wake_up (by part), reload and new requests: after every call `is_paused()` and
+  `is_sleeping()` say what the documented rules say, and whenever they say generation can run,
+  every admitted request runs to completion (no call sequence wedges the engine);
+- the sequences that used to wedge the HTTP server (keep -> abort -> resume; a sleep in keep
+  mode -> pause wait -> wake -> resume);
+- held requests (arrived while paused) and frozen ones (pause keep) make no progress;
+- LLM and AsyncLLM expose the same control methods under the same names.
+"""
+import inspect
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from engine import LLM, AsyncLLM, EngineStateError, SamplingParams
+from engine.config import EngineConfig
+from engine.core import Deferred, EngineCore
+from engine.default_model import default_model_path
+from engine.protocol import EngineCoreRequest, FinishReason
+
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture()
+def core(tiny_folder):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    core = EngineCore(EngineConfig(model=tiny_folder, dtype="float32", kv_cache_memory=8 << 20,
+                                   tokenizer=str(default_model_path())))
+    yield core
+    core.shutdown()
+    torch.set_num_threads(threads)
+
+
+class Model:
+    """The documented rules, written out independently of the engine."""
+
+    def __init__(self):
+        self.paused = self.paused_by_sleep = self.needs_weights = False
+        self.asleep: set[str] = set()
+
+    def pause(self):
+        self.paused, self.paused_by_sleep = True, False
+
+    def resume(self):
+        self.paused = self.paused_by_sleep = False
+
+    def sleep(self, level):
+        if not self.paused:
+            self.paused = self.paused_by_sleep = True
+        self.asleep = {"weights", "kv_cache"}
+        self.needs_weights = self.needs_weights or level == 2
+
+    def wake(self, tags):
+        self.asleep -= set(tags)
+        if not self.asleep and self.paused_by_sleep:
+            self.resume()
+
+    @property
+    def can_generate(self) -> bool:
+        return not (self.paused or self.asleep or self.needs_weights)
+
+
+def settle(core: EngineCore, result):
+    """Answer a Deferred as the engine-core process would: step until it can (if anything can run)."""
+    if not isinstance(result, Deferred):
+        return result
+    for _ in range(1000):
+        if result.done():
+            return result.finish()
+        if not core.has_work():
+            return None  # waits for a later call (resume, wake_up) in a real server
+        core.step()
+    raise AssertionError("a deferred call never finished")
+
+
+def add(core: EngineCore, rid: str):
+    core.add_request(EngineCoreRequest(rid, [1, 2, 3, 4],
+                                       SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), None))
+
+
+def run_until_idle(core: EngineCore, finished: dict) -> None:
+    for _ in range(500):
+        if not core.has_work():
+            return
+        for o in core.step():
+            if o.finished:
+                finished[o.request_id] = o.finish_reason
+    raise AssertionError("the engine kept stepping")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_control_sequences_never_wedge(core, seed):
+    rng = random.Random(seed)
+    model = Model()
+    finished: dict = {}
+    ops = ["add", "add", "step", "pause_abort", "pause_wait", "pause_keep", "resume", "resume", "sleep1", "sleep2",
+           "sleep_keep", "sleep_wait", "wake", "wake_weights", "wake_kv", "reload"]
+    for i in range(60):
+        op = rng.choice(ops)
+        if op == "add":
+            if model.asleep or model.needs_weights:
+                with pytest.raises(EngineStateError):
+                    add(core, f"s{seed}-{i}")
+            else:
+                add(core, f"s{seed}-{i}")
+        elif op == "step":
+            for o in core.step():
+                if o.finished:
+                    finished[o.request_id] = o.finish_reason
+        elif op.startswith("pause"):
+            settle(core, core.pause(op.split("_")[1]))
+            model.pause()
+        elif op == "resume":
+            core.resume()
+            model.resume()
+        elif op.startswith("sleep"):
+            level, mode = (1, op.split("_")[1]) if "_" in op else (int(op[-1]), "abort")
+            settle(core, core.sleep(level, mode))
+            model.sleep(level)
+        elif op.startswith("wake"):
+            tags = {"wake": ["weights", "kv_cache"], "wake_weights": ["weights"], "wake_kv": ["kv_cache"]}[op]
+            assert core.wake_up(tags)["is_sleeping"] == bool(model.asleep - set(tags))
+            model.wake(tags)
+        elif op == "reload":
+            if "weights" in model.asleep:
+                with pytest.raises(EngineStateError, match="asleep"):
+                    core.reload_weights()
+                continue
+            try:
+                core.reload_weights()
+            except EngineStateError:  # admitted requests can still run: refused, nothing changed
+                assert core.scheduler.has_active() and core.scheduler.pause_state.value != "paused_all"
+                continue
+            model.needs_weights = False
+        assert core.is_paused() == model.paused, (i, op)
+        assert core.is_sleeping() == bool(model.asleep), (i, op)
+        if model.can_generate:  # nothing may be stuck: every admitted request finishes
+            run_until_idle(core, finished)
+            assert not core.scheduler.requests, (i, op)
+    # finally: wake, refill, resume -> everything still in the engine completes
+    core.wake_up()
+    core.reload_weights()
+    core.resume()
+    run_until_idle(core, finished)
+    assert not core.scheduler.requests
+    assert set(finished.values()) <= {FinishReason.LENGTH, FinishReason.ABORT}
+
+
+def test_the_sequences_that_wedged_the_server(core):
+    add(core, "a")
+    core.step()
+    core.pause("keep")
+    core.pause("abort")  # a second pause replaces the keep state
+    assert core.is_paused()
+    core.resume()
+    assert not core.is_paused()
+    add(core, "b")
+    finished = {}
+    run_until_idle(core, finished)
+    assert finished == {"a": FinishReason.ABORT, "b": FinishReason.LENGTH}
+
+    add(core, "c")
+    core.step()
+    assert core.sleep(1, "keep") is True  # keep: "c" is frozen, loses its KV, recomputes later
+    # "c" cannot drain while the engine sleeps: the wait answers at once instead of blocking the
+    # caller (and, in the server, every control route) until somebody else wakes the engine
+    assert settle(core, core.pause("wait")) == {"aborted": 0, "mode": "wait"}
+    assert core.wake_up()["is_sleeping"] is False
+    assert core.is_paused()  # the explicit pause outlives the wake-up
+    run_until_idle(core, finished)  # "c" was admitted before the wait pause: it runs to its end
+    assert core.is_paused()
+    core.resume()
+    assert finished["c"] == FinishReason.LENGTH and not core.is_paused()
+
+
+def test_held_and_frozen_requests_make_no_progress(core):
+    add(core, "running")
+    core.step()
+    assert core.pause("abort") == {"aborted": 1, "mode": "abort"}
+    add(core, "held")
+    assert [(o.request_id, o.finish_reason) for o in core.step()] == [("running", FinishReason.ABORT)]
+    for _ in range(3):
+        assert core.step() == []
+    assert core.scheduler.requests["held"].num_computed_tokens == 0
+    core.resume()
+    core.step()
+    held = core.scheduler.requests["held"]
+    assert held.num_output_tokens == 1
+    core.pause("keep")
+    assert not core.has_work() and core.step() == []
+    assert held.num_output_tokens == 1
+    core.pause("wait")  # a wait pause lets the frozen request run to its end
+    finished = {}
+    run_until_idle(core, finished)
+    assert finished == {"held": FinishReason.LENGTH}
+
+
+def _control_methods(cls) -> set[str]:
+    return {n for n, f in inspect.getmembers(cls, callable) if not n.startswith("_")} - {
+        "generate", "chat", "abort", "shutdown"}
+
+
+def test_llm_and_async_llm_have_the_same_control_methods():
+    assert _control_methods(LLM) == _control_methods(AsyncLLM)
+    for name in _control_methods(LLM):
+        sync, coro = inspect.signature(getattr(LLM, name)), inspect.signature(getattr(AsyncLLM, name))
+        assert list(sync.parameters) == list(coro.parameters), name
