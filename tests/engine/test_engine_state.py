@@ -14,7 +14,6 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import LLM, AsyncLLM, EngineStateError, SamplingParams
 from engine.config import EngineConfig
@@ -23,16 +22,6 @@ from engine.default_model import default_model_path
 from engine.protocol import EngineCoreRequest, FinishReason
 
 MAX_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                         num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-    return str(folder)
 
 
 @pytest.fixture()
