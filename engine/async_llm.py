@@ -15,7 +15,7 @@ paused are held there until resume; the control methods here only ask it.
 import asyncio
 import collections
 import uuid
-from typing import Any, AsyncGenerator, Iterable, Optional, Sequence, Union
+from typing import Any, AsyncGenerator, Iterable, Sequence
 
 import torch
 
@@ -44,7 +44,7 @@ class RequestOutputCollector:
         self.items: collections.deque = collections.deque()
         self.ready = asyncio.Event()
 
-    def put(self, item: Union[RequestOutput, Exception]) -> None:
+    def put(self, item: RequestOutput | Exception) -> None:
         last = self.items[-1] if self.items else None
         if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) \
                 and not any(c.finish_reason for c in last.outputs):
@@ -80,22 +80,22 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
 
 
 class AsyncLLM:
-    def __init__(self, model: Optional[str] = None, **config):
+    def __init__(self, model: str | None = None, **config):
         self.config = EngineConfig(model=resolve_model(model), **config)
         self.tokenizer = load_tokenizer(self.config)
         self.client = AsyncMPClient(self.config)
         self.processor = Processor(self.config, self.tokenizer, self.client.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._output_handler: Optional[asyncio.Task] = None
-        self.dead_error: Optional[EngineDeadError] = None
+        self._output_handler: asyncio.Task | None = None
+        self.dead_error: EngineDeadError | None = None
 
     @property
     def max_model_len(self) -> int:
         return self.client.max_model_len
 
     # ---- generation ---------------------------------------------------------------------------
-    async def generate(self, prompt: Union[PromptType, AsyncGenerator], sampling_params: Optional[SamplingParams] = None,
-                       request_id: Optional[str] = None) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(self, prompt: PromptType | AsyncGenerator, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Stream RequestOutputs for one request (cumulative, delta or final-only, per
         sampling_params.output_kind). Closing the generator or cancelling the task aborts it."""
         self._start_output_handler()
@@ -173,7 +173,7 @@ class AsyncLLM:
         if children and self.dead_error is None:
             asyncio.ensure_future(self.client.abort_requests_async(children))
 
-    async def abort(self, request_id: Union[str, Sequence[str]]) -> None:
+    async def abort(self, request_id: str | Sequence[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             state = self.output_processor.requests.get(rid)
             children = self.output_processor.abort(rid)
@@ -239,23 +239,23 @@ class AsyncLLM:
                                    backend: str = "gloo", timeout_s: float = 60.0) -> list[int]:
         return await self._call("init_weight_transfer", master_address, master_port, world_size, backend, timeout_s)
 
-    async def update_weights(self, version: Optional[int] = None) -> dict:
+    async def update_weights(self, version: int | None = None) -> dict:
         """Receive one push from the trainer's WeightSender; bumps the version, clears caches."""
         return await self._call("update_weights", version)
 
-    async def update_weights_from_disk(self, path: str, version: Optional[int] = None) -> dict:
+    async def update_weights_from_disk(self, path: str, version: int | None = None) -> dict:
         return await self._call("update_weights_from_disk", path, version)
 
     async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                                          version: Optional[int] = None) -> dict:
+                                          version: int | None = None) -> dict:
         """Tensors from this process (they travel to the engine core as raw frames)."""
         return await self._call("update_weights_from_tensors", list(named_tensors), version)
 
-    async def update_weights_from_ipc(self, handles: dict, version: Optional[int] = None) -> dict:
+    async def update_weights_from_ipc(self, handles: dict, version: int | None = None) -> dict:
         """See LLM.update_weights_from_ipc."""
         return await self._call("update_weights_from_ipc", handles, version)
 
-    async def reload_weights(self, version: Optional[int] = None) -> dict:
+    async def reload_weights(self, version: int | None = None) -> dict:
         return await self._call("reload_weights", version)
 
     async def close_weight_transfer(self) -> bool:
@@ -274,7 +274,7 @@ class AsyncLLM:
         """Pause (with `mode`, unless paused) and free the KV cache and weights (see LLM.sleep)."""
         return await self._call("sleep", level, mode)
 
-    async def wake_up(self, tags: Optional[list[str]] = None) -> dict:
+    async def wake_up(self, tags: list[str] | None = None) -> dict:
         """Restore "weights" and/or "kv_cache" (both by default); see EngineCore.wake_up."""
         return await self._call("wake_up", tags)
 
@@ -282,7 +282,7 @@ class AsyncLLM:
         return await self._call("is_sleeping")
 
     # ---- control --------------------------------------------------------------------------------
-    async def _call(self, method: str, *args, timeout: Optional[float] = None, **kwargs) -> Any:
+    async def _call(self, method: str, *args, timeout: float | None = None, **kwargs) -> Any:
         self._start_output_handler()  # utility results arrive through it
         return await self.client.call_utility_async(method, *args, timeout=timeout, **kwargs)
 
@@ -295,8 +295,8 @@ class AsyncLLM:
     async def get_stats(self) -> dict:
         return await self._call("get_stats")
 
-    async def collective_rpc(self, method: str, args: Sequence[Any] = (), kwargs: Optional[dict] = None,
-                             timeout: Optional[float] = None) -> list[Any]:
+    async def collective_rpc(self, method: str, args: Sequence[Any] = (), kwargs: dict | None = None,
+                             timeout: float | None = None) -> list[Any]:
         """Call a public worker method (or worker-extension method) on every worker."""
         return await self._call("collective_rpc", method, list(args), kwargs or {}, timeout=timeout)
 

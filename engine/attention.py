@@ -8,7 +8,6 @@ The KV cache of a layer is two tensors (num_blocks, block_size, num_kv_heads, he
 block_table[t // block_size] * block_size + t % block_size.
 """
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -21,20 +20,20 @@ class PrefillChunk:
     q_start: int  # first row of this sequence's query tokens in the step
     q_len: int
     seq_len: int  # tokens in the cache after this step (context + q_len)
-    block_ids: Optional[torch.Tensor]  # (num_blocks,) int64; None when there is no context
-    mask: Optional[torch.Tensor] = None  # (q_len, seq_len) bool, True = attend; None = plain causal
+    block_ids: torch.Tensor | None  # (num_blocks,) int64; None when there is no context
+    mask: torch.Tensor | None = None  # (q_len, seq_len) bool, True = attend; None = plain causal
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) int64
     num_decodes: int = 0
-    decode_block_table: Optional[torch.Tensor] = None  # (num_decodes, max_blocks) int32
-    decode_seq_lens: Optional[torch.Tensor] = None  # (num_decodes,) int32
+    decode_block_table: torch.Tensor | None = None  # (num_decodes, max_blocks) int32
+    decode_seq_lens: torch.Tensor | None = None  # (num_decodes,) int32
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
-def prefill_mask(ctx_len: int, q_len: int, sliding_window: Optional[int], device) -> Optional[torch.Tensor]:
+def prefill_mask(ctx_len: int, q_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
     """Causal mask aligned to the bottom right: query i (at position ctx_len + i) sees keys <= it."""
     if ctx_len == 0 and sliding_window is None:
         return None
@@ -47,7 +46,7 @@ def prefill_mask(ctx_len: int, q_len: int, sliding_window: Optional[int], device
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              md: AttentionMetadata, scale: float, sliding_window: Optional[int]) -> torch.Tensor:
+              md: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
     """q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim), already in the cache.
     Returns (T, num_heads * head_dim)."""
     T, num_heads, head_dim = q.shape

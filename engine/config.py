@@ -4,7 +4,6 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -28,14 +27,14 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: Optional[dict]
+    rope_scaling: dict | None
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
-    sliding_window: Optional[int]
+    sliding_window: int | None
     eos_token_ids: list[int]
-    bos_token_id: Optional[int]
+    bos_token_id: int | None
     torch_dtype: str
 
     @classmethod
@@ -101,20 +100,20 @@ class EngineConfig:
     max_num_batched_tokens: the token budget of one step (prefill chunks + decodes).
     """
 
-    model: Optional[str] = None
+    model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
-    max_model_len: Optional[int] = None
+    max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    kv_cache_memory: Optional[int] = None
+    kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     seed: int = 0
-    num_threads: Optional[int] = None
-    tokenizer: Optional[str] = None
-    worker_extension_cls: Optional[str] = None
+    num_threads: int | None = None
+    tokenizer: str | None = None
+    worker_extension_cls: str | None = None
     model_config: ModelConfig = field(init=False, repr=False)
 
     def __post_init__(self):

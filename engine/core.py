@@ -24,7 +24,7 @@ import logging
 import resource
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -67,7 +67,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.weight_version = 0
         self.num_generated_tokens = 0
-        self.paused_since: Optional[float] = None  # time.monotonic() of the pause now in force
+        self.paused_since: float | None = None  # time.monotonic() of the pause now in force
         self.paused_by_sleep = False  # the pause now in force was made by sleep(): wake_up lifts it
         self.asleep: set[str] = set()  # parts freed by sleep: "weights", "kv_cache"
         self.needs_weights = False  # a level-2 sleep dropped the weights: a push or reload refills them
@@ -220,7 +220,7 @@ class EngineCore:
             return finish()
         return Deferred(self._drained, finish)
 
-    def wake_up(self, tags: Optional[list[str]] = None) -> dict:
+    def wake_up(self, tags: list[str] | None = None) -> dict:
         """Restore the tagged parts (both by default). Returns {"is_sleeping": anything still
         asleep, "paused_seconds": how long the pause lasted if this wake-up resumed generation}."""
         tags = list(tags or SLEEP_PARTS)
@@ -242,7 +242,7 @@ class EngineCore:
                 and self.scheduler.pause_state is not PauseState.PAUSED_ALL):
             raise EngineStateError("requests are running: pause generation before updating the weights")
 
-    def _update(self, method: str, args: list, version: Optional[int]) -> dict:
+    def _update(self, method: str, args: list, version: int | None) -> dict:
         """Run one weight update on every worker; on success: new version, and no KV computed by
         the old weights is reused (prefix and encoder caches cleared)."""
         self._check_can_update()
@@ -263,17 +263,17 @@ class EngineCore:
         self.executor.collective_rpc("close_weight_transfer")
         return True
 
-    def update_weights(self, version: Optional[int] = None) -> dict:
+    def update_weights(self, version: int | None = None) -> dict:
         """Receive one broadcast push from the trainer and swap it in (between steps)."""
         return self._update("receive_weights", [], version)
 
-    def update_weights_from_disk(self, path: str, version: Optional[int] = None) -> dict:
+    def update_weights_from_disk(self, path: str, version: int | None = None) -> dict:
         return self._update("update_weights_from_disk", [path], version)
 
-    def update_weights_from_tensors(self, named_tensors, version: Optional[int] = None) -> dict:
+    def update_weights_from_tensors(self, named_tensors, version: int | None = None) -> dict:
         return self._update("update_weights_from_tensors", [list(named_tensors)], version)
 
-    def update_weights_from_ipc(self, handles: dict, version: Optional[int] = None) -> dict:
+    def update_weights_from_ipc(self, handles: dict, version: int | None = None) -> dict:
         try:
             return self._update("update_weights_from_ipc", [handles], version)
         except InvalidRequestError:
@@ -281,7 +281,7 @@ class EngineCore:
         except (ValueError, TypeError, KeyError) as e:  # malformed handles are bad input
             raise InvalidRequestError(f"weight update from IPC handles: {e}") from e
 
-    def reload_weights(self, version: Optional[int] = None) -> dict:
+    def reload_weights(self, version: int | None = None) -> dict:
         """Explicitly reload the startup checkpoint (a level-2 sleep never does it by itself)."""
         return self._update("reload_weights", [], version)
 
@@ -320,7 +320,7 @@ class EngineCore:
                     is_sleeping=self.is_sleeping(),
                     peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
-    def collective_rpc(self, method: str, args: Optional[list] = None, kwargs: Optional[dict] = None) -> list[Any]:
+    def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None) -> list[Any]:
         """Run a public worker method on every worker; one result per worker."""
         return self.executor.collective_rpc(method, args, kwargs)
 

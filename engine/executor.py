@@ -8,7 +8,7 @@ Data parallelism replicates the whole engine core (scheduler, KV cache, executor
 no other executor; tensor parallelism would add one whose workers are processes that all
 receive the same SchedulerOutput (it is a msgspec Struct for that reason).
 """
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 from engine.config import EngineConfig
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
@@ -22,7 +22,7 @@ class Executor(Protocol):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker; the first worker's output is the step's result."""
 
-    def collective_rpc(self, method: str, args: Optional[list] = None, kwargs: Optional[dict] = None) -> list[Any]:
+    def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None) -> list[Any]:
         """Call a public worker method (or worker-extension method) on every worker."""
 
 
@@ -37,7 +37,7 @@ class InprocExecutor:
         outputs = [w.execute_model(scheduler_output) for w in self.workers]
         return outputs[0]
 
-    def collective_rpc(self, method: str, args: Optional[list] = None, kwargs: Optional[dict] = None) -> list[Any]:
+    def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None) -> list[Any]:
         if not isinstance(method, str) or method.startswith("_"):
             raise ValueError(f"collective_rpc: {method!r} is not a public worker method")
         results = []

@@ -6,7 +6,6 @@ prefixes (confirmed by comparing token ids on a hit). Freed blocks keep their ha
 findable until the pool hands them out again, least recently freed first. Only this module
 knows blocks; the scheduler asks it for slots and the model runner reads block ids.
 """
-from typing import Optional
 
 from engine.request import Request
 
@@ -17,10 +16,10 @@ class Block:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: Optional[int] = None
-        self.token_ids: Optional[tuple[int, ...]] = None
-        self.prev: Optional[Block] = None
-        self.next: Optional[Block] = None
+        self.block_hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+        self.prev: Block | None = None
+        self.next: Block | None = None
 
 
 class FreeBlockQueue:

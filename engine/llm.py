@@ -8,7 +8,7 @@ By default the engine core runs in a child process (as behind AsyncLLM); `multip
 keeps it in this process, for tests and debugging.
 """
 import itertools
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Sequence
 
 import torch
 from tqdm import tqdm
@@ -22,14 +22,14 @@ from engine.outputs import RequestOutput
 from engine.processor import Processor, PromptType, load_tokenizer
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
-ParamsArg = Union[None, SamplingParams, Sequence[SamplingParams]]
+ParamsArg = SamplingParams | Sequence[SamplingParams] | None
 
 
 class LLM:
     """Offline engine. `model=None` loads the embedded default (SmolLM2-135M-Instruct); other
     keyword arguments are EngineConfig fields (dtype, max_num_seqs, max_model_len, ...)."""
 
-    def __init__(self, model: Optional[str] = None, multiprocess: bool = True, **config):
+    def __init__(self, model: str | None = None, multiprocess: bool = True, **config):
         self.config = EngineConfig(model=resolve_model(model), **config)
         self.tokenizer = load_tokenizer(self.config)
         self.client = SyncMPClient(self.config) if multiprocess else InprocClient(self.config)
@@ -37,7 +37,7 @@ class LLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
-    def generate(self, prompts: Union[PromptType, Sequence[PromptType]], sampling_params: ParamsArg = None,
+    def generate(self, prompts: PromptType | Sequence[PromptType], sampling_params: ParamsArg = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Prompts: strings, token-id lists, or dicts
         with 'prompt' / 'prompt_token_ids'. Raises InvalidRequestError (a ValueError) before
@@ -115,8 +115,8 @@ class LLM:
     def get_stats(self) -> dict:
         return self.client.call_utility("get_stats")
 
-    def collective_rpc(self, method: str, args: Sequence[Any] = (), kwargs: Optional[dict] = None,
-                       timeout: Optional[float] = None) -> list[Any]:
+    def collective_rpc(self, method: str, args: Sequence[Any] = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list[Any]:
         """Call a worker method (or a worker-extension method) on every worker."""
         return self.client.call_utility("collective_rpc", method, list(args), kwargs or {}, timeout=timeout)
 
@@ -142,25 +142,25 @@ class LLM:
         return self.client.call_utility("init_weight_transfer", master_address, master_port, world_size,
                                         backend, timeout_s)
 
-    def update_weights(self, version: Optional[int] = None) -> dict:
+    def update_weights(self, version: int | None = None) -> dict:
         """Receive one push from the trainer's WeightSender; bumps the version, clears caches."""
         return self.client.call_utility("update_weights", version)
 
-    def update_weights_from_disk(self, path: str, version: Optional[int] = None) -> dict:
+    def update_weights_from_disk(self, path: str, version: int | None = None) -> dict:
         return self.client.call_utility("update_weights_from_disk", path, version)
 
     def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                                    version: Optional[int] = None) -> dict:
+                                    version: int | None = None) -> dict:
         """Tensors from this process (to an engine-core process they travel as raw frames)."""
         return self.client.call_utility("update_weights_from_tensors", list(named_tensors), version)
 
-    def update_weights_from_ipc(self, handles: dict, version: Optional[int] = None) -> dict:
+    def update_weights_from_ipc(self, handles: dict, version: int | None = None) -> dict:
         """Tensors shared by another process on this machine: `weight_sync.SharedWeights().share(...)`
         (CUDA IPC for a trainer on the same GPU, shared memory on CPU); the trainer keeps them
         alive until this returns."""
         return self.client.call_utility("update_weights_from_ipc", handles, version)
 
-    def reload_weights(self, version: Optional[int] = None) -> dict:
+    def reload_weights(self, version: int | None = None) -> dict:
         return self.client.call_utility("reload_weights", version)
 
     def close_weight_transfer(self) -> bool:
@@ -180,7 +180,7 @@ class LLM:
         (level 2: a push or reload_weights() must follow) the weights."""
         return self.client.call_utility("sleep", level, mode)
 
-    def wake_up(self, tags: Optional[list[str]] = None) -> dict:
+    def wake_up(self, tags: list[str] | None = None) -> dict:
         return self.client.call_utility("wake_up", tags)
 
     def is_sleeping(self) -> bool:

@@ -9,7 +9,7 @@ must run after any write to the plain tensors.
 The forward pass takes a flat batch of T tokens from many sequences (see engine/attention.py)
 and avoids nn.Module: at this model size per-op overhead is the enemy.
 """
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -133,7 +133,7 @@ class LlamaModel:
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {name: (tuple(v.shape), v.dtype) for name, v in self.hf_views()}
 
-    def check_weight(self, name: str, shape: tuple[int, ...], dtype: Optional[torch.dtype] = None) -> None:
+    def check_weight(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> None:
         """Refuse (InvalidRequestError) a tensor this model has no place for: unknown name, wrong
         shape, or (when given) a dtype other than the model's."""
         if name not in self._hf:
@@ -218,7 +218,7 @@ class LlamaModel:
         return self.lm_head(hidden)
 
 
-_MKLDNN_BF16: Optional[bool] = None
+_MKLDNN_BF16: bool | None = None
 
 
 def _mkldnn_bf16_ok() -> bool:

@@ -8,7 +8,6 @@ seeded generator, prompt-logprob progress); everything else it reads from the Sc
 It never imports the scheduler or the KV block manager.
 """
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -28,8 +27,8 @@ class CachedRequestState:
     """What the runner keeps for a request between steps."""
 
     params: SamplingParams
-    generator: Optional[torch.Generator]  # seeded requests draw from their own generator
-    prompt_token_ids: Optional[list[int]] = None  # only with prompt_logprobs (the targets)
+    generator: torch.Generator | None  # seeded requests draw from their own generator
+    prompt_token_ids: list[int] | None = None  # only with prompt_logprobs (the targets)
     num_prompt_logprobs: int = 0  # prompt positions done (a recompute after preemption skips them)
 
 
@@ -57,11 +56,11 @@ class ModelRunner:
             from kernels import cpu_ext
 
             cpu_ext.load()  # build the C++ kernels now (once per machine), not in the first request
-        self.model: Optional[LlamaModel] = LlamaModel(mc, self.dtype, self.device, config.max_model_len)
+        self.model: LlamaModel | None = LlamaModel(mc, self.dtype, self.device, config.max_model_len)
         self.model.load_weights(config.model)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)  # unseeded requests
         self.requests: dict[str, CachedRequestState] = {}
-        self.kv_cache: Optional[torch.Tensor] = None
+        self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.weights_valid = True  # False after a level-2 sleep until a full push or reload
@@ -123,7 +122,7 @@ class ModelRunner:
             self.requests[nr.request_id] = self._request_state(nr, self.requests.get(nr.request_id))
 
     @staticmethod
-    def _request_state(nr: NewRequestData, old: Optional[CachedRequestState]) -> CachedRequestState:
+    def _request_state(nr: NewRequestData, old: CachedRequestState | None) -> CachedRequestState:
         p = nr.sampling_params
         generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
         if old is not None:  # new params for the next streaming chunk: the prompt's progress stays

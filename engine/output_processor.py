@@ -5,7 +5,6 @@ fan-in, and assembly of RequestOutputs from the core's per-step EngineCoreOutput
 does detokenization, stop checks and output assembly.
 """
 from dataclasses import dataclass, field
-from typing import Optional
 
 from tokenizers.decoders import DecodeStream
 
@@ -32,14 +31,14 @@ class SequenceState:
 
     index: int
     params: SamplingParams
-    detok: Optional[Detokenizer]
+    detok: Detokenizer | None
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: Optional[list[float]] = None
-    top_logprobs: Optional[list[dict[int, float]]] = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
     weight_versions: list[int] = field(default_factory=list)
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[object] = None
+    finish_reason: str | None = None
+    stop_reason: object | None = None
     resumable: bool = False  # streaming input: the chunk ended, the request goes on
     sent_tokens: int = 0  # for DELTA outputs: how much was already handed out
     sent_chars: int = 0
@@ -56,13 +55,13 @@ class RequestState:
     """One request as the caller sees it; `children` holds the core request ids (n of them)."""
 
     request_id: str
-    prompt: Optional[str]
+    prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[SequenceState]
     children: dict[str, int]  # core request id -> sequence index
-    prompt_logprobs: Optional[list] = None
-    prompt_top_logprobs: Optional[list] = None
+    prompt_logprobs: list | None = None
+    prompt_top_logprobs: list | None = None
     num_cached_tokens: int = 0
     queue: object = None  # the AsyncLLM's per-request queue (None offline)
 
@@ -77,7 +76,7 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}  # caller's request id -> state
         self.child_to_parent: dict[str, str] = {}
 
-    def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, child_ids: list[str], queue=None) -> RequestState:
         seqs = [SequenceState(i, params, Detokenizer(self.tokenizer, params.skip_special_tokens)
                               if params.detokenize else None) for i in range(len(child_ids))]
@@ -162,7 +161,7 @@ class OutputProcessor:
                 return o.finish_reason is None
         return False
 
-    def make_output(self, state: RequestState) -> Optional[RequestOutput]:
+    def make_output(self, state: RequestState) -> RequestOutput | None:
         kind = state.params.output_kind
         finished = state.finished
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
@@ -212,7 +211,7 @@ def _held_back(seq: SequenceState) -> str:
     return seq.text[:len(seq.text) - hold] if hold else seq.text
 
 
-def _find_stop(text: str, stops: list[str], old_len: int) -> Optional[tuple[int, str]]:
+def _find_stop(text: str, stops: list[str], old_len: int) -> tuple[int, str] | None:
     """Earliest stop string that ends in the new part of text."""
     best = None
     for s in stops:

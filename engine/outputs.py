@@ -1,6 +1,5 @@
 """What the engine hands back to its callers (mirrors vLLM's RequestOutput / CompletionOutput)."""
 from dataclasses import dataclass, field
-from typing import Optional
 
 
 @dataclass
@@ -16,10 +15,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: Optional[list[float]] = None
-    top_logprobs: Optional[list[dict[int, float]]] = None
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None while running
-    stop_reason: Optional[object] = None  # the stop string or stop token id that ended it
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: object | None = None  # the stop string or stop token id that ended it
     weight_versions: list[int] = field(default_factory=list)
 
     @property
@@ -30,11 +29,11 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     request_id: str
-    prompt: Optional[str]
+    prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: Optional[list[Optional[float]]] = None  # [0] is None (no prefix)
-    prompt_top_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    prompt_logprobs: list[float | None] | None = None  # [0] is None (no prefix)
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     core_timestamp: float = 0.0  # time.monotonic() when the engine core produced the newest token

@@ -1,5 +1,4 @@
 """The frontend's input side: prompts (text, token ids, chat messages) -> validated token ids."""
-from typing import Optional, Union
 
 from transformers import AutoTokenizer
 
@@ -8,7 +7,7 @@ from engine.errors import InvalidRequestError
 from engine.protocol import EngineCoreRequest
 from engine.sampling_params import SamplingParams
 
-PromptType = Union[str, list[int], dict]
+PromptType = str | list[int] | dict
 
 
 def load_tokenizer(config: EngineConfig):
@@ -21,9 +20,9 @@ class Processor:
         self.vocab_size = config.model_config.vocab_size
         self.max_model_len = max_model_len
         eos = config.model_config.eos_token_ids or [tokenizer.eos_token_id]
-        self.eos_token_id: Optional[int] = eos[0] if eos and eos[0] is not None else None
+        self.eos_token_id: int | None = eos[0] if eos and eos[0] is not None else None
 
-    def process(self, prompt: PromptType, params: Optional[SamplingParams]) -> tuple[Optional[str], list[int]]:
+    def process(self, prompt: PromptType, params: SamplingParams | None) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids); raises InvalidRequestError."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -40,7 +39,7 @@ class Processor:
                                   params.clone(n=1, seed=None if params.seed is None else params.seed + i),
                                   self.eos_token_id) for i in range(params.n)]
 
-    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]

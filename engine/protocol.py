@@ -3,7 +3,7 @@
 The frontend owns text; the core sees token ids only.
 """
 import enum
-from typing import Any, Optional
+from typing import Any
 
 import msgspec
 
@@ -33,7 +33,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: Optional[int] = None
+    eos_token_id: int | None = None
     streaming: bool = False  # more input chunks may follow (StreamInput), until one says final
 
 
@@ -43,7 +43,7 @@ class StreamInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: Optional[SamplingParams] = None
+    sampling_params: SamplingParams | None = None
     final: bool = False
 
 
@@ -60,16 +60,16 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     request_id: str
     new_token_ids: list[int]
     weight_version: int = 0
-    new_logprobs: Optional[list[float]] = None
-    new_top_logprobs: Optional[list[list[tuple[int, float]]]] = None
-    prompt_logprobs: Optional[list[Optional[float]]] = None
-    prompt_top_logprobs: Optional[list[Optional[list[tuple[int, float]]]]] = None
-    finish_reason: Optional[FinishReason] = None
-    stop_reason: Optional[int] = None  # the stop token id, if one ended the request
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None  # the stop token id, if one ended the request
     num_cached_tokens: int = 0
     resumable: bool = False  # a streaming-input chunk ended, the request waits for more input
-    error: Optional[str] = None  # the core refused this request (bad input found there)
-    error_type: Optional[str] = None  # InvalidRequestError or a subclass
+    error: str | None = None  # the core refused this request (bad input found there)
+    error_type: str | None = None  # InvalidRequestError or a subclass
 
     @property
     def finished(self) -> bool:
@@ -79,14 +79,14 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     call_id: int
     result: Any = None
-    failure: Optional[str] = None  # the message of the exception the call raised
-    failure_type: Optional[str] = None  # its class name (engine.errors.remote_error raises it again)
+    failure: str | None = None  # the message of the exception the call raised
+    failure_type: str | None = None  # its class name (engine.errors.remote_error raises it again)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Everything the core sends back in one message."""
 
     outputs: list[EngineCoreOutput] = []
-    utility_output: Optional[UtilityOutput] = None
-    engine_dead: Optional[str] = None  # the core is going down; the reason
+    utility_output: UtilityOutput | None = None
+    engine_dead: str | None = None  # the core is going down; the reason
     timestamp: float = 0.0  # time.monotonic() in the core when the step's outputs were queued

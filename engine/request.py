@@ -1,7 +1,6 @@
 """Request: the scheduler's state of one sequence (token ids only, no text). Workers never
 see it: what they need travels in the SchedulerOutput (engine/step_io.py)."""
 import enum
-from typing import Optional
 
 from engine.protocol import EngineCoreRequest, FinishReason, StreamInput
 from engine.sampling_params import SamplingParams
@@ -30,16 +29,16 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache when first scheduled
         self.status = RequestStatus.WAITING
-        self.finish_reason: Optional[FinishReason] = None
-        self.stop_reason: Optional[int] = None
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | None = None
         self.eos_token_id = req.eos_token_id
         self._set_params(self.params)
-        self.stream: Optional[InputStream] = InputStream() if req.streaming else None
+        self.stream: InputStream | None = InputStream() if req.streaming else None
         self.chunk_start = self.num_prompt_tokens  # where the current chunk's output begins
         self.block_hashes: list[int] = []  # hash chain of this request's full blocks, grown lazily
         # prompt logprobs gathered over prefill chunks (sent with the first output token)
-        self.prompt_logprobs: Optional[list[Optional[float]]] = [None] if self.params.prompt_logprobs is not None else None
-        self.prompt_top_logprobs: Optional[list] = [None] if self.params.prompt_logprobs else None
+        self.prompt_logprobs: list[float | None] | None = [None] if self.params.prompt_logprobs is not None else None
+        self.prompt_top_logprobs: list | None = [None] if self.params.prompt_logprobs else None
 
     def _set_params(self, p: SamplingParams) -> None:
         self.params = p
@@ -68,7 +67,7 @@ class Request:
         return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
-    def banned_token_ids(self) -> Optional[list[int]]:
+    def banned_token_ids(self) -> list[int] | None:
         """The stop tokens the next sample must avoid (min_tokens not reached yet)."""
         if self.num_chunk_output_tokens < self.params.min_tokens and self.stop_ids:
             return sorted(self.stop_ids)

@@ -1,6 +1,5 @@
 """SamplingParams: what to generate and how, per request (vLLM's field names and defaults)."""
 import enum
-from typing import Optional, Union
 
 import msgspec
 
@@ -30,15 +29,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    seed: Optional[int] = None
-    max_tokens: Optional[int] = 16
+    seed: int | None = None
+    max_tokens: int | None = 16
     min_tokens: int = 0
-    stop: Union[None, str, list[str]] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop: None | str | list[str] = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: Optional[int] = None
-    prompt_logprobs: Optional[int] = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logprobs_mode: str = "processed"
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     detokenize: bool = True

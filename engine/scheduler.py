@@ -14,7 +14,7 @@ The pause state lives here and nowhere else (the engine core sets it, everyone e
 import enum
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable
 
 from engine.kv_cache import KVCacheManager
 from engine.protocol import EngineCoreOutput, FinishReason, StreamInput
@@ -207,7 +207,7 @@ class Scheduler:
             self.idle[req.request_id] = req
         return req.stream.resumable
 
-    def add_stream_input(self, req: Request, chunk: StreamInput) -> Optional[EngineCoreOutput]:
+    def add_stream_input(self, req: Request, chunk: StreamInput) -> EngineCoreOutput | None:
         """Queue or start the next chunk; returns the final output if closing the input ended it."""
         start = req.stream.on_input(chunk)
         if req.stream.state is StreamState.CLOSED:  # closed while awaiting input: done
@@ -262,7 +262,7 @@ class Scheduler:
                 aborted.append(req)
         return aborted
 
-    def _finish(self, req: Request, reason: Optional[FinishReason]) -> None:
+    def _finish(self, req: Request, reason: FinishReason | None) -> None:
         req.finish_reason = reason
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)

@@ -5,7 +5,7 @@ index), and its bytes travel as an extra frame sent without copying. The receive
 frames straight into tensors (no copy; the tensor keeps the frame alive).
 """
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -18,7 +18,7 @@ NDARRAY_EXT = 2
 class MsgpackEncoder:
     def __init__(self):
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
-        self._frames: Optional[list] = None
+        self._frames: list | None = None
 
     def encode(self, obj: Any) -> list:
         """obj -> [main frame, tensor frames...]"""
@@ -47,7 +47,7 @@ class MsgpackEncoder:
 class MsgpackDecoder:
     def __init__(self, t: Any = Any):
         self._decoder = msgspec.msgpack.Decoder(t, ext_hook=self._ext_hook)
-        self._frames: Optional[list] = None
+        self._frames: list | None = None
 
     def decode(self, frames: list) -> Any:
         """frames: [main, tensor frames...] as bytes, memoryviews or zmq Frames."""

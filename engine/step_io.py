@@ -9,7 +9,6 @@ state per request (sampling params, the seeded generator, prompt-logprob progres
 `new_requests` and dropped by `finished_req_ids`; the token ids and block tables of a step
 travel in `scheduled`. All are msgspec Structs, so they can cross a process boundary as is.
 """
-from typing import Optional
 
 import msgspec
 
@@ -22,7 +21,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
     request_id: str
     sampling_params: SamplingParams
-    prompt_token_ids: Optional[list[int]] = None  # only with prompt_logprobs: the targets
+    prompt_token_ids: list[int] | None = None  # only with prompt_logprobs: the targets
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -34,7 +33,7 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     token_ids: list[int]
     block_ids: list[int]
     sample: bool = False  # the step reaches the request's last token: sample the next one
-    banned_token_ids: Optional[list[int]] = None  # stop tokens masked out before min_tokens
+    banned_token_ids: list[int] | None = None  # stop tokens masked out before min_tokens
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -55,4 +54,4 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampled: dict[str, int] = {}
     logprobs: dict[str, float] = {}
     top_logprobs: dict[str, list[tuple[int, float]]] = {}
-    prompt_logprobs: dict[str, tuple[list[float], Optional[list[list[tuple[int, float]]]]]] = {}
+    prompt_logprobs: dict[str, tuple[list[float], list[list[tuple[int, float]]] | None]] = {}

@@ -32,7 +32,6 @@ no FINAL_ONLY outputs. A chunk may carry new SamplingParams (max_tokens per turn
 import enum
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional, Union
 
 from engine.errors import InvalidRequestError
 from engine.protocol import StreamInput
@@ -43,8 +42,8 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 class StreamingInput:
     """One chunk as the caller gives it: text or token ids, and optionally new params."""
 
-    prompt: Union[str, list[int], dict]
-    sampling_params: Optional[SamplingParams] = None
+    prompt: str | list[int] | dict
+    sampling_params: SamplingParams | None = None
 
 
 def check_streaming_params(p: SamplingParams) -> None:
@@ -70,7 +69,7 @@ class InputStream:
         self.queued: deque[StreamInput] = deque()  # chunks that arrived while one was generating
         self.closing = False  # the input is closed: the request ends with its last chunk
 
-    def on_input(self, chunk: StreamInput) -> Optional[StreamInput]:
+    def on_input(self, chunk: StreamInput) -> StreamInput | None:
         """A chunk or the close arrived; returns the chunk to start now, if any."""
         assert self.state is not StreamState.CLOSED, "input for a closed stream"
         if not chunk.prompt_token_ids:  # only closes the input
@@ -85,7 +84,7 @@ class InputStream:
         self.closing = self.closing or chunk.final
         return chunk
 
-    def on_chunk_end(self) -> Optional[StreamInput]:
+    def on_chunk_end(self) -> StreamInput | None:
         """The current chunk finished generating; returns the queued chunk to start, if any."""
         assert self.state is StreamState.GENERATING, f"a chunk ended in state {self.state}"
         if self.queued:

@@ -9,7 +9,7 @@ copy it in: a failed or interrupted update leaves the old weights serving, bit f
 import ctypes
 import gc
 import importlib
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 
@@ -26,10 +26,10 @@ class Worker:
         self.rank = rank
         self.model_runner = ModelRunner(config)
         self.transfer_group = None  # weight_sync.WeightTransferGroup while a trainer's group is open
-        self._offloaded: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # sleep level 1 on CUDA
+        self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # sleep level 1 on CUDA
 
     @property
-    def model(self) -> Optional[LlamaModel]:
+    def model(self) -> LlamaModel | None:
         return self.model_runner.model
 
     # ---- the step -------------------------------------------------------------------------
@@ -189,7 +189,7 @@ def _release_memory(device: torch.device) -> None:
             pass
 
 
-def worker_class(extension: Optional[str]) -> type:
+def worker_class(extension: str | None) -> type:
     """Worker, or Worker with the extension class mixed in ("package.module.Class" or
     "package.module:Class"); the extension's methods see `self` as the worker."""
     if not extension:

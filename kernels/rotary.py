@@ -5,7 +5,6 @@ Frequencies follow transformers' `modeling_rope_utils` formula for formula, so f
 agree bit for bit with the reference.
 """
 import math
-from typing import Optional
 
 import torch
 
@@ -14,7 +13,7 @@ from . import cpu_ext
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (head_dim // 2,) float32 and the attention factor that scales cos/sin."""
     scaling = scaling or {}
     kind = scaling.get("rope_type", "default")

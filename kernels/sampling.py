@@ -8,7 +8,6 @@ a vocabulary's worth of random numbers (torch's exponential_ / multinomial cost 
 32 x 49152 on this CPU, this ~1 ms).
 """
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -24,26 +23,26 @@ class SamplingMetadata:
 
     num_rows: int
     all_greedy: bool
-    temperature: Optional[torch.Tensor] = None  # (N,) float32; greedy rows hold 1.0
-    greedy: Optional[torch.Tensor] = None  # (N,) bool; None when no row is greedy
-    top_k: Optional[torch.Tensor] = None  # (N,) int64, 0 = off; None when no row filters
-    top_p: Optional[torch.Tensor] = None  # (N,) float32, 1 = off
-    min_p: Optional[torch.Tensor] = None  # (N,) float32, 0 = off
+    temperature: torch.Tensor | None = None  # (N,) float32; greedy rows hold 1.0
+    greedy: torch.Tensor | None = None  # (N,) bool; None when no row is greedy
+    top_k: torch.Tensor | None = None  # (N,) int64, 0 = off; None when no row filters
+    top_p: torch.Tensor | None = None  # (N,) float32, 1 = off
+    min_p: torch.Tensor | None = None  # (N,) float32, 0 = off
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # seeded rows
-    max_num_logprobs: Optional[int] = None  # None: no row wants logprobs
-    raw_logprobs: Optional[torch.Tensor] = None  # (N,) bool rows that want raw-logit logprobs
+    max_num_logprobs: int | None = None  # None: no row wants logprobs
+    raw_logprobs: torch.Tensor | None = None  # (N,) bool rows that want raw-logit logprobs
     banned_tokens: dict[int, list[int]] = field(default_factory=dict)  # row -> ids (min_tokens)
 
 
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # (N,) int64
-    logprobs: Optional[torch.Tensor] = None  # (N,) float32
-    top_ids: Optional[torch.Tensor] = None  # (N, k) int64
-    top_logprobs: Optional[torch.Tensor] = None  # (N, k) float32
+    logprobs: torch.Tensor | None = None  # (N,) float32
+    top_ids: torch.Tensor | None = None  # (N, k) int64
+    top_logprobs: torch.Tensor | None = None  # (N, k) float32
 
 
-def greedy_ref(logits: torch.Tensor, with_logprobs: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def greedy_ref(logits: torch.Tensor, with_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """First argmax per row of (N, V) logits and (optionally) its log-softmax, in float32."""
     x = logits.float()
     ids = x.argmax(dim=-1)
@@ -52,7 +51,7 @@ def greedy_ref(logits: torch.Tensor, with_logprobs: bool) -> tuple[torch.Tensor,
     return ids, (x.gather(1, ids[:, None]) - torch.logsumexp(x, dim=-1, keepdim=True)).squeeze(1)
 
 
-def greedy(logits: torch.Tensor, with_logprobs: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def greedy(logits: torch.Tensor, with_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """greedy_ref in one C++ pass on CPU (bf16 logits read as they are: no float32 copy)."""
     if logits.ndim == 2 and logits.stride(-1) == 1:
         ext = cpu_ext.ops_for(logits.device, logits.dtype)
@@ -62,7 +61,7 @@ def greedy(logits: torch.Tensor, with_logprobs: bool) -> tuple[torch.Tensor, Opt
     return greedy_ref(logits, with_logprobs)
 
 
-def sample(logits: torch.Tensor, md: SamplingMetadata, generator: Optional[torch.Generator] = None) -> SamplerOutput:
+def sample(logits: torch.Tensor, md: SamplingMetadata, generator: torch.Generator | None = None) -> SamplerOutput:
     """logits: (N, V) float32 or the model's dtype (converted to float32 unless the batch is plain
     greedy), modified in place by banned tokens. Returns sampled ids + logprobs."""
     if md.all_greedy and not md.banned_tokens and not md.max_num_logprobs:  # no top-k logprobs

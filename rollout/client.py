@@ -23,19 +23,19 @@ import contextlib
 import json as jsonlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Sequence
 
 import httpx
 
 from rollout.client_weights import DEFAULT_TIMEOUT_S, WeightTransfer, log_push
 
-Prompt = Union[str, Sequence[int]]
+Prompt = str | Sequence[int]
 RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
 LONG_TIMEOUT = httpx.Timeout(None, connect=10.0)  # calls that block for a whole transfer
 
 
 class RolloutAPIError(RuntimeError):
-    def __init__(self, status: int, message: str, type: str = "error", param: Optional[str] = None):
+    def __init__(self, status: int, message: str, type: str = "error", param: str | None = None):
         super().__init__(f"{status} {type}: {message}" + (f" (param: {param})" if param else ""))
         self.status, self.message, self.type, self.param = status, message, type, param
 
@@ -45,18 +45,18 @@ class GenerateOutput:
     """One generated sequence. logprobs[i] / weight_versions[i] belong to token_ids[i]."""
 
     token_ids: list[int]
-    logprobs: Optional[list[float]]
+    logprobs: list[float] | None
     weight_versions: list[int]
     text: str
-    finish_reason: Optional[str]
-    top_logprobs: Optional[list[list[tuple[int, float]]]] = None
+    finish_reason: str | None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     stop_reason: Any = None
     prompt_token_ids: list[int] = field(default_factory=list)
     request_id: str = ""
     num_cached_tokens: int = 0
 
     @classmethod
-    def from_json(cls, result: dict, c: dict) -> "GenerateOutput":
+    def from_json(cls, result: dict, c: dict) -> GenerateOutput:
         top = c.get("top_logprobs")
         return cls(token_ids=c["token_ids"], logprobs=c.get("logprobs"), weight_versions=c["weight_versions"],
                    text=c["text"], finish_reason=c.get("finish_reason"), stop_reason=c.get("stop_reason"),
@@ -71,7 +71,7 @@ class _Call:
     path: str
     parse: Callable[[Any], Any] = lambda body: body
     json: Any = None
-    params: Optional[dict] = None
+    params: dict | None = None
     idempotent: bool = False
     admin: bool = False
     timeout: Any = None  # None: the client's default
@@ -104,8 +104,8 @@ class _Endpoints:
         raise NotImplementedError
 
     # ---- generation -------------------------------------------------------------------------------
-    def generate(self, prompts: Union[Prompt, Sequence[Prompt]], sampling_params: Optional[dict] = None,
-                 request_id: Optional[str] = None):
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: dict | None = None,
+                 request_id: str | None = None):
         """One output per prompt, in order (a list of n outputs per prompt when n > 1)."""
         body, _ = _prompt_body(prompts)
         sp = dict(sampling_params or {})
@@ -162,7 +162,7 @@ class _Endpoints:
         return self._run(_Call("POST", "/sleep", params={"level": level, "mode": mode}, admin=True,
                                timeout=LONG_TIMEOUT))
 
-    def wake_up(self, tags: Optional[list[str]] = None):
+    def wake_up(self, tags: list[str] | None = None):
         return self._run(_Call("POST", "/wake_up", params={"tags": list(tags)} if tags else None, admin=True,
                                timeout=LONG_TIMEOUT))
 
@@ -172,13 +172,13 @@ class _Endpoints:
     def reset_encoder_cache(self):
         return self._run(_Call("POST", "/reset_encoder_cache", admin=True))
 
-    def abort_requests(self, request_ids: Optional[list[str]] = None):
+    def abort_requests(self, request_ids: list[str] | None = None):
         """Abort these requests (all in flight when None); returns how many were aborted."""
         return self._run(_Call("POST", "/abort_requests", lambda b: b["aborted"],
                                json={"request_ids": request_ids}, admin=True))
 
-    def collective_rpc(self, method: str, args: Sequence = (), kwargs: Optional[dict] = None,
-                       timeout: Optional[float] = None):
+    def collective_rpc(self, method: str, args: Sequence = (), kwargs: dict | None = None,
+                       timeout: float | None = None):
         body = {"method": method, "args": list(args), "kwargs": kwargs or {}, "timeout": timeout}
         return self._run(_Call("POST", "/collective_rpc", lambda b: b["results"], json=body, admin=True,
                                timeout=LONG_TIMEOUT))
@@ -192,22 +192,22 @@ class _Endpoints:
         return self._run(_Call("POST", "/start_weight_update", json={"is_checkpoint_format": is_checkpoint_format},
                                admin=True))
 
-    def update_weights(self, update_info: Optional[dict] = None):
+    def update_weights(self, update_info: dict | None = None):
         return self._run(_Call("POST", "/update_weights", json={"update_info": update_info or {}}, admin=True,
                                timeout=LONG_TIMEOUT))
 
-    def finish_weight_update(self, weight_version: Optional[int] = None):
+    def finish_weight_update(self, weight_version: int | None = None):
         return self._run(_Call("POST", "/finish_weight_update", lambda b: b["weight_version"],
                                json={"weight_version": weight_version}, admin=True))
 
-    def push_weights_from_disk(self, path: str, version: Optional[int] = None):
+    def push_weights_from_disk(self, path: str, version: int | None = None):
         """Load a safetensors folder on the server's disk (pause generation first, or run idle)."""
         return self._run(_Call("POST", "/update_weights_from_disk", self._push_logger("disk"),
                                json={"path": str(path), "version": version}, admin=True, timeout=LONG_TIMEOUT))
 
     update_weights_from_disk = push_weights_from_disk
 
-    def update_weights_from_ipc(self, handles: dict, version: Optional[int] = None):
+    def update_weights_from_ipc(self, handles: dict, version: int | None = None):
         """Tensors shared from this machine (weight_sync.SharedWeights; keep it open until this
         returns). Pause generation first, or run idle: `push_weights_shared` does it all."""
         return self._run(_Call("POST", "/update_weights_from_ipc", self._push_logger("ipc"),
@@ -229,20 +229,20 @@ class _Endpoints:
 
     # ---- the trainer's side of weight pushes (rollout/client_weights.py, `self.weights`) --------
     def init_weight_transfer(self, backend: str = "gloo", master_address: str = "127.0.0.1",
-                             master_port: Optional[int] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                             bucket_bytes: Optional[int] = None):
+                             master_port: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                             bucket_bytes: int | None = None):
         """Form the transfer group: this process is rank 0, the server's workers join."""
         return self.weights.init(backend, master_address, master_port, timeout_s, bucket_bytes)
 
-    def push_weights(self, named_tensors, version: Optional[int] = None, pause_mode: str = "abort", dtype=None):
+    def push_weights(self, named_tensors, version: int | None = None, pause_mode: str = "abort", dtype=None):
         """pause -> broadcast -> atomic swap -> clear caches -> resume (see WeightTransfer.push)."""
         return self.weights.push(named_tensors, version, pause_mode, dtype)
 
-    def weight_update(self, version: Optional[int] = None, pause_mode: str = "abort", dtype=None):
+    def weight_update(self, version: int | None = None, pause_mode: str = "abort", dtype=None):
         """One update in several chunks, as a context manager (see WeightTransfer.update)."""
         return self.weights.update(version, pause_mode, dtype)
 
-    def push_weights_shared(self, named_tensors, version: Optional[int] = None, pause_mode: str = "abort"):
+    def push_weights_shared(self, named_tensors, version: int | None = None, pause_mode: str = "abort"):
         """Same machine: CUDA IPC on a shared GPU, shared memory on CPU; no group needed."""
         return self.weights.push_shared(named_tensors, version, pause_mode)
 
@@ -251,7 +251,7 @@ class _Endpoints:
 
 
 class _Transport:
-    def __init__(self, url: str, api_key: Optional[str], admin_api_key: Optional[str], timeout: float,
+    def __init__(self, url: str, api_key: str | None, admin_api_key: str | None, timeout: float,
                  retries: int):
         self.url = url.rstrip("/")
         self.api_key, self.admin_api_key = api_key, admin_api_key
@@ -286,8 +286,8 @@ class RolloutClient(_Transport, _Endpoints):
     """Blocking client. Usable as a context manager (closes the weight transfer group and the
     connection pool)."""
 
-    def __init__(self, url: str = "http://127.0.0.1:8000", api_key: Optional[str] = None,
-                 admin_api_key: Optional[str] = None, timeout: float = 60.0, retries: int = 3,
+    def __init__(self, url: str = "http://127.0.0.1:8000", api_key: str | None = None,
+                 admin_api_key: str | None = None, timeout: float = 60.0, retries: int = 3,
                  wandb_run: Any = None):
         super().__init__(url, api_key, admin_api_key, timeout, retries)
         self.http = httpx.Client(timeout=timeout)
@@ -303,7 +303,7 @@ class RolloutClient(_Transport, _Endpoints):
                     raise
                 time.sleep(min(0.1 * 2 ** attempt, 2.0))
 
-    def generate_stream(self, prompts, sampling_params: Optional[dict] = None, request_id: Optional[str] = None):
+    def generate_stream(self, prompts, sampling_params: dict | None = None, request_id: str | None = None):
         """Yields (prompt index, GenerateOutput delta: only the new tokens) as they come."""
         body, _ = _prompt_body(prompts)
         body.update(sampling_params=dict(sampling_params or {}), request_id=request_id, stream=True)
@@ -341,7 +341,7 @@ class RolloutClient(_Transport, _Endpoints):
         self.close_weight_transfer()
         self.http.close()
 
-    def __enter__(self) -> "RolloutClient":
+    def __enter__(self) -> RolloutClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -351,8 +351,8 @@ class RolloutClient(_Transport, _Endpoints):
 class AsyncRolloutClient(_Transport, _Endpoints):
     """asyncio client: the same methods, awaited."""
 
-    def __init__(self, url: str = "http://127.0.0.1:8000", api_key: Optional[str] = None,
-                 admin_api_key: Optional[str] = None, timeout: float = 60.0, retries: int = 3,
+    def __init__(self, url: str = "http://127.0.0.1:8000", api_key: str | None = None,
+                 admin_api_key: str | None = None, timeout: float = 60.0, retries: int = 3,
                  wandb_run: Any = None):
         super().__init__(url, api_key, admin_api_key, timeout, retries)
         self.http = httpx.AsyncClient(timeout=timeout)
@@ -368,8 +368,8 @@ class AsyncRolloutClient(_Transport, _Endpoints):
                     raise
                 await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
 
-    async def generate_stream(self, prompts, sampling_params: Optional[dict] = None,
-                              request_id: Optional[str] = None):
+    async def generate_stream(self, prompts, sampling_params: dict | None = None,
+                              request_id: str | None = None):
         body, _ = _prompt_body(prompts)
         body.update(sampling_params=dict(sampling_params or {}), request_id=request_id, stream=True)
         call = _Call("POST", "/generate", json=body, timeout=LONG_TIMEOUT)
@@ -393,7 +393,7 @@ class AsyncRolloutClient(_Transport, _Endpoints):
         await self.close_weight_transfer()
         await self.http.aclose()
 
-    async def __aenter__(self) -> "AsyncRolloutClient":
+    async def __aenter__(self) -> AsyncRolloutClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Iterable, Optional
+from typing import Any, Callable, Generator, Iterable
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +44,15 @@ class Beside:
     http: Callable
     work: Callable[[], Any]
     grace_s: float = ABORT_AFTER_S
-    on_stuck: Optional[Callable[[BaseException], None]] = None
+    on_stuck: Callable[[BaseException], None] | None = None
 
 
 @dataclass
 class Both:
     result: Any = None
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     work_result: Any = None
-    work_error: Optional[BaseException] = None
+    work_error: BaseException | None = None
 
 
 def run_plan(client, plan: Plan):
@@ -121,7 +121,7 @@ async def _abeside(client, step: Beside) -> Both:
     return both
 
 
-def log_push(wandb_run: Any, source: str, seconds: float, num_bytes: Optional[int], version: Optional[int]) -> None:
+def log_push(wandb_run: Any, source: str, seconds: float, num_bytes: int | None, version: int | None) -> None:
     """Log one push to the trainer's W&B run (`True`: the current `wandb.run`). commit=False: the
     values join the trainer's next `log` call instead of advancing its step."""
     if wandb_run is True:
@@ -141,7 +141,7 @@ def log_push(wandb_run: Any, source: str, seconds: float, num_bytes: Optional[in
         logger.warning("logging the push to W&B failed: %s", e)
 
 
-def _update_info(named: list, dtype, version: Optional[int]) -> dict:
+def _update_info(named: list, dtype, version: int | None) -> dict:
     def dname(t):
         d = dtype if dtype is not None and t.is_floating_point() else t.dtype
         return str(d).removeprefix("torch.")
@@ -154,10 +154,10 @@ class WeightUpdate:
     """One update in progress (see WeightTransfer.update); `send` pushes one chunk of named
     tensors (awaitable with the async client)."""
 
-    def __init__(self, transfer: "WeightTransfer", group, dtype):
+    def __init__(self, transfer: WeightTransfer, group, dtype):
         self.transfer, self.group, self.dtype = transfer, group, dtype
-        self.version: Optional[int] = None
-        self.weight_version: Optional[int] = None
+        self.version: int | None = None
+        self.weight_version: int | None = None
         self.stats: list[dict] = []
         self.t0 = time.perf_counter()
 
@@ -183,14 +183,14 @@ class WeightTransfer:
         self.client, self.is_async = client, is_async
         self.group = None  # weight_sync.WeightTransferGroup, rank 0
         self.dtype = None  # the engine's dtype: pushed floating-point tensors are cast to it
-        self.bucket_bytes: Optional[int] = None
+        self.bucket_bytes: int | None = None
 
     def run(self, plan: Plan):
         return arun_plan(self.client, plan) if self.is_async else run_plan(self.client, plan)
 
     # ---- the group ----------------------------------------------------------------------------
-    def init(self, backend: str = "gloo", master_address: str = "127.0.0.1", master_port: Optional[int] = None,
-             timeout_s: float = DEFAULT_TIMEOUT_S, bucket_bytes: Optional[int] = None):
+    def init(self, backend: str = "gloo", master_address: str = "127.0.0.1", master_port: int | None = None,
+             timeout_s: float = DEFAULT_TIMEOUT_S, bucket_bytes: int | None = None):
         """Form the transfer group: this process is rank 0 (it hosts the rendezvous on
         master_address:master_port, a free port by default), the server's workers join."""
         return self.run(self._init_plan(backend, master_address, master_port, timeout_s, bucket_bytes))
@@ -234,7 +234,7 @@ class WeightTransfer:
         group.close()
 
     # ---- pushes -------------------------------------------------------------------------------
-    def push(self, named_tensors: Iterable, version: Optional[int] = None, pause_mode: str = "abort", dtype=None):
+    def push(self, named_tensors: Iterable, version: int | None = None, pause_mode: str = "abort", dtype=None):
         """pause(mode) -> start -> [POST /update_weights || WeightSender.send] -> finish(version) -> resume.
 
         Tensors carry Hugging Face names (a subset of the model is fine) and are cast to the
@@ -253,7 +253,7 @@ class WeightTransfer:
             yield from self._end_plan(update, ok)
         return update.result()
 
-    def update(self, version: Optional[int] = None, pause_mode: str = "abort", dtype=None):
+    def update(self, version: int | None = None, pause_mode: str = "abort", dtype=None):
         """with client.weight_update(version=step) as u: u.send(chunk); u.send(chunk2) ...
         (async with ... and await u.send(...) with the asyncio client)
 
@@ -321,7 +321,7 @@ class WeightTransfer:
             log_push(self.client.wandb_run, "broadcast", time.perf_counter() - update.t0,
                      sum(s["send"]["num_bytes"] for s in update.stats), update.weight_version)
 
-    def push_shared(self, named_tensors: Iterable, version: Optional[int] = None, pause_mode: str = "abort"):
+    def push_shared(self, named_tensors: Iterable, version: int | None = None, pause_mode: str = "abort"):
         """For a trainer on the server's machine: pause -> share the tensors (CUDA IPC on a shared
         GPU, shared memory on CPU; in the engine's dtype) -> the engine copies them in -> resume.
         No transfer group needed."""

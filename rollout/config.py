@@ -1,7 +1,6 @@
 """ServerConfig: the HTTP server's options (the engine's own options are EngineConfig fields)."""
 import os
 from dataclasses import dataclass, field
-from typing import Optional
 
 MiB = 1 << 20
 # worker methods a caller may run through /collective_rpc without registering them: read-only
@@ -22,19 +21,19 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: Optional[str] = None
-    api_key: Optional[str] = None
-    admin_api_key: Optional[str] = None
+    served_model_name: str | None = None
+    api_key: str | None = None
+    admin_api_key: str | None = None
     max_body_bytes: int = 16 * MiB
     collective_rpc_methods: tuple[str, ...] = ()
     stats_interval_s: float = 1.0
     shutdown_grace_s: float = 5.0
-    wandb_project: Optional[str] = None
-    wandb_run_name: Optional[str] = None
+    wandb_project: str | None = None
+    wandb_run_name: str | None = None
     wandb_interval_s: float = 5.0
     log_level: str = "warning"
     engine_kwargs: dict = field(default_factory=dict)  # EngineConfig fields for AsyncLLM(model, **kw)
-    model: Optional[str] = None
+    model: str | None = None
 
     def __post_init__(self):
         self.api_key = self.api_key or os.environ.get("ROLLOUT_API_KEY") or None

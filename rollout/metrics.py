@@ -13,7 +13,6 @@ import logging
 import netrc
 import os
 import time
-from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -83,14 +82,14 @@ class ServerMetrics:
         self.engine_stats: dict = {}
         self.throughput = 0.0
         self.healthy = True
-        self._last_poll: Optional[tuple[float, int]] = None  # (time, num_generated_tokens)
+        self._last_poll: tuple[float, int] | None = None  # (time, num_generated_tokens)
         self._last: dict[str, float] = {}  # latest durations, for W&B
         self.totals = {"prompt_tokens": 0, "completion_tokens": 0, "requests": 0}
         self.num_in_flight = 0
         r.register(_EngineCollector(self))
 
     # ---- events ---------------------------------------------------------------------------------
-    def observe_request(self, arrival: float, first_token: Optional[float], prompt_tokens: int,
+    def observe_request(self, arrival: float, first_token: float | None, prompt_tokens: int,
                         completion_tokens: int, finish_reasons: list[str]) -> None:
         now = time.monotonic()
         if first_token is not None:
@@ -113,7 +112,7 @@ class ServerMetrics:
         self.num_in_flight -= 1
         self.in_flight.dec()
 
-    def observe_pause(self, seconds: Optional[float]) -> None:
+    def observe_pause(self, seconds: float | None) -> None:
         """A pause ended after `seconds` (None: nothing was paused)."""
         if seconds is None:
             return
@@ -182,7 +181,7 @@ class WandbLogger:
     """Logs `ServerMetrics.snapshot()` to a W&B run every `interval_s` (offline mode when no API
     key is configured: the run is written under ./wandb/ and can be synced later)."""
 
-    def __init__(self, project: str, run_name: Optional[str] = None, config: Optional[dict] = None,
+    def __init__(self, project: str, run_name: str | None = None, config: dict | None = None,
                  interval_s: float = 5.0):
         try:
             import wandb
@@ -194,7 +193,7 @@ class WandbLogger:
                               job_type="rollout-server")
         self.mode = mode
         self.step = 0
-        self.metrics: Optional[ServerMetrics] = None
+        self.metrics: ServerMetrics | None = None
 
     async def run_forever(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics

@@ -17,7 +17,6 @@ import socket
 import sys
 import threading
 import time
-from typing import Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -41,8 +40,8 @@ class GuardMiddleware:
 
     def __init__(self, app, config: ServerConfig, state_getter):
         self.app, self.config, self.state_getter = app, config, state_getter
-        self._admin_paths: Optional[frozenset] = None
-        self._known_paths: Optional[frozenset] = None
+        self._admin_paths: frozenset | None = None
+        self._known_paths: frozenset | None = None
 
     def _paths(self, scope) -> tuple[frozenset, frozenset]:
         if self._admin_paths is None:
@@ -95,7 +94,7 @@ class GuardMiddleware:
                 route = path if path in known else "other"
                 state.metrics.http_requests.labels(route, str(status_box[0])).inc()
 
-    def _check_key(self, scope, path: str, admin_paths) -> Optional[tuple]:
+    def _check_key(self, scope, path: str, admin_paths) -> tuple | None:
         cfg = self.config
         if path in OPEN_PATHS or (cfg.api_key is None and cfg.admin_api_key is None):
             return None
@@ -131,14 +130,14 @@ def _same(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode(), b.encode())
 
 
-async def _send_json(send, status: int, message: str, param: Optional[str]) -> None:
+async def _send_json(send, status: int, message: str, param: str | None) -> None:
     resp = JSONResponse(error_body(status, message, param), status_code=status,
                         headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
     await send({"type": "http.response.start", "status": status, "headers": resp.raw_headers})
     await send({"type": "http.response.body", "body": resp.body})
 
 
-def build_app(engine, config: Optional[ServerConfig] = None) -> FastAPI:
+def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (an AsyncLLM). It starts the stats poller (and the W&B
     logger) in its lifespan; it never shuts the engine down."""
     config = config or ServerConfig()

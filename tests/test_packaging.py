@@ -1,5 +1,6 @@
 """Packaging facts: our top-level `kernels` package must not look like HF's `kernels` package to
-transformers, and `engine` never imports `rollout`. Checked in one fresh interpreter."""
+transformers, `engine` never imports `rollout`, and no script shadows a package. Checked in one
+fresh interpreter."""
 import json
 import os
 import subprocess
@@ -20,8 +21,8 @@ import kernels, kernels.sampling, kernels.rotary
 import transformers.utils as u
 from transformers.models.llama import modeling_llama  # model code that probes for hub kernels
 print(json.dumps(dict(rollout=rollout, kernels_file=kernels.__file__, kernels_available=u.is_kernels_available(),
-                      exports=[n for n in ('LLM', 'SamplingParams', 'RequestOutput', 'CompletionOutput',
-                               'EngineDeadError', 'InvalidRequestError', 'UnsupportedModelError')
+                      exports=[n for n in ('LLM', 'AsyncLLM', 'SamplingParams', 'RequestOutput', 'CompletionOutput',
+                               'StreamingInput', 'EngineDeadError', 'InvalidRequestError', 'UnsupportedModelError')
                                if hasattr(engine, n)])))
 """
 
@@ -44,4 +45,13 @@ def test_engine_does_not_import_rollout(facts):
 
 
 def test_engine_exports_the_public_names(facts):
-    assert len(facts["exports"]) == 7, facts["exports"]
+    assert len(facts["exports"]) == 9, facts["exports"]
+
+
+def test_no_script_shadows_a_package():
+    """`python benchmarks/x.py` puts benchmarks/ first on sys.path: a script named like one of our
+    packages would be imported in its place (benchmarks/weight_sync.py once broke `make bench`)."""
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
+    for folder in ("benchmarks", "recipes"):
+        scripts = {p.stem for p in (ROOT / folder).glob("*.py")}
+        assert not scripts & packages, f"{folder}/ has scripts named like packages: {scripts & packages}"

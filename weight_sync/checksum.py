@@ -10,7 +10,7 @@ engine serving bf16: floating-point tensors are cast first (others are left alon
 
 The per-tensor hashes (sha256: hardware-accelerated on current x86 and ARM, ~1.1 GB/s per core
 here, a bit faster than blake2b) run on a few threads, as hashlib releases the GIL: SmolLM2-135M
-takes ~0.2-0.4 s in bf16, ~0.5-0.7 s in fp32 on this shared 2-core box (benchmarks/weight_sync.py).
+takes ~0.2-0.4 s in bf16, ~0.5-0.7 s in fp32 on this shared 2-core box (benchmarks/weight_transfer.py).
 """
 from __future__ import annotations
 

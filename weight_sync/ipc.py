@@ -22,7 +22,7 @@ import io
 import math
 import pickle
 from multiprocessing import shared_memory
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -76,7 +76,7 @@ class SharedWeights:
     engine's update returned, then `close()` (or use it as a context manager)."""
 
     def __init__(self):
-        self._shm: Optional[shared_memory.SharedMemory] = None
+        self._shm: shared_memory.SharedMemory | None = None
         self._keep: list[torch.Tensor] = []
 
     def share(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict:
@@ -111,14 +111,14 @@ class SharedWeights:
             shm.unlink()
             _CREATED_HERE.discard(shm.name)
 
-    def __enter__(self) -> "SharedWeights":
+    def __enter__(self) -> SharedWeights:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-def read_shared(handles: dict, device: torch.device, check: Optional[Callable] = None) -> dict[str, torch.Tensor]:
+def read_shared(handles: dict, device: torch.device, check: Callable | None = None) -> dict[str, torch.Tensor]:
     """The engine's side: fresh copies on `device` of the tensors behind the handles. `check(name,
     shape, dtype)` runs for every tensor before anything is copied (raise to refuse the push)."""
     if not isinstance(handles, dict) or handles.get("kind") not in ("cuda", "shm") \

@@ -42,7 +42,7 @@ __all__ = ["WeightSender", "WeightReceiver", "WeightTransferError", "DEFAULT_BUC
 
 # Default cap per backend. gloo, 16 MiB: on loopback the push runs ~1.5-2x faster with 4-16 MiB
 # buckets than with 64 MiB or more (the staging buffer stays cache-resident and the sender packs
-# the next bucket while the receiver drains the last; benchmarks/weight_sync.py). NCCL, 256 MiB
+# the next bucket while the receiver drains the last; benchmarks/weight_transfer.py). NCCL, 256 MiB
 # (not measured here: it needs two GPUs): per-call launch and sync costs are fixed while
 # NVLink moves 16 MiB in ~0.1 ms, so bigger buckets amortize them; 256 MiB is also all the extra
 # GPU memory a push costs the trainer (one staging buffer), and the receiver needs none.
@@ -266,7 +266,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
     Packing is memory-bound, and one thread already outruns loopback TCP; torch's OpenMP copy
     collapses several-fold when the cores are oversubscribed (trainer, engine and gloo's threads
-    on one box), measured in benchmarks/weight_sync.py."""
+    on one box), measured in benchmarks/weight_transfer.py."""
     if dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and src.is_contiguous():
         np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
     else:

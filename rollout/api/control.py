@@ -20,7 +20,7 @@ state (every route asks it); the routes that change it run one at a time
 (`ServerState.control_lock`).
 """
 import time
-from typing import Literal, Optional
+from typing import Literal
 
 from fastapi import APIRouter, Query, Request
 
@@ -33,7 +33,7 @@ info_router = APIRouter(tags=["info"])
 PauseMode = Literal["abort", "wait", "keep"]
 
 
-async def call(coro, param: Optional[str] = None):
+async def call(coro, param: str | None = None):
     """Await an engine call, turning its exceptions into APIErrors."""
     try:
         return await coro
@@ -78,7 +78,7 @@ async def sleep(request: Request, level: int = Query(1), mode: PauseMode = Query
 
 
 @router.post("/wake_up")
-async def wake_up(request: Request, tags: Optional[list[str]] = Query(None)):
+async def wake_up(request: Request, tags: list[str] | None = Query(None)):
     state = get_state(request)
     bad = [t for t in tags or [] if t not in ("weights", "kv_cache")]
     if bad:
@@ -106,7 +106,7 @@ async def reset_encoder_cache(request: Request):
 
 
 @router.post("/abort_requests")
-async def abort_requests(request: Request, body: Optional[AbortRequestsBody] = None):
+async def abort_requests(request: Request, body: AbortRequestsBody | None = None):
     state = get_state(request)
     if not body or not body.request_ids:
         return {"status": "aborted", "aborted": await call(state.abort_all_in_flight())}

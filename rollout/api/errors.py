@@ -12,7 +12,6 @@ Errors raised inside the engine-core process arrive here with their own type aga
 import json
 import logging
 import re
-from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,23 +32,23 @@ _BAD_INPUT = (ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryE
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None, type: Optional[str] = None):
+    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.type = type or _TYPES.get(status, "error")
 
 
-def error_body(status: int, message: str, param: Optional[str] = None, type: Optional[str] = None) -> dict:
+def error_body(status: int, message: str, param: str | None = None, type: str | None = None) -> dict:
     return {"error": {"message": message, "type": type or _TYPES.get(status, "error"), "param": param,
                       "code": status}}
 
 
-def error_response(status: int, message: str, param: Optional[str] = None, type: Optional[str] = None,
-                   headers: Optional[dict] = None) -> JSONResponse:
+def error_response(status: int, message: str, param: str | None = None, type: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, type), status_code=status, headers=headers)
 
 
-def engine_error(e: BaseException, param: Optional[str] = None) -> APIError:
+def engine_error(e: BaseException, param: str | None = None) -> APIError:
     """The APIError for an exception raised by an engine call."""
     if isinstance(e, APIError):
         return e
@@ -73,7 +72,7 @@ def engine_error(e: BaseException, param: Optional[str] = None) -> APIError:
 _UNION_TAG = re.compile(r"[a-z_]+\[.*\]|str|int|float|bool|none|function-.*|literal\[.*\]")
 
 
-def validation_param(loc) -> Optional[str]:
+def validation_param(loc) -> str | None:
     """FastAPI's error location ("body", "sampling_params", "top_p") -> "sampling_params.top_p"."""
     parts = [str(p) for p in loc]
     if parts and parts[0] in ("body", "query", "path", "header", "cookie"):
@@ -87,7 +86,7 @@ def validation_param(loc) -> Optional[str]:
     return out or None
 
 
-def validation_message(first: dict, param: Optional[str]) -> str:
+def validation_message(first: dict, param: str | None) -> str:
     kind, got = first.get("type", ""), first.get("input")
     if param is None:
         return "the body must be a JSON object (send Content-Type: application/json)"

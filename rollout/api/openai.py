@@ -9,7 +9,6 @@ An X-Request-Id header (or "request_id") names the engine request, for /abort_re
 """
 import time
 from functools import lru_cache
-from typing import Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -48,7 +47,7 @@ def _tokens(state: ServerState) -> _Tokens:
     return tok
 
 
-def completion_logprobs(c: CompletionOutput, tokens: _Tokens, offset: int) -> Optional[dict]:
+def completion_logprobs(c: CompletionOutput, tokens: _Tokens, offset: int) -> dict | None:
     if c.logprobs is None:
         return None
     strs = [tokens.text(t) for t in c.token_ids]
@@ -65,7 +64,7 @@ def completion_logprobs(c: CompletionOutput, tokens: _Tokens, offset: int) -> Op
     return {"tokens": strs, "token_logprobs": list(c.logprobs), "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(c: CompletionOutput, tokens: _Tokens) -> Optional[dict]:
+def chat_logprobs(c: CompletionOutput, tokens: _Tokens) -> dict | None:
     if c.logprobs is None:
         return None
     content = []
@@ -79,7 +78,7 @@ def chat_logprobs(c: CompletionOutput, tokens: _Tokens) -> Optional[dict]:
     return {"content": content}
 
 
-def _check_model(state: ServerState, model: Optional[str]) -> None:
+def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model not in (state.model_name, state.model_path):
         raise APIError(404, f"the model {model!r} does not exist (this server serves {state.model_name!r})",
                        "model", type="model_not_found")

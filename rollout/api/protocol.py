@@ -5,14 +5,14 @@ translation into the engine's SamplingParams.
 OpenAI fields we do not implement (penalties, logit_bias, best_of != n, suffix) are accepted at
 their neutral value and refused otherwise, naming the field.
 """
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from rollout.api.errors import APIError
 
-PromptInput = Union[str, list[int], list[Union[str, list[int]]]]
+PromptInput = str | list[int] | list[str | list[int]]
 
 
 class _Strict(BaseModel):
@@ -27,29 +27,29 @@ class StreamOptions(_Strict):
 class _OpenAISampling(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions (plus vLLM's extras)."""
 
-    model: Optional[str] = None
+    model: str | None = None
     n: int = 1
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    stop: Union[None, str, list[str]] = None
-    seed: Optional[int] = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: None | str | list[str] = None
+    seed: int | None = None
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling fields
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
+    top_k: int | None = None
+    min_p: float | None = None
     min_tokens: int = 0
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     repetition_penalty: float = 1.0
     return_token_ids: bool = False  # add token ids (prompt and completion) to the response
-    request_id: Optional[str] = None
+    request_id: str | None = None
 
     def check_unsupported(self) -> None:
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
@@ -71,11 +71,11 @@ class _OpenAISampling(_Strict):
 
 class CompletionRequest(_OpenAISampling):
     prompt: PromptInput
-    max_tokens: Optional[int] = 16
-    logprobs: Optional[int] = None  # top-k alternatives per token (OpenAI: 0..5; we allow 0..20)
+    max_tokens: int | None = 16
+    logprobs: int | None = None  # top-k alternatives per token (OpenAI: 0..5; we allow 0..20)
     echo: bool = False
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
+    best_of: int | None = None
+    suffix: str | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -93,13 +93,13 @@ class CompletionRequest(_OpenAISampling):
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
-    text: Optional[str] = None
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)  # tool_calls, name, ... pass to the template
     role: str
-    content: Union[None, str, list[ContentPart]] = None
+    content: None | str | list[ContentPart] = None
 
     def to_template(self) -> dict:
         d = self.model_dump(exclude_none=True)
@@ -112,15 +112,15 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-    tools: Optional[list[dict]] = None
-    tool_choice: Optional[Union[str, dict]] = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
 
     def to_sampling_params(self, output_kind: RequestOutputKind) -> SamplingParams:
         self.check_unsupported()
@@ -140,15 +140,15 @@ class GenerateSamplingParams(_Strict):
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    seed: Optional[int] = None
-    max_tokens: Optional[int] = 16
+    seed: int | None = None
+    max_tokens: int | None = 16
     min_tokens: int = 0
-    stop: Union[None, str, list[str]] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop: None | str | list[str] = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    logprobs: Optional[int] = None
-    prompt_logprobs: Optional[int] = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logprobs_mode: Literal["processed", "raw"] = "processed"
     detokenize: bool = True
     skip_special_tokens: bool = True
@@ -157,14 +157,14 @@ class GenerateSamplingParams(_Strict):
 class GenerateRequest(_Strict):
     """/generate: text prompts (`prompt`) or token ids (`prompt_token_ids`), one or a batch."""
 
-    prompt: Optional[Union[str, list[str]]] = None
-    prompt_token_ids: Optional[Union[list[int], list[list[int]]]] = None
+    prompt: str | list[str] | None = None
+    prompt_token_ids: list[int] | list[list[int]] | None = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: bool = False
     stream_format: Literal["ndjson", "sse"] = "ndjson"
-    request_id: Optional[str] = None
+    request_id: str | None = None
 
-    def prompts(self) -> tuple[list[Union[str, list[int]]], str, bool]:
+    def prompts(self) -> tuple[list[str | list[int]], str, bool]:
         """(prompts, the field they came from, whether the request was a batch)."""
         if (self.prompt is None) == (self.prompt_token_ids is None):
             raise APIError(400, "give exactly one of 'prompt' (text) and 'prompt_token_ids'", "prompt")
@@ -187,7 +187,7 @@ def make_sampling_params(kw: dict) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-def normalize_prompts(prompt: PromptInput) -> list[Union[str, list[int]]]:
+def normalize_prompts(prompt: PromptInput) -> list[str | list[int]]:
     """OpenAI's prompt forms: a string, token ids, or a list of either -> a list of prompts."""
     if isinstance(prompt, str):
         return [prompt]
@@ -202,14 +202,14 @@ def normalize_prompts(prompt: PromptInput) -> list[Union[str, list[int]]]:
 
 # ---- control bodies -----------------------------------------------------------------------------
 class AbortRequestsBody(_Strict):
-    request_ids: Optional[list[str]] = None
+    request_ids: list[str] | None = None
 
 
 class CollectiveRPCBody(_Strict):
     method: str
     args: list[Any] = Field(default_factory=list)
     kwargs: dict[str, Any] = Field(default_factory=dict)
-    timeout: Optional[float] = None
+    timeout: float | None = None
 
 
 class InitInfo(_Strict):
@@ -217,7 +217,7 @@ class InitInfo(_Strict):
     master_port: int = Field(ge=1, le=65535)
     world_size: int = Field(ge=2)
     rank_offset: int = 1
-    backend: Optional[Literal["gloo", "nccl"]] = None
+    backend: Literal["gloo", "nccl"] | None = None
     timeout_s: float = Field(default=60.0, gt=0)
 
 
@@ -235,11 +235,11 @@ class UpdateInfo(BaseModel):
     at the moment they are swapped in."""
 
     model_config = ConfigDict(extra="allow", strict=True)
-    names: Optional[list[str]] = None
-    dtype_names: Optional[list[str]] = None
-    shapes: Optional[list[list[int]]] = None
+    names: list[str] | None = None
+    dtype_names: list[str] | None = None
+    shapes: list[list[int]] | None = None
     packed: bool = False
-    weight_version: Optional[int] = None
+    weight_version: int | None = None
 
 
 class UpdateWeightsBody(_Strict):
@@ -247,14 +247,14 @@ class UpdateWeightsBody(_Strict):
 
 
 class FinishWeightUpdateBody(_Strict):
-    weight_version: Union[None, int, str] = None
+    weight_version: None | int | str = None
 
 
 class UpdateFromDiskBody(_Strict):
     path: str
-    version: Optional[int] = None
+    version: int | None = None
 
 
 class UpdateFromIPCBody(_Strict):
     handles: dict  # from weight_sync.SharedWeights.share(): {"kind", "tensors", ...}
-    version: Optional[int] = None
+    version: int | None = None

@@ -12,7 +12,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncGenerator, Optional, Union
+from typing import AsyncGenerator
 
 from fastapi import Request
 
@@ -29,7 +29,7 @@ class WeightUpdate:
 
     started: float
     num_updates: int = 0
-    weight_version: Optional[int] = None
+    weight_version: int | None = None
 
 
 class ServerState:
@@ -39,7 +39,7 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.model_name = config.served_model_name or _model_name(engine)
         self.in_flight: dict[str, float] = {}  # request id -> arrival (monotonic)
-        self.weight_update: Optional[WeightUpdate] = None
+        self.weight_update: WeightUpdate | None = None
         self.shutting_down = asyncio.Event()
         self.control_lock = asyncio.Lock()  # pause/resume/sleep/wake/weight routes run one at a time
 
@@ -48,7 +48,7 @@ class ServerState:
         return str(getattr(getattr(self.engine, "config", None), "model", "") or "")
 
     # ---- generation ------------------------------------------------------------------------------
-    def new_request_id(self, given: Optional[str], prefix: str) -> str:
+    def new_request_id(self, given: str | None, prefix: str) -> str:
         rid = given or f"{prefix}-{uuid.uuid4().hex[:16]}"
         if rid in self.in_flight:
             raise APIError(400, f"request id {rid!r} is already in use", "request_id")
@@ -58,13 +58,13 @@ class ServerState:
         if self.shutting_down.is_set():
             raise APIError(503, "the server is shutting down")
 
-    async def generate(self, prompt: Union[str, list[int]], params: SamplingParams, request_id: str,
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        param: str = "prompt") -> AsyncGenerator[RequestOutput, None]:
         """AsyncLLM.generate with tracking, metrics and error translation (`param` names the
         request field a prompt error is about)."""
         self.check_can_generate()
         arrival = time.monotonic()
-        first_token: Optional[float] = None
+        first_token: float | None = None
         num_tokens = [0] * params.n
         prompt_len, reasons = 0, []
         self.in_flight[request_id] = arrival

@@ -23,7 +23,6 @@ while requests run. Versions are integers here (vLLM's are strings): a non-integ
 """
 import time
 from pathlib import Path
-from typing import Optional
 
 from fastapi import APIRouter, Request
 
@@ -54,7 +53,7 @@ async def init_weight_transfer_engine(body: InitWeightTransferBody, request: Req
 
 
 @router.post("/start_weight_update")
-async def start_weight_update(request: Request, body: Optional[StartWeightUpdateBody] = None):
+async def start_weight_update(request: Request, body: StartWeightUpdateBody | None = None):
     state = get_state(request)
     state.weight_update = WeightUpdate(started=time.monotonic())
     return {"message": "Weight update started"}
@@ -78,7 +77,7 @@ async def update_weights(body: UpdateWeightsBody, request: Request):
     return dict(result, message="Weights updated")
 
 
-def _version(v) -> Optional[int]:
+def _version(v) -> int | None:
     if v is None or isinstance(v, int):
         return v
     if isinstance(v, str) and v.strip().lstrip("-").isdigit():
@@ -87,7 +86,7 @@ def _version(v) -> Optional[int]:
 
 
 @router.post("/finish_weight_update")
-async def finish_weight_update(request: Request, body: Optional[FinishWeightUpdateBody] = None):
+async def finish_weight_update(request: Request, body: FinishWeightUpdateBody | None = None):
     state = get_state(request)
     upd = state.weight_update
     want = _version(body.weight_version if body else None)

@@ -16,8 +16,8 @@ no fresh memory, no protocol. Then the time of `weights_checksum` on the same te
 
 NCCL rows need two GPUs (one rank per GPU); they are skipped otherwise.
 
-    python benchmarks/weight_sync.py                  # ~1 minute on 2 cores
-    python benchmarks/weight_sync.py --buckets 64 one --reps 5
+    python benchmarks/weight_transfer.py                  # ~1 minute on 2 cores
+    python benchmarks/weight_transfer.py --buckets 64 one --reps 5
 """
 import argparse
 import os
