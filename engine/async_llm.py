@@ -21,7 +21,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.default_model import resolve_model
-from engine.core_client import AsyncMPClient
+from engine.core_client import AsyncMPClient, EngineConnection
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -80,10 +80,14 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
 
 
 class AsyncLLM:
-    def __init__(self, model: str | None = None, **config):
+    """The online engine. `model=None` loads the embedded default; other keyword arguments are
+    EngineConfig fields. `connection` attaches to engine cores another process started (an API
+    server beside others); by default AsyncLLM starts and owns its engine cores."""
+
+    def __init__(self, model: str | None = None, connection: EngineConnection | None = None, **config):
         self.config = EngineConfig(model=resolve_model(model), **config)
         self.tokenizer = load_tokenizer(self.config)
-        self.client = AsyncMPClient(self.config)
+        self.client = AsyncMPClient(self.config, connection)
         self.processor = Processor(self.config, self.tokenizer, self.client.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._output_handler: asyncio.Task | None = None
@@ -113,8 +117,7 @@ class AsyncLLM:
         self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in reqs], queue=collector)
         finished = False
         try:
-            for req in reqs:
-                await self.client.add_request_async(req)
+            await self.client.add_requests_async(reqs)
             while not finished:
                 out = await collector.get()
                 finished = out.finished
@@ -139,8 +142,8 @@ class AsyncLLM:
         finished = False
         feeder = None
         try:
-            await self.client.add_request_async(
-                EngineCoreRequest(request_id, ids, params, self.processor.eos_token_id, streaming=True))
+            await self.client.add_requests_async(
+                [EngineCoreRequest(request_id, ids, params, self.processor.eos_token_id, streaming=True)])
             feeder = asyncio.ensure_future(self._feed(inputs, request_id, collector))
             while not finished:
                 out = await collector.get()
@@ -241,22 +244,27 @@ class AsyncLLM:
 
     async def update_weights(self, version: int | None = None) -> dict:
         """Receive one push from the trainer's WeightSender; bumps the version, clears caches."""
-        return await self._call("update_weights", version)
+        return await self._update_weights("broadcast", [], version)
 
     async def update_weights_from_disk(self, path: str, version: int | None = None) -> dict:
-        return await self._call("update_weights_from_disk", path, version)
+        return await self._update_weights("disk", [path], version)
 
     async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                                           version: int | None = None) -> dict:
         """Tensors from this process (they travel to the engine core as raw frames)."""
-        return await self._call("update_weights_from_tensors", list(named_tensors), version)
+        return await self._update_weights("tensors", [list(named_tensors)], version)
 
     async def update_weights_from_ipc(self, handles: dict, version: int | None = None) -> dict:
         """See LLM.update_weights_from_ipc."""
-        return await self._call("update_weights_from_ipc", handles, version)
+        return await self._update_weights("ipc", [handles], version)
 
     async def reload_weights(self, version: int | None = None) -> dict:
-        return await self._call("reload_weights", version)
+        """Reload the start-up checkpoint (the only way back after sleep level 2, besides a push)."""
+        return await self._update_weights("reload", [], version)
+
+    async def _update_weights(self, source: str, args: list, version: int | None) -> dict:
+        self._start_output_handler()  # utility results arrive through it
+        return await self.client.update_weights_async(source, args, version)
 
     async def close_weight_transfer(self) -> bool:
         return await self._call("close_weight_transfer")
@@ -281,6 +289,16 @@ class AsyncLLM:
     async def is_sleeping(self) -> bool:
         return await self._call("is_sleeping")
 
+    # ---- data parallelism -------------------------------------------------------------------------
+    async def scale(self, data_parallel_size: int, drain_timeout_s: float = 60.0) -> dict:
+        """Grow or shrink to `data_parallel_size` replicas (see AsyncMPClient.scale_async): new ones
+        copy the live weights before taking requests; removed ones drain, then abort what is left
+        (with final outputs). A trainer's weight-transfer group covers the old replicas only:
+        call init_weight_transfer again after a scale. Returns {"data_parallel_size", "added",
+        "removed"}."""
+        self._start_output_handler()
+        return await self.client.scale_async(data_parallel_size, drain_timeout_s)
+
     # ---- control --------------------------------------------------------------------------------
     async def _call(self, method: str, *args, timeout: float | None = None, **kwargs) -> Any:
         self._start_output_handler()  # utility results arrive through it
@@ -300,10 +318,11 @@ class AsyncLLM:
         """Call a public worker method (or worker-extension method) on every worker."""
         return await self._call("collective_rpc", method, list(args), kwargs or {}, timeout=timeout)
 
-    async def check_health(self) -> None:
+    async def check_health(self) -> dict:
+        """{"replicas": [replica indices], "alive": [the live ones]}; EngineDeadError when none lives."""
         if self.dead_error is not None:
             raise self.dead_error
-        self.client.check_health()
+        return self.client.check_health()
 
     @property
     def errored(self) -> bool:

@@ -98,6 +98,11 @@ class EngineConfig:
     kv_cache_memory: bytes for the KV cache; None = 2 GiB on CPU (pages are touched only as
         they fill), on CUDA gpu_memory_utilization of the device minus weights and activations.
     max_num_batched_tokens: the token budget of one step (prefill chunks + decodes).
+    num_threads: torch threads of an engine core; None = torch's default, or with data
+        parallelism on CPU the cores split evenly between replicas (each replica is then pinned to
+        its own cores: N replicas never oversubscribe the machine).
+    data_parallel_size: engine-core replicas, each with its own scheduler, KV cache and worker;
+        data_parallel_backend: "mp" (local processes) or "ray" (Ray actors, any node of a cluster).
     """
 
     model: str | None = None
@@ -114,6 +119,9 @@ class EngineConfig:
     num_threads: int | None = None
     tokenizer: str | None = None
     worker_extension_cls: str | None = None
+    data_parallel_size: int = 1
+    data_parallel_backend: str = "mp"
+    data_parallel_rank: int = 0  # set per replica by the process / actor manager
     model_config: ModelConfig = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -150,6 +158,22 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be a positive int, got {self.data_parallel_size!r}")
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(f"data_parallel_backend must be 'mp' or 'ray', got {self.data_parallel_backend!r}")
+        if self.num_threads is None and self.data_parallel_size > 1 and self.device == "cpu":
+            self.num_threads = max(1, len(available_cpus()) // self.data_parallel_size)
+
+    def replica_cpus(self) -> list[int] | None:
+        """The cores this replica is pinned to (local CPU data parallelism, when they divide evenly;
+        under Ray, Ray places the replicas)."""
+        cpus = available_cpus()
+        n, t = self.data_parallel_size, self.num_threads
+        if self.device != "cpu" or n == 1 or not t or n * t > len(cpus) or self.data_parallel_backend == "ray":
+            return None
+        r = self.data_parallel_rank % n
+        return cpus[r * t:(r + 1) * t]
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -158,6 +182,10 @@ class EngineConfig:
     def kv_bytes_per_token(self) -> int:
         m = self.model_config
         return m.num_layers * 2 * m.num_kv_heads * m.head_dim * self.torch_dtype.itemsize
+
+
+def available_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 def _cpu_has_fast_bf16() -> bool:

@@ -21,6 +21,7 @@ metrics ask the core (`is_paused`, `is_sleeping`, `get_stats`).
                    resumes what the sleep paused (an explicit pause stays).
 """
 import logging
+import os
 import resource
 import time
 from dataclasses import dataclass
@@ -53,6 +54,9 @@ class Deferred:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
+        cpus = config.replica_cpus()
+        if cpus is not None:  # a data-parallel replica on its own cores
+            os.sched_setaffinity(0, cpus)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.executor = InprocExecutor(config)
@@ -242,48 +246,53 @@ class EngineCore:
                 and self.scheduler.pause_state is not PauseState.PAUSED_ALL):
             raise EngineStateError("requests are running: pause generation before updating the weights")
 
-    def _update(self, method: str, args: list, version: int | None) -> dict:
-        """Run one weight update on every worker; on success: new version, and no KV computed by
-        the old weights is reused (prefix and encoder caches cleared)."""
-        self._check_can_update()
-        stats = self.executor.collective_rpc(method, args)[0]
-        self.weight_version = self.weight_version + 1 if version is None else int(version)
-        self.needs_weights = False
-        self.reset_prefix_cache()
-        self.reset_encoder_cache()
-        return dict(stats, weight_version=self.weight_version)
-
     def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
                              backend: str = "gloo", timeout_s: float = 60.0) -> list[int]:
-        """Every worker joins the trainer's group (trainer rank 0, workers 1..N)."""
+        """Every worker joins the trainer's group: the trainer is rank 0, then the workers of
+        replica 0, replica 1, ... Returns the workers' ranks."""
+        rank_offset = 1 + self.config.data_parallel_rank * len(self.executor.workers)
         return self.executor.collective_rpc("init_weight_transfer", [master_address, master_port, world_size],
-                                            {"backend": backend, "timeout_s": timeout_s})
+                                            {"backend": backend, "rank_offset": rank_offset, "timeout_s": timeout_s})
 
     def close_weight_transfer(self) -> bool:
         self.executor.collective_rpc("close_weight_transfer")
         return True
 
-    def update_weights(self, version: int | None = None) -> dict:
-        """Receive one broadcast push from the trainer and swap it in (between steps)."""
-        return self._update("receive_weights", [], version)
-
-    def update_weights_from_disk(self, path: str, version: int | None = None) -> dict:
-        return self._update("update_weights_from_disk", [path], version)
-
-    def update_weights_from_tensors(self, named_tensors, version: int | None = None) -> dict:
-        return self._update("update_weights_from_tensors", [list(named_tensors)], version)
-
-    def update_weights_from_ipc(self, handles: dict, version: int | None = None) -> dict:
+    # A weight update has two phases so that it is atomic across data-parallel replicas: every
+    # replica stages it (received / read, checked; nothing live changes), then it goes live on
+    # all of them only if all staged (engine.core_client.weight_update_plan drives it).
+    def stage_weights(self, source: str, args: list) -> dict:
+        """Stage an update from `source` ("broadcast": one push from the trainer's WeightSender;
+        "disk" [path]; "tensors" [named tensors]; "ipc" [handles]; "reload": the start-up
+        checkpoint; "peer": a live replica's weights, see send_weights_to_peers) on every worker.
+        Returns its stats and the current weight_version."""
+        self._check_can_update()
         try:
-            return self._update("update_weights_from_ipc", [handles], version)
-        except InvalidRequestError:
-            raise
-        except (ValueError, TypeError, KeyError) as e:  # malformed handles are bad input
-            raise InvalidRequestError(f"weight update from IPC handles: {e}") from e
+            stats = self.executor.collective_rpc("stage_weights", [source, args])[0]
+        except (ValueError, TypeError, KeyError) as e:
+            if source != "ipc" or isinstance(e, InvalidRequestError):
+                raise
+            raise InvalidRequestError(f"weight update from IPC handles: {e}") from e  # malformed handles
+        return dict(stats, weight_version=self.weight_version)
 
-    def reload_weights(self, version: int | None = None) -> dict:
-        """Explicitly reload the startup checkpoint (a level-2 sleep never does it by itself)."""
-        return self._update("reload_weights", [], version)
+    def commit_weights(self, version: int) -> int:
+        """Make the staged update live under `version`; no KV computed by the old weights is
+        reused (prefix and encoder caches cleared)."""
+        self.executor.collective_rpc("commit_staged")
+        self.weight_version = int(version)
+        self.needs_weights = False
+        self.reset_prefix_cache()
+        self.reset_encoder_cache()
+        return self.weight_version
+
+    def send_weights_to_peers(self, master_address: str, master_port: int, world_size: int) -> dict:
+        """Share the live weights with replicas that join (scaling up): they stage them with
+        stage_weights("peer", [master_address, master_port, world_size, rank])."""
+        return self.executor.collective_rpc("send_weights_to_peers", [master_address, master_port, world_size])[0]
+
+    def discard_weights(self) -> bool:
+        self.executor.collective_rpc("discard_staged")
+        return True
 
     def weights_checksum(self) -> str:
         return self.executor.collective_rpc("weights_checksum")[0]

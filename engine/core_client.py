@@ -1,23 +1,31 @@
-"""The frontend's handle on the engine core: in process, or in a child process over ZMQ.
+"""The frontend's handle on the engine cores: in process, or engine-core processes over ZMQ.
 
-    InprocClient    EngineCore in this process (tests, debugging)
-    SyncMPClient    the core in a child process; blocking calls (LLM)
+    InprocClient    one EngineCore in this process (tests, debugging)
+    SyncMPClient    engine-core processes, one per data-parallel replica; blocking calls (LLM)
     AsyncMPClient   the same with asyncio (AsyncLLM)
 
-A child that dies (crash, kill -9, exception in a step) is noticed within a second through
-its process sentinel, and every waiting caller gets EngineDeadError; so does every later call.
+Data parallelism: every new request goes to the least-loaded live replica (this frontend's
+requests in flight there, and the queue depths the DP coordinator publishes, when one runs) and
+stays there (aborts, streaming input); the n samples of one prompt go together (they share its
+KV blocks). Control calls go to every live replica; their answers are combined by `combine`.
+A weight update is two-phase (`weight_update_plan`): every replica stages it, and it goes live
+on all of them only when all staged, under one version.
+
+A replica that dies (crash, kill -9, exception in a step) is noticed within a second: its
+requests and calls fail with EngineDeadError, the others keep serving. When every replica is
+gone, every waiting and later call fails with EngineDeadError.
 """
 import asyncio
 import itertools
 import logging
-import os
 import queue
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
+import time
 import weakref
+from collections.abc import Generator
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -25,30 +33,109 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.core_proc import HANDSHAKE_TIMEOUT_MS, Hello, Ready, Startup
-from engine.errors import EngineDeadError, EngineStateError, remote_error
-from engine.protocol import (EngineCoreOutputs, EngineCoreRequest, RequestType, StreamInput, UtilityOutput,
-                             UtilityRequest)
+from engine.coordinator import DPCoordinator, DPLoads
+from engine.core_proc import HANDSHAKE_TIMEOUT_MS, EngineAddresses, engine_identity
+from engine.errors import EngineDeadError, EngineStateError, InvalidRequestError, remote_error
+from engine.managers import CoreEngineActorManager, CoreEngineProcManager, EngineWatcher
+from engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, RequestType,
+                             StreamInput, UtilityOutput, UtilityRequest)
 from engine.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger("engine")
-STARTUP_TIMEOUT_S = 600  # model conversion / loading can take a while on a cold cache
-SHUTDOWN_GRACE_S = 5
 
 
-class InprocClient:
+# ---- answers of several replicas, and the two-phase weight update ----------------------------------
+def combine(method: str, results: list) -> Any:
+    """One answer from every live replica's answer to a utility call."""
+    if method == "get_stats":
+        return combine_stats(results)
+    if len(results) == 1:
+        return results[0]
+    if method in ("collective_rpc", "init_weight_transfer"):  # one entry per worker of every replica
+        return [r for rs in results for r in rs]
+    if method == "pause":
+        return dict(results[0], aborted=sum(r["aborted"] for r in results))
+    if method in ("is_paused", "is_sleeping"):
+        return any(results)
+    if method in ("resume", "wake_up"):
+        seconds = [r["paused_seconds"] for r in results if r.get("paused_seconds") is not None]
+        merged = dict(results[0], paused_seconds=max(seconds) if seconds else None)
+        if "is_sleeping" in merged:
+            merged["is_sleeping"] = any(r["is_sleeping"] for r in results)
+        return merged
+    if method in ("weights_checksum", "get_weight_version") and len(set(results)) > 1:
+        raise EngineStateError(f"the data-parallel replicas disagree on {method}: {results}")
+    return results[0]
+
+
+_SUMMED_STATS = ("num_running", "num_waiting", "num_preemptions", "num_prefill_tokens", "num_generated_tokens",
+                 "num_free_blocks", "num_blocks", "peak_rss_mb")
+
+
+def combine_stats(stats: list[dict]) -> dict:
+    """Totals over the replicas, and each replica's own stats under "replicas"."""
+    out = dict(stats[0], num_replicas_alive=len(stats), replicas=stats)
+    if len(stats) == 1:
+        return out
+    for k in _SUMMED_STATS:
+        out[k] = sum(s[k] for s in stats)
+    out["kv_usage"] = 1.0 - out["num_free_blocks"] / max(out["num_blocks"], 1)
+    out["prefix_hit_rate"] = sum(s["prefix_hit_rate"] for s in stats) / len(stats)
+    out["weight_version"] = max(s["weight_version"] for s in stats)
+    out["is_paused"] = any(s["is_paused"] for s in stats)
+    out["is_sleeping"] = any(s["is_sleeping"] for s in stats)
+    out["paused_seconds"] = max(s["paused_seconds"] for s in stats)
+    return out
+
+
+def weight_update_plan(source: str, args: list, version: int | None) -> Generator:
+    """Stage the update on every replica; if one refuses, discard it everywhere and raise that
+    refusal; else make it live everywhere under one version (default: the newest + 1)."""
+    staged = yield ("each", "stage_weights", [source, args])
+    failures = [r for r in staged if isinstance(r, BaseException)]
+    if failures:
+        yield ("each", "discard_weights", [])
+        raise failures[0]
+    if version is None:
+        version = max(s["weight_version"] for s in staged) + 1
+    yield ("all", "commit_weights", [version])
+    return dict(staged[0], weight_version=version)
+
+
+class _SyncPlans:
+    """run_plan for the blocking clients: ("all", method, args) -> the combined answer (raises);
+    ("each", method, args) -> one answer or exception per live replica."""
+
+    def run_plan(self, plan: Generator) -> Any:
+        value = None
+        while True:
+            try:
+                how, method, args = plan.send(value)
+            except StopIteration as stop:
+                return stop.value
+            value = self.call_utility(method, *args) if how == "all" else self.call_utility_each(method, *args)
+
+    def update_weights(self, source: str, args: list, version: int | None) -> dict:
+        return self.run_plan(weight_update_plan(source, args, version))
+
+
+# ---- in process ------------------------------------------------------------------------------------
+class InprocClient(_SyncPlans):
     """The core in this process: calls are direct, outputs come from step()."""
 
     def __init__(self, config: EngineConfig):
         from engine.core import EngineCore
 
+        if config.data_parallel_size > 1:
+            raise ValueError("data parallelism needs engine-core processes (multiprocess=True)")
         self.core = EngineCore(config)
         self.num_blocks, self.max_model_len = self.core.num_blocks, self.core.max_model_len
         self._outputs: list = []
 
-    def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
-        for req in reqs:
-            self.core.add_request(req)
+    def add_requests(self, groups: list[list[EngineCoreRequest]]) -> None:
+        for group in groups:
+            for req in group:
+                self.core.add_request(req)
 
     def add_stream_input(self, chunk: StreamInput) -> None:
         self.core.add_stream_input(chunk)
@@ -78,135 +165,230 @@ class InprocClient:
             result = result.finish()
         return result
 
-    def check_health(self) -> None:
-        pass
+    def call_utility_each(self, method: str, *args) -> list:
+        try:
+            return [self.call_utility(method, *args)]
+        except Exception as e:
+            return [e]
+
+    def check_health(self) -> dict:
+        return {"replicas": [0], "alive": [0]}
 
     def shutdown(self) -> None:
         self.core.shutdown()
 
 
-class CoreProcManager:
-    """Starts the engine-core process (a fresh interpreter running engine.core_proc, so the
-    caller's __main__ is never re-imported), hands it its addresses and config, waits for
-    READY, watches it, and shuts it down (terminate, then kill after a grace period)."""
+# ---- engine-core processes -----------------------------------------------------------------------
+def _bind(sock: zmq.Socket, folder: str, name: str, tcp: bool) -> str:
+    """Bind an ipc socket in `folder`, or (engines on other nodes) a TCP port on this node's IP."""
+    if not tcp:
+        sock.bind(f"ipc://{folder}/{name}")
+    else:
+        sock.bind(f"tcp://{_node_ip()}:0")
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
-    def __init__(self, config: EngineConfig, input_address: str, output_address: str, on_death):
-        self._tmp = tempfile.mkdtemp(prefix="rollout-")
-        handshake = f"ipc://{self._tmp}/handshake"
-        ctx = zmq.Context.instance()
-        hs = ctx.socket(zmq.ROUTER)
-        hs.setsockopt(zmq.LINGER, 0)
-        hs.bind(handshake)
-        entry = f"from engine.core_proc import run_engine_core; run_engine_core({handshake!r}, {os.getpid()})"
-        # the child imports what this process can (worker extensions, an uninstalled checkout)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.proc = subprocess.Popen([sys.executable, "-c", entry], stdin=subprocess.DEVNULL, env=env)
-        self.dead = False
-        self._shutting_down = False
-        try:
-            ident, msg = self._recv(hs, HANDSHAKE_TIMEOUT_MS, "HELLO")
-            msgspec.msgpack.decode(msg, type=Hello)
-            init_fields = {f: getattr(config, f) for f in config.__dataclass_fields__ if f != "model_config"}
-            hs.send_multipart([ident, msgspec.msgpack.encode(Startup(input_address, output_address, init_fields))])
-            _, msg = self._recv(hs, STARTUP_TIMEOUT_S * 1000, "READY")
-            ready = msgspec.msgpack.decode(msg, type=Ready)
-            if ready.failure:
-                raise RuntimeError(f"the engine core failed to start: {ready.failure}")
-            self.num_blocks, self.max_model_len = ready.num_blocks, ready.max_model_len
-        except BaseException:
-            self.shutdown()
-            raise
-        finally:
-            hs.close()
-        self._on_death = on_death
-        threading.Thread(target=self._watch, daemon=True, name="core-monitor").start()
 
-    def _recv(self, sock, timeout_ms: int, what: str):
-        waited = 0
-        while not sock.poll(min(timeout_ms - waited, 500)):
-            waited += 500
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the engine core exited (code {self.proc.returncode}) before {what}")
-            if waited >= timeout_ms:
-                raise TimeoutError(f"the engine core sent no {what} within {timeout_ms / 1000:.0f} s")
-        return sock.recv_multipart()
+def _node_ip() -> str:
+    import ray
 
-    def _watch(self) -> None:
-        code = self.proc.wait()
-        self.dead = True
-        if not self._shutting_down:
-            logger.error("the engine core process died (exit code %s)", code)
-            self._on_death(f"the engine core process died (exit code {code})")
+    return ray.util.get_node_ip_address()
 
-    def is_alive(self) -> bool:
-        return self.proc.poll() is None
 
-    def shutdown(self) -> None:
-        self._shutting_down = True
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(SHUTDOWN_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self._tmp, ignore_errors=True)
+class EngineConnection(msgspec.Struct):
+    """How a frontend reaches engines another process started (an API server beside others:
+    the launcher starts the engines and hands each API server its own sockets' addresses)."""
+
+    input_address: str
+    output_address: str
+    client_index: int
+    client_count: int
+    engine_pids: dict[int, int]  # replica index -> pid
+    num_blocks: int
+    max_model_len: int
+    coordinator_address: str = ""  # the DP coordinator's publisher ("" = none)
+
+
+@dataclass
+class EngineState:
+    """One replica as this frontend sees it."""
+
+    index: int
+    identity: bytes
+    alive: bool = True
+    routable: bool = True  # new requests may go there (not while joining or draining)
+    num_in_flight: int = 0  # this frontend's unfinished requests there
+    load: int = 0  # waiting + running there, as the DP coordinator last published it
 
 
 class _MPClientBase:
-    def __init__(self, config: EngineConfig, ctx: zmq.Context):
+    def __init__(self, config: EngineConfig, ctx: zmq.Context, with_coordinator: bool = False,
+                 connection: EngineConnection | None = None):
+        self.config = config
+        self.client_index, self.client_count = (0, 1) if connection is None else (connection.client_index,
+                                                                                   connection.client_count)
         self._tmpdir = tempfile.mkdtemp(prefix="rollout-io-")
-        self.input_address = f"ipc://{self._tmpdir}/input"
-        self.output_address = f"ipc://{self._tmpdir}/output"
+        ray = config.data_parallel_backend == "ray"  # engines may be on other nodes: TCP, not ipc
         self.ctx = ctx
         self.input_socket = ctx.socket(zmq.ROUTER)
         self.input_socket.setsockopt(zmq.LINGER, 0)
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.input_socket.bind(self.input_address)
         self.output_socket = ctx.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.LINGER, 0)
-        self.output_socket.bind(self.output_address)
+        if connection is not None:
+            self.input_socket.bind(connection.input_address)
+            self.output_socket.bind(connection.output_address)
+            self.input_address, self.output_address = connection.input_address, connection.output_address
+        else:
+            self.input_address = _bind(self.input_socket, self._tmpdir, "input", ray)
+            self.output_address = _bind(self.output_socket, self._tmpdir, "output", ray)
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder(EngineCoreOutputs)
         self.dead_reason: str | None = None
         self._call_ids = itertools.count()
-        self.identity = b"core-0"
+        self.engines = {i: EngineState(i, engine_identity(i)) for i in range(config.data_parallel_size)}
+        self._indices_used = set(self.engines)
+        self.owner: dict[str, EngineState] = {}  # request id -> its replica (until its final output)
+        self._next_engine = 0  # round-robin start among equally loaded replicas
+        self._death_lock = threading.Lock()
+        self._death_socket: zmq.Socket | None = None  # the monitor's way into our own output stream
+        self.coordinator: DPCoordinator | None = None
+        if connection is not None:  # engines another process started and owns
+            self.coordinator_address = connection.coordinator_address
+            self.manager = EngineWatcher(connection.engine_pids, self._engine_died)
+            self.num_blocks, self.max_model_len = connection.num_blocks, connection.max_model_len
+        else:
+            self._start_engines(config, with_coordinator, ray)
+        weakref.finalize(self, shutil.rmtree, self._tmpdir, True)
+        self._wait_for_engines([e.identity for e in self.engines.values()])
+
+    def _start_engines(self, config: EngineConfig, with_coordinator: bool, ray: bool) -> None:
+        self.coordinator = DPCoordinator(self._tmpdir, _node_ip() if ray else None) if with_coordinator else None
+        self.coordinator_address = self.coordinator.frontend_address if self.coordinator else ""
+        addresses = EngineAddresses([self.input_address], [self.output_address],
+                                    self.coordinator.engine_address if self.coordinator else "")
+        manager_cls = CoreEngineActorManager if ray else CoreEngineProcManager
         try:
-            self.manager = CoreProcManager(config, self.input_address, self.output_address, self._on_death)
+            self.manager = manager_cls(config, addresses, self._engine_died)
         except BaseException:
+            if self.coordinator is not None:
+                self.coordinator.shutdown()
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             raise
+        if self.coordinator is not None:
+            weakref.finalize(self, DPCoordinator.shutdown, self.coordinator)
         self.num_blocks, self.max_model_len = self.manager.num_blocks, self.manager.max_model_len
-        weakref.finalize(self, CoreProcManager.shutdown, self.manager)
-        weakref.finalize(self, shutil.rmtree, self._tmpdir, True)
-        # the core's DEALER announces itself; until then the ROUTER cannot address it
-        sync_view = zmq.Socket.shadow(self.input_socket.underlying)
-        if not sync_view.poll(HANDSHAKE_TIMEOUT_MS):
-            self.manager.shutdown()
-            raise RuntimeError("the engine core did not connect its input socket")
-        sync_view.recv_multipart()
+        weakref.finalize(self, manager_cls.shutdown, self.manager)
 
-    def _frames(self, kind: RequestType, obj) -> list:
-        return [self.identity, kind.value, *self.encoder.encode(obj)]
+    def _wait_for_engines(self, identities: list[bytes]) -> None:
+        """Every engine's DEALER announces itself; until then the ROUTER cannot address it."""
+        sync_view = zmq.Socket.shadow(self.input_socket.underlying)
+        left = set(identities)
+        while left:
+            if not sync_view.poll(HANDSHAKE_TIMEOUT_MS):
+                self.manager.shutdown()
+                raise RuntimeError(f"engine cores {sorted(left)} did not connect their input sockets")
+            left.discard(sync_view.recv_multipart()[0])
+
+    # ---- routing ------------------------------------------------------------------------------
+    def _live(self, routable: bool = False) -> list[EngineState]:
+        live = [e for e in self.engines.values() if e.alive and (e.routable or not routable)]
+        if not live:
+            raise EngineDeadError(self.dead_reason or "no engine core is alive")
+        return live
+
+    def _choose_engine(self) -> EngineState:
+        """The least-loaded live replica (ties: round robin)."""
+        live = self._live(routable=True)
+        start = self._next_engine % len(live)
+        self._next_engine += 1
+        order = live[start:] + live[:start]
+        return min(order, key=lambda e: max(self.client_count * e.num_in_flight, e.load))
+
+    def _assign(self, group: list[EngineCoreRequest]) -> EngineState:
+        engine = self._choose_engine()
+        for req in group:
+            self.owner[req.request_id] = engine
+        engine.num_in_flight += len(group)
+        return engine
+
+    def _finished(self, outputs: list[EngineCoreOutput]) -> None:
+        for o in outputs:
+            if o.finished:
+                engine = self.owner.pop(o.request_id, None)
+                if engine is not None:
+                    engine.num_in_flight -= 1
+
+    def _engine_of(self, request_id: str) -> EngineState | None:
+        return self.owner.get(request_id)
+
+    def _frames(self, engine: EngineState, kind: RequestType, obj) -> list:
+        return [engine.identity, kind.value, *self.encoder.encode(obj)]
+
+    # ---- replica death --------------------------------------------------------------------------
+    def _engine_died(self, index: int, reason: str) -> None:
+        """From the manager's monitor thread: tell our own output stream, so the reader handles
+        it in order with everything the replica sent before dying."""
+        with self._death_lock:
+            if self._death_socket is None:
+                self._death_socket = zmq.Context.instance().socket(zmq.PUSH)
+                self._death_socket.setsockopt(zmq.LINGER, 0)
+                self._death_socket.connect(self.output_address)
+            self._death_socket.send(msgspec.msgpack.encode(EngineCoreOutputs(engine_dead=reason,
+                                                                             engine_index=index)))
+
+    def _set_dead(self, index: int, reason: str) -> None:
+        """Replica `index` is gone (sets dead_reason when it was the last one)."""
+        if index in self.engines:
+            self.engines[index].alive = False
+        if not any(e.alive for e in self.engines.values()):
+            self.dead_reason = reason
+
+    def _lost_requests(self, index: int, reason: str) -> list[EngineCoreOutput]:
+        """The final (failed) outputs of the requests a dead replica held."""
+        engine = self.engines.get(index)
+        lost = [rid for rid, e in self.owner.items() if e is engine]
+        for rid in lost:
+            del self.owner[rid]
+        if engine is not None:
+            engine.num_in_flight = 0
+        return [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason=FinishReason.ABORT, error=reason,
+                                 error_type="EngineDeadError") for rid in lost]
 
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
 
-    def check_health(self) -> None:
+    def check_health(self) -> dict:
+        """{"replicas": [indices], "alive": [indices]}; EngineDeadError when none is alive."""
         self._check_alive()
-        if self.manager.dead or not self.manager.is_alive():
-            raise EngineDeadError("the engine core process is not running")
+        alive = [i for i, e in self.engines.items() if e.alive and self.manager.is_alive(i)]
+        if not alive:
+            raise EngineDeadError("no engine-core process is running")
+        return {"replicas": sorted(self.engines), "alive": alive}
+
+    def _apply_loads(self, msg: bytes) -> None:
+        """A DPLoads message from the coordinator: every replica's waiting + running."""
+        for index, load in msgspec.msgpack.decode(msg, type=DPLoads).loads:
+            if index in self.engines:
+                self.engines[index].load = load
+
+    def _close_sockets(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.shutdown()
+        with self._death_lock:
+            if self._death_socket is not None:
+                self._death_socket.close(linger=0)
+                self._death_socket = None
 
 
-class SyncMPClient(_MPClientBase):
+class SyncMPClient(_MPClientBase, _SyncPlans):
     """Blocking client: a background thread reads outputs into a queue; utility results are
     matched to their callers by call id."""
 
     def __init__(self, config: EngineConfig):
         super().__init__(config, zmq.Context())
         self.outputs: queue.Queue = queue.Queue()
-        self._pending: dict[int, queue.Queue] = {}
+        self._pending: dict[int, tuple[queue.Queue, int]] = {}  # call id -> (waiter, replica)
         self._lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._reader, daemon=True, name="core-output-reader").start()
@@ -219,77 +401,119 @@ class SyncMPClient(_MPClientBase):
                     sock.close(linger=0)
                     return
                 continue
-            frames = sock.recv_multipart(copy=False)
-            outs: EngineCoreOutputs = self.decoder.decode(frames)
+            outs: EngineCoreOutputs = self.decoder.decode(sock.recv_multipart(copy=False))
             if outs.engine_dead is not None:
-                self._on_death(outs.engine_dead)
-                return
+                self._set_dead(outs.engine_index, outs.engine_dead)
+                self._fail_calls(outs.engine_index, outs.engine_dead)
+                self.outputs.put(outs)  # get_output fails the replica's requests, in order
+                continue
             if outs.utility_output is not None:
                 with self._lock:
-                    waiter = self._pending.pop(outs.utility_output.call_id, None)
+                    waiter, _ = self._pending.pop(outs.utility_output.call_id, (None, None))
                 if waiter is not None:
                     waiter.put(outs.utility_output)
             if outs.outputs:
                 self.outputs.put(outs)
 
-    def _on_death(self, reason: str) -> None:
-        if self.dead_reason is None:
-            self.dead_reason = reason
-        self.outputs.put(None)
+    def _fail_calls(self, index: int, reason: str) -> None:
         with self._lock:
-            pending, self._pending = self._pending, {}
-        for waiter in pending.values():
-            waiter.put(None)
+            failed = [cid for cid, (_, i) in self._pending.items() if i == index]
+            waiters = [self._pending.pop(cid)[0] for cid in failed]
+        for waiter in waiters:
+            waiter.put(EngineDeadError(reason))
 
-    def _send(self, kind: RequestType, obj) -> None:
+    def _send(self, engine: EngineState, kind: RequestType, obj) -> None:
         self._check_alive()
+        if not engine.alive:
+            raise EngineDeadError(f"engine core {engine.index} is dead")
         try:
-            self.input_socket.send_multipart(self._frames(kind, obj), copy=False)
+            self.input_socket.send_multipart(self._frames(engine, kind, obj), copy=False)
         except zmq.ZMQError as e:
-            raise EngineDeadError(f"cannot reach the engine core: {e}") from e
+            raise EngineDeadError(f"cannot reach engine core {engine.index}: {e}") from e
 
-    def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
-        """All in one message: the core admits them together, so the first step's batch (and with
-        it every result) does not depend on how fast the requests arrived."""
-        self._send(RequestType.ADD_MANY, reqs)
+    def add_requests(self, groups: list[list[EngineCoreRequest]]) -> None:
+        """Route each group (one prompt's n samples) to a replica; each replica gets its share in
+        one message, so it admits it whole and the first step's batch (and with it every result)
+        does not depend on how fast the requests arrived."""
+        by_engine: dict[int, list[EngineCoreRequest]] = {}
+        for group in groups:
+            by_engine.setdefault(self._assign(group).index, []).extend(group)
+        for index, reqs in by_engine.items():
+            self._send(self.engines[index], RequestType.ADD_MANY, reqs)
 
     def add_stream_input(self, chunk: StreamInput) -> None:
-        self._send(RequestType.STREAM_INPUT, chunk)
+        engine = self._engine_of(chunk.request_id)
+        if engine is not None:
+            self._send(engine, RequestType.STREAM_INPUT, chunk)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and self.dead_reason is None:
-            self._send(RequestType.ABORT, list(request_ids))
+        if self.dead_reason is not None:
+            return
+        by_engine: dict[int, list[str]] = {}
+        for rid in request_ids:
+            engine = self._engine_of(rid)
+            if engine is not None and engine.alive:
+                by_engine.setdefault(engine.index, []).append(rid)
+        for index, rids in by_engine.items():
+            self._send(self.engines[index], RequestType.ABORT, rids)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
-        self._check_alive()
-        outs = self.outputs.get(timeout=timeout)
-        if outs is None:
-            self.outputs.put(None)  # wake any other waiter too
-            raise EngineDeadError(self.dead_reason)
-        return outs
+        while True:
+            self._check_alive()
+            outs = self.outputs.get(timeout=timeout)
+            if outs.engine_dead is not None:
+                lost = self._lost_requests(outs.engine_index, outs.engine_dead)
+                if self.dead_reason is not None:
+                    self.outputs.put(outs)  # wake any other waiter too
+                    raise EngineDeadError(self.dead_reason)
+                if not lost:
+                    continue
+                outs = EngineCoreOutputs(outputs=lost, engine_index=outs.engine_index)
+            self._finished(outs.outputs)
+            return outs
 
-    def call_utility(self, method: str, *args, timeout: float | None = None, **kwargs) -> Any:
+    def _call(self, engine: EngineState, method: str, args, kwargs) -> queue.Queue:
         call_id = next(self._call_ids)
         waiter: queue.Queue = queue.Queue()
         with self._lock:
-            self._pending[call_id] = waiter
-        self._send(RequestType.UTILITY, UtilityRequest(call_id, method, list(args), kwargs))
+            self._pending[call_id] = (waiter, engine.index)
+        self._send(engine, RequestType.UTILITY, UtilityRequest(call_id, method, list(args), kwargs))
+        return waiter
+
+    def _answer(self, waiter: queue.Queue, method: str, timeout: float | None) -> Any:
         try:
-            result: UtilityOutput | None = waiter.get(timeout=timeout)
+            result = waiter.get(timeout=timeout)
         except queue.Empty:
-            with self._lock:
-                self._pending.pop(call_id, None)
             raise TimeoutError(f"{method} did not answer within {timeout} s") from None
-        if result is None:
-            raise EngineDeadError(self.dead_reason)
+        if isinstance(result, Exception):
+            raise result
         if result.failure is not None:
             raise remote_error(result.failure_type, result.failure)
         return result.result
+
+    def call_utility_each(self, method: str, *args, timeout: float | None = None, **kwargs) -> list:
+        """One answer (or the exception it raised) per live replica, in replica order."""
+        waiters = [self._call(e, method, args, kwargs) for e in self._live()]
+        results = []
+        for waiter in waiters:
+            try:
+                results.append(self._answer(waiter, method, timeout))
+            except Exception as e:
+                results.append(e)
+        return results
+
+    def call_utility(self, method: str, *args, timeout: float | None = None, **kwargs) -> Any:
+        results = self.call_utility_each(method, *args, timeout=timeout, **kwargs)
+        error = next((r for r in results if isinstance(r, Exception)), None)
+        if error is not None:
+            raise error
+        return combine(method, results)
 
     def shutdown(self) -> None:
         self._closed = True  # the reader closes the output socket
         self.manager.shutdown()
         self.input_socket.close(linger=0)
+        self._close_sockets()
         shutil.rmtree(self._tmpdir, ignore_errors=True)
 
 
@@ -297,11 +521,13 @@ class AsyncMPClient(_MPClientBase):
     """asyncio client. Outputs are read by whoever awaits get_output_async (AsyncLLM's single
     output handler); utility results resolve futures keyed by call id."""
 
-    def __init__(self, config: EngineConfig):
-        super().__init__(config, zmq.asyncio.Context())
-        self._pending: dict[int, asyncio.Future] = {}
+    def __init__(self, config: EngineConfig, connection: EngineConnection | None = None):
+        super().__init__(config, zmq.asyncio.Context(), with_coordinator=config.data_parallel_size > 1,
+                         connection=connection)
+        self._pending: dict[int, tuple[asyncio.Future, int]] = {}  # call id -> (future, replica)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead_event: asyncio.Event | None = None
+        self._loads_task: asyncio.Task | None = None
 
     async def _ensure_ready(self) -> None:
         if self._loop is None:
@@ -309,41 +535,61 @@ class AsyncMPClient(_MPClientBase):
             self._dead_event = asyncio.Event()
             if self.dead_reason is not None:
                 self._dead_event.set()
+            if self.coordinator_address:
+                self._loads_task = self._loop.create_task(self._watch_loads())
 
-    def _on_death(self, reason: str) -> None:  # from the monitor thread or the reader
-        if self.dead_reason is None:
-            self.dead_reason = reason
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._fail_all)
+    async def _watch_loads(self) -> None:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(self.coordinator_address)
+        try:
+            while True:
+                self._apply_loads(await sub.recv())
+        finally:
+            sub.close(linger=0)
 
-    def _fail_all(self) -> None:
-        self._dead_event.set()
-        pending, self._pending = self._pending, {}
-        for fut in pending.values():
+    def _fail_calls(self, index: int | None, reason: str) -> None:
+        """Fail the calls waiting on replica `index` (None: on every replica)."""
+        failed = [cid for cid, (_, i) in self._pending.items() if index is None or i == index]
+        for cid in failed:
+            fut, _ = self._pending.pop(cid)
             if not fut.done():
-                fut.set_exception(EngineDeadError(self.dead_reason))
+                fut.set_exception(EngineDeadError(reason))
 
-    async def _send(self, kind: RequestType, obj) -> None:
+    async def _send(self, engine: EngineState, kind: RequestType, obj) -> None:
         await self._ensure_ready()
         self._check_alive()
+        if not engine.alive:
+            raise EngineDeadError(f"engine core {engine.index} is dead")
         try:
-            await self.input_socket.send_multipart(self._frames(kind, obj), copy=False)
+            await self.input_socket.send_multipart(self._frames(engine, kind, obj), copy=False)
         except zmq.ZMQError as e:
-            raise EngineDeadError(f"cannot reach the engine core: {e}") from e
+            raise EngineDeadError(f"cannot reach engine core {engine.index}: {e}") from e
 
-    async def add_request_async(self, req: EngineCoreRequest) -> None:
-        await self._send(RequestType.ADD, req)
+    async def add_requests_async(self, group: list[EngineCoreRequest]) -> None:
+        """One prompt's requests (its n samples), to one replica."""
+        await self._send(self._assign(group), RequestType.ADD_MANY if len(group) > 1 else RequestType.ADD,
+                         group if len(group) > 1 else group[0])
 
     async def add_stream_input_async(self, chunk: StreamInput) -> None:
-        await self._send(RequestType.STREAM_INPUT, chunk)
+        engine = self._engine_of(chunk.request_id)
+        if engine is not None:
+            await self._send(engine, RequestType.STREAM_INPUT, chunk)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
-        if request_ids and self.dead_reason is None:
-            await self._send(RequestType.ABORT, list(request_ids))
+        if self.dead_reason is not None:
+            return
+        by_engine: dict[int, list[str]] = {}
+        for rid in request_ids:
+            engine = self._engine_of(rid)
+            if engine is not None and engine.alive:
+                by_engine.setdefault(engine.index, []).append(rid)
+        for index, rids in by_engine.items():
+            await self._send(self.engines[index], RequestType.ABORT, rids)
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        """The next message with request outputs; raises EngineDeadError when the core is gone."""
+        """The next message with request outputs; raises EngineDeadError when every core is gone."""
         await self._ensure_ready()
         while True:
             self._check_alive()
@@ -359,22 +605,32 @@ class AsyncMPClient(_MPClientBase):
                 raise EngineDeadError(self.dead_reason)
             outs: EngineCoreOutputs = self.decoder.decode(recv.result())
             if outs.engine_dead is not None:
-                self._on_death(outs.engine_dead)
-                self._fail_all()
-                raise EngineDeadError(outs.engine_dead)
+                self._set_dead(outs.engine_index, outs.engine_dead)
+                lost = self._lost_requests(outs.engine_index, outs.engine_dead)
+                self._fail_calls(outs.engine_index, outs.engine_dead)
+                if self.dead_reason is not None:
+                    self._fail_all()
+                    raise EngineDeadError(self.dead_reason)
+                if not lost:
+                    continue
+                outs = EngineCoreOutputs(outputs=lost, engine_index=outs.engine_index)
             if outs.utility_output is not None:
-                fut = self._pending.pop(outs.utility_output.call_id, None)
+                fut, _ = self._pending.pop(outs.utility_output.call_id, (None, None))
                 if fut is not None and not fut.done():
                     fut.set_result(outs.utility_output)
             if outs.outputs:
+                self._finished(outs.outputs)
                 return outs
 
-    async def call_utility_async(self, method: str, *args, timeout: float | None = None, **kwargs) -> Any:
-        await self._ensure_ready()
+    def _fail_all(self) -> None:
+        self._dead_event.set()
+        self._fail_calls(None, self.dead_reason)
+
+    async def _call(self, engine: EngineState, method: str, args, kwargs, timeout: float | None) -> Any:
         call_id = next(self._call_ids)
         fut = self._loop.create_future()
-        self._pending[call_id] = fut
-        await self._send(RequestType.UTILITY, UtilityRequest(call_id, method, list(args), kwargs))
+        self._pending[call_id] = (fut, engine.index)
+        await self._send(engine, RequestType.UTILITY, UtilityRequest(call_id, method, list(args), kwargs))
         try:
             result: UtilityOutput = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
@@ -384,8 +640,124 @@ class AsyncMPClient(_MPClientBase):
             raise remote_error(result.failure_type, result.failure)
         return result.result
 
+    async def call_utility_each_async(self, method: str, *args, timeout: float | None = None, **kwargs) -> list:
+        """One answer (or the exception it raised) per live replica, in replica order."""
+        await self._ensure_ready()
+        calls = [self._call(e, method, args, kwargs, timeout) for e in self._live()]
+        return list(await asyncio.gather(*calls, return_exceptions=True))
+
+    async def call_utility_async(self, method: str, *args, timeout: float | None = None, **kwargs) -> Any:
+        results = await self.call_utility_each_async(method, *args, timeout=timeout, **kwargs)
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is not None:
+            raise error
+        return combine(method, results)
+
+    async def update_weights_async(self, source: str, args: list, version: int | None) -> dict:
+        plan = weight_update_plan(source, args, version)
+        value = None
+        while True:
+            try:
+                how, method, step_args = plan.send(value)
+            except StopIteration as stop:
+                return stop.value
+            call = self.call_utility_async if how == "all" else self.call_utility_each_async
+            value = await call(method, *step_args)
+
+    # ---- elastic size ------------------------------------------------------------------------------
+    async def scale_async(self, size: int, drain_timeout_s: float = 60.0) -> dict:
+        """Grow or shrink to `size` live replicas. New ones copy a live replica's weights (pushed
+        ones included) and its pause state before they take requests; removed ones (the newest
+        first) take no new requests, their requests get `drain_timeout_s` to finish, then are
+        aborted with a final output. Dead replicas are dropped (a scale to the same size
+        replaces them)."""
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise InvalidRequestError(f"data_parallel_size must be an int >= 1, got {size!r}", "data_parallel_size")
+        if isinstance(self.manager, EngineWatcher):
+            raise EngineStateError("the engine cores belong to the launcher of several API servers: "
+                                   "scaling is not supported there")
+        await self._ensure_ready()
+        dropped = [i for i, e in self.engines.items() if not e.alive]
+        for i in dropped:
+            del self.engines[i]
+            self.manager.stop(i)
+        live = sorted(self.engines)
+        if not live:
+            raise EngineDeadError(self.dead_reason or "no engine core is alive")
+        added, removed = [], []
+        if size > len(live):
+            added = await self._scale_up(size - len(live))
+        elif size < len(live):
+            removed = await self._scale_down(live[size:], drain_timeout_s)
+        return {"data_parallel_size": len(self.engines), "added": added, "removed": removed + dropped}
+
+    async def _scale_up(self, n: int) -> list[int]:
+        from weight_sync import find_free_port
+
+        source = self.engines[min(self.engines)]
+        state = await self._call(source, "get_stats", [], {}, None)
+        if state["is_sleeping"]:
+            raise EngineStateError("the engine is asleep: wake it up before scaling")
+        first = max(self._indices_used) + 1
+        new = list(range(first, first + n))  # an index is never reused: identities stay unique
+        self._indices_used.update(new)
+        for i in new:
+            self.engines[i] = EngineState(i, engine_identity(i), routable=False)
+        try:
+            await asyncio.to_thread(self.manager.start, new)
+            await self._await_registrations({engine_identity(i) for i in new})
+            host = await self._call(source, "collective_rpc", ["node_ip_address"], {}, None)
+            port = find_free_port(host[0])
+            copies = [self._call(self.engines[i], "stage_weights", ["peer", [host[0], port, n + 1, j + 1]], {}, None)
+                      for j, i in enumerate(new)]
+            await asyncio.gather(self._call(source, "send_weights_to_peers", [host[0], port, n + 1], {}, None),
+                                 *copies)
+            for i in new:
+                await self._call(self.engines[i], "commit_weights", [state["weight_version"]], {}, None)
+                if state["is_paused"]:  # held (abort / wait) or frozen (keep) like the others
+                    mode = "keep" if state["pause_state"] == "paused_all" else "abort"
+                    await self._call(self.engines[i], "pause", [mode, False], {}, None)
+        except BaseException:
+            for i in new:
+                self.engines.pop(i, None)
+                self.manager.stop(i)
+            raise
+        for i in new:
+            self.engines[i].routable = True
+        return new
+
+    async def _await_registrations(self, identities: set[bytes], timeout_s: float = HANDSHAKE_TIMEOUT_MS / 1000):
+        """New engines' DEALERs announce themselves on our ROUTER (nothing else arrives there)."""
+        deadline = time.monotonic() + timeout_s
+        while identities:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"new engine cores did not connect: {sorted(identities)}")
+            frames = await asyncio.wait_for(self.input_socket.recv_multipart(), left)
+            identities.discard(frames[0])
+
+    async def _scale_down(self, victims: list[int], drain_timeout_s: float) -> list[int]:
+        for i in victims:
+            self.engines[i].routable = False
+        deadline = time.monotonic() + drain_timeout_s
+        while any(self.engines[i].num_in_flight for i in victims) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = [rid for rid, e in self.owner.items() if e.index in victims]
+        if left:  # past the deadline: their callers get a final output ("abort"), not silence
+            await self.abort_requests_async(left)
+            until = time.monotonic() + 10
+            while any(self.engines[i].num_in_flight for i in victims) and time.monotonic() < until:
+                await asyncio.sleep(0.05)
+        for i in victims:
+            del self.engines[i]
+            self.manager.stop(i)
+        return victims
+
     def shutdown(self) -> None:
+        if self._loads_task is not None:
+            self._loads_task.cancel()
         self.manager.shutdown()
         self.input_socket.close(linger=0)
         self.output_socket.close(linger=0)
+        self._close_sockets()
         shutil.rmtree(self._tmpdir, ignore_errors=True)

@@ -1,13 +1,18 @@
 """The engine-core process: EngineCore in a busy loop, with IO threads moving ZMQ frames.
 
-    frontend ROUTER (bind) --[type byte, payload, tensor frames]--> DEALER: input thread
+    frontend k ROUTER (bind) --[type byte, payload, tensor frames]--> DEALER k: input thread
         -> input queue -> busy loop: handle requests, step(), utility calls
-        -> output queue -> output thread: PUSH --> frontend PULL (bind)
+        -> output queue -> output thread: PUSH k --> frontend k PULL (bind)
+                                          PUSH  --> DP coordinator (queue depth, when it changes)
+
+One engine core is one data-parallel replica (`engine_index`); it serves every frontend (API
+server) it was given addresses for, and answers each on its own socket: requests remember
+which frontend sent them. With one frontend (the usual case) nothing is tracked.
 
 The IO threads do the (de)serialization, so it overlaps the forward pass (torch releases
-the GIL). Startup handshake over a separate DEALER: HELLO -> {addresses, config} -> READY
-{num_blocks, max_model_len} (or FAILED with the reason). The process dies with its parent
-(PR_SET_PDEATHSIG, plus a parent-pid watchdog), so no orphan is ever left behind.
+the GIL). Startup handshake over a separate DEALER (identity = engine index): HELLO ->
+{addresses, config} -> READY {num_blocks, max_model_len} (or the failure). The process dies
+with its parent (PR_SET_PDEATHSIG, plus a parent-pid watchdog), so no orphan is left behind.
 """
 import ctypes
 import logging
@@ -25,21 +30,32 @@ import zmq
 from engine.config import EngineConfig
 from engine.core import Deferred, EngineCore
 from engine.errors import InvalidRequestError
-from engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, RequestType,
-                             StreamInput, UtilityOutput, UtilityRequest)
+from engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineLoad, FinishReason,
+                             RequestType, StreamInput, UtilityOutput, UtilityRequest)
 from engine.serial import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger("engine")
 HANDSHAKE_TIMEOUT_MS = 30_000
+TO_COORDINATOR = -1  # output-queue destination of load reports
+
+
+def engine_identity(engine_index: int) -> bytes:
+    """The ZMQ identity of engine core `engine_index` on every frontend's ROUTER."""
+    return engine_index.to_bytes(2, "little")
 
 
 class Hello(msgspec.Struct):
     pid: int
 
 
+class EngineAddresses(msgspec.Struct):
+    inputs: list[str]  # one per frontend: the engine's DEALER connects to its ROUTER
+    outputs: list[str]  # one per frontend: the engine's PUSH connects to its PULL
+    coordinator: str = ""  # the DP coordinator's PULL for load reports ("" = none)
+
+
 class Startup(msgspec.Struct):
-    input_address: str
-    output_address: str
+    addresses: EngineAddresses
     config: dict
 
 
@@ -49,15 +65,16 @@ class Ready(msgspec.Struct):
     failure: str = ""
 
 
-def run_engine_core(handshake_address: str, parent_pid: int) -> None:
-    """Entry point of the engine-core process (started by CoreProcManager)."""
-    _die_with_parent(parent_pid)
+def run_engine_core(handshake_address: str, parent_pid: int, engine_index: int = 0) -> None:
+    """Entry point of an engine-core process (started by CoreEngineProcManager)."""
+    die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; it shuts us down
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    logging.basicConfig(level=logging.WARNING, format="[engine-core] %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=f"[engine-core {engine_index}] %(levelname)s %(message)s")
     ctx = zmq.Context()
     hs = ctx.socket(zmq.DEALER)
     hs.setsockopt(zmq.LINGER, 1000)
+    hs.setsockopt(zmq.IDENTITY, engine_identity(engine_index))
     hs.connect(handshake_address)
     hs.send(msgspec.msgpack.encode(Hello(os.getpid())))
     if not hs.poll(HANDSHAKE_TIMEOUT_MS):
@@ -71,10 +88,10 @@ def run_engine_core(handshake_address: str, parent_pid: int) -> None:
         sys.exit(1)
     hs.send(msgspec.msgpack.encode(Ready(core.num_blocks, core.max_model_len)))
     hs.close()
-    EngineCoreProc(core, ctx, startup.input_address, startup.output_address).run()
+    EngineCoreProc(core, ctx, startup.addresses, engine_index).run()
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     try:  # Linux: the kernel sends SIGKILL when the parent dies
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -93,53 +110,79 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 class EngineCoreProc:
-    def __init__(self, core: EngineCore, ctx: zmq.Context, input_address: str, output_address: str):
+    def __init__(self, core: EngineCore, ctx: zmq.Context, addresses: EngineAddresses, engine_index: int = 0):
         self.core = core
-        self.input_queue: queue.Queue = queue.Queue()
-        self.output_queue: queue.Queue = queue.Queue()
+        self.engine_index = engine_index
+        self.input_queue: queue.Queue = queue.Queue()  # (frontend, kind, message)
+        self.output_queue: queue.Queue = queue.Queue()  # (frontend or TO_COORDINATOR, message)
         self.ctx = ctx
-        self.input_address, self.output_address = input_address, output_address
-        self.deferred: list[tuple[int, Deferred]] = []  # utility calls answered once their condition holds
+        self.addresses = addresses
+        self.num_clients = len(addresses.inputs)
+        self.client_of: dict[str, int] = {}  # request id -> the frontend that sent it (several frontends only)
+        self.deferred: list[tuple[int, int, Deferred]] = []  # (frontend, call id, answer once it holds)
+        self._last_load: tuple[int, int] | None = None
         threading.Thread(target=self._input_thread, daemon=True, name="core-input").start()
         threading.Thread(target=self._output_thread, daemon=True, name="core-output").start()
 
     # ---- IO threads -----------------------------------------------------------------------
     def _input_thread(self) -> None:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, b"core-0")
-        sock.connect(self.input_address)
-        sock.send(b"")  # register our identity with the frontend's ROUTER
+        poller = zmq.Poller()
+        sockets = []
+        for address in self.addresses.inputs:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, engine_identity(self.engine_index))
+            sock.connect(address)
+            sock.send(b"")  # register our identity with the frontend's ROUTER
+            poller.register(sock, zmq.POLLIN)
+            sockets.append(sock)
+        client = {sock: i for i, sock in enumerate(sockets)}
         decoders = {RequestType.ADD: MsgpackDecoder(EngineCoreRequest),
                     RequestType.ADD_MANY: MsgpackDecoder(list[EngineCoreRequest]),
                     RequestType.STREAM_INPUT: MsgpackDecoder(StreamInput),
                     RequestType.ABORT: MsgpackDecoder(list[str]),
                     RequestType.UTILITY: MsgpackDecoder(UtilityRequest)}
         while True:
-            frames = sock.recv_multipart(copy=False)
-            kind = RequestType(bytes(frames[0].buffer))
-            try:
-                self.input_queue.put((kind, decoders[kind].decode(frames[1:])))
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                logger.error("dropping an undecodable %s message: %s", kind.name, e)
+            for sock, _ in poller.poll() if len(sockets) > 1 else [(sockets[0], None)]:
+                frames = sock.recv_multipart(copy=False)
+                kind = RequestType(bytes(frames[0].buffer))
+                try:
+                    self.input_queue.put((client[sock], kind, decoders[kind].decode(frames[1:])))
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    logger.error("dropping an undecodable %s message: %s", kind.name, e)
 
     def _output_thread(self) -> None:
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.connect(self.output_address)
+        pushes = []
+        for address in self.addresses.outputs:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 2000)
+            sock.connect(address)
+            pushes.append(sock)
+        coordinator = None
+        if self.addresses.coordinator:
+            coordinator = self.ctx.socket(zmq.PUSH)
+            coordinator.setsockopt(zmq.LINGER, 0)
+            coordinator.connect(self.addresses.coordinator)
         encoder = MsgpackEncoder()
         while True:
-            outputs = self.output_queue.get()
+            dest, outputs = self.output_queue.get()
+            if dest == TO_COORDINATOR:
+                coordinator.send(msgspec.msgpack.encode(outputs), zmq.NOBLOCK)
+                continue
+            outputs.engine_index = self.engine_index
             try:
                 frames = encoder.encode(outputs)
             except TypeError as e:  # a utility result that cannot travel
                 u = outputs.utility_output
                 assert u is not None, f"engine outputs must always encode: {e}"
                 frames = encoder.encode(EngineCoreOutputs(utility_output=UtilityOutput(
-                    u.call_id, failure=f"the result of the call cannot be sent back: {e}")))
-            sock.send_multipart(frames, copy=False)
-            if outputs.engine_dead is not None:
-                sock.close()  # linger flushes the last message
+                    u.call_id, failure=f"the result of the call cannot be sent back: {e}"),
+                    engine_index=self.engine_index))
+            if outputs.engine_dead is not None:  # every frontend learns it; linger flushes
+                for sock in pushes:
+                    sock.send_multipart(frames, copy=False)
+                    sock.close()
                 return
+            pushes[dest].send_multipart(frames, copy=False)
 
     # ---- busy loop --------------------------------------------------------------------------
     def run(self) -> None:
@@ -150,21 +193,23 @@ class EngineCoreProc:
                 while not self.input_queue.empty():
                     self._handle(*self.input_queue.get_nowait())
                 if self.core.has_work():
-                    outputs = self.core.step()
-                    if outputs:
-                        self.output_queue.put(EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic()))
+                    self._send(self.core.step(), time.monotonic())
                 if self.deferred:
                     self._resolve_deferred()
+                if self.addresses.coordinator:
+                    self._report_load()
         except BaseException as e:  # a bug in a step: every caller must learn it, now
-            msg = f"engine core died: {type(e).__name__}: {e}"
+            msg = f"engine core {self.engine_index} died: {type(e).__name__}: {e}"
             logger.error("%s\n%s", msg, traceback.format_exc())
-            self.output_queue.put(EngineCoreOutputs(engine_dead=msg))
+            self.output_queue.put((0, EngineCoreOutputs(engine_dead=msg)))
             threading.Event().wait(2.0)  # let the output thread flush
             os._exit(1)
 
-    def _handle(self, kind: RequestType, msg) -> None:
+    def _handle(self, client: int, kind: RequestType, msg) -> None:
         if kind in (RequestType.ADD, RequestType.ADD_MANY):
             for req in msg if kind == RequestType.ADD_MANY else [msg]:
+                if self.num_clients > 1:
+                    self.client_of[req.request_id] = client
                 try:
                     self.core.add_request(req)
                 except InvalidRequestError as e:  # fails this request only
@@ -176,49 +221,67 @@ class EngineCoreProc:
                 self.core.abort_requests([msg.request_id])
                 self._reject(msg.request_id, e)
         elif kind == RequestType.ABORT:
-            outputs = self.core.abort_requests(msg)
-            if outputs:
-                self.output_queue.put(EngineCoreOutputs(outputs=outputs))
+            self._send(self.core.abort_requests(msg))
         elif kind == RequestType.UTILITY:
-            self._call(msg)
+            self._call(client, msg)
+
+    def _send(self, outputs: list[EngineCoreOutput], timestamp: float = 0.0) -> None:
+        """Queue request outputs for the frontends that sent those requests."""
+        if not outputs:
+            return
+        if self.num_clients == 1:
+            self.output_queue.put((0, EngineCoreOutputs(outputs=outputs, timestamp=timestamp)))
+            return
+        by_client: dict[int, list[EngineCoreOutput]] = {}
+        for o in outputs:
+            rid = o.request_id
+            client = self.client_of.pop(rid, 0) if o.finished else self.client_of.get(rid, 0)
+            by_client.setdefault(client, []).append(o)
+        for client, outs in by_client.items():
+            self.output_queue.put((client, EngineCoreOutputs(outputs=outs, timestamp=timestamp)))
 
     def _reject(self, request_id: str, error: InvalidRequestError) -> None:
-        out = EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
-                               error=str(error), error_type=type(error).__name__)
-        self.output_queue.put(EngineCoreOutputs(outputs=[out]))
+        self._send([EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
+                                     error=str(error), error_type=type(error).__name__)])
 
-    def _call(self, req: UtilityRequest) -> None:
+    def _call(self, client: int, req: UtilityRequest) -> None:
         fn = getattr(self.core, req.method, None) if not req.method.startswith("_") else None
         if not callable(fn):
-            return self._answer(UtilityOutput(req.call_id, failure=f"the engine core has no method {req.method!r}"))
+            failure = f"the engine core has no method {req.method!r}"
+            return self._answer(client, UtilityOutput(req.call_id, failure=failure))
         try:
             result = fn(*req.args, **req.kwargs)
         except Exception as e:  # reported to the caller; the engine keeps serving
-            return self._answer(UtilityOutput(req.call_id, failure=_message(e), failure_type=type(e).__name__))
+            return self._answer(client, UtilityOutput(req.call_id, failure=_message(e), failure_type=type(e).__name__))
         if isinstance(result, Deferred):
-            self.deferred.append((req.call_id, result))
+            self.deferred.append((client, req.call_id, result))
         else:
-            self._answer(UtilityOutput(req.call_id, result=result))
+            self._answer(client, UtilityOutput(req.call_id, result=result))
 
     def _resolve_deferred(self) -> None:
         waiting = []
-        for call_id, d in self.deferred:
+        for client, call_id, d in self.deferred:
             if not d.done():
-                waiting.append((call_id, d))
+                waiting.append((client, call_id, d))
                 continue
             try:
-                self._answer(UtilityOutput(call_id, result=d.finish()))
+                self._answer(client, UtilityOutput(call_id, result=d.finish()))
             except Exception as e:
-                self._answer(UtilityOutput(call_id, failure=_message(e), failure_type=type(e).__name__))
+                self._answer(client, UtilityOutput(call_id, failure=_message(e), failure_type=type(e).__name__))
         self.deferred = waiting
 
-    def _answer(self, out: UtilityOutput) -> None:
+    def _answer(self, client: int, out: UtilityOutput) -> None:
         """Send a utility result, after the request outputs the call produced (an abort-mode
         pause's final outputs reach the callers before the pause returns)."""
-        pending = self.core.take_pending_outputs()
-        if pending:
-            self.output_queue.put(EngineCoreOutputs(outputs=pending))
-        self.output_queue.put(EngineCoreOutputs(utility_output=out))
+        self._send(self.core.take_pending_outputs())
+        self.output_queue.put((client, EngineCoreOutputs(utility_output=out)))
+
+    def _report_load(self) -> None:
+        sched = self.core.scheduler
+        load = (len(sched.waiting) + len(sched.held), len(sched.running))
+        if load != self._last_load:
+            self._last_load = load
+            self.output_queue.put((TO_COORDINATOR, EngineLoad(self.engine_index, *load)))
 
 
 def _message(e: BaseException) -> str:

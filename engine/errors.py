@@ -29,8 +29,8 @@ class EngineDeadError(RuntimeError):
 
 
 # types a caller may catch, re-raised as themselves when they cross the process boundary
-_REMOTE_TYPES = {c.__name__: c for c in (InvalidRequestError, EngineStateError, UnsupportedModelError, ValueError,
-                                         TypeError, KeyError, FileNotFoundError, NotADirectoryError,
+_REMOTE_TYPES = {c.__name__: c for c in (InvalidRequestError, EngineStateError, UnsupportedModelError, EngineDeadError,
+                                         ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryError,
                                          IsADirectoryError, TimeoutError, NotImplementedError)}
 
 

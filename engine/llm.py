@@ -56,7 +56,7 @@ class LLM:
             if len(params) != len(prompts):
                 raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
         processed = [self.processor.process(p, sp) for p, sp in zip(prompts, params)]
-        request_ids, core_requests = [], []
+        request_ids, groups = [], []
         try:
             for (text, token_ids), sp in zip(processed, params):
                 rid = str(next(self._ids))
@@ -64,8 +64,8 @@ class LLM:
                 final_only = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 self.output_processor.add_request(rid, text, token_ids, final_only, [r.request_id for r in reqs])
                 request_ids.append(rid)
-                core_requests.extend(reqs)
-            self.client.add_requests(core_requests)  # one message: the core admits the batch whole
+                groups.append(reqs)
+            self.client.add_requests(groups)  # one message per replica: each admits its share whole
             return self._run(request_ids, use_tqdm and len(request_ids) > 1)
         except BaseException:
             self._abort(request_ids)
@@ -120,8 +120,9 @@ class LLM:
         """Call a worker method (or a worker-extension method) on every worker."""
         return self.client.call_utility("collective_rpc", method, list(args), kwargs or {}, timeout=timeout)
 
-    def check_health(self) -> None:
-        self.client.check_health()
+    def check_health(self) -> dict:
+        """{"replicas": [replica indices], "alive": [the live ones]}; EngineDeadError when none lives."""
+        return self.client.check_health()
 
     # ---- RL control (synchronous twins of AsyncLLM's; the engine core owns the state) ------------
     # Offline, generate() returns only when its requests are done, so pausing matters between
@@ -144,24 +145,25 @@ class LLM:
 
     def update_weights(self, version: int | None = None) -> dict:
         """Receive one push from the trainer's WeightSender; bumps the version, clears caches."""
-        return self.client.call_utility("update_weights", version)
+        return self.client.update_weights("broadcast", [], version)
 
     def update_weights_from_disk(self, path: str, version: int | None = None) -> dict:
-        return self.client.call_utility("update_weights_from_disk", path, version)
+        return self.client.update_weights("disk", [path], version)
 
     def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                                     version: int | None = None) -> dict:
         """Tensors from this process (to an engine-core process they travel as raw frames)."""
-        return self.client.call_utility("update_weights_from_tensors", list(named_tensors), version)
+        return self.client.update_weights("tensors", [list(named_tensors)], version)
 
     def update_weights_from_ipc(self, handles: dict, version: int | None = None) -> dict:
         """Tensors shared by another process on this machine: `weight_sync.SharedWeights().share(...)`
         (CUDA IPC for a trainer on the same GPU, shared memory on CPU); the trainer keeps them
         alive until this returns."""
-        return self.client.call_utility("update_weights_from_ipc", handles, version)
+        return self.client.update_weights("ipc", [handles], version)
 
     def reload_weights(self, version: int | None = None) -> dict:
-        return self.client.call_utility("reload_weights", version)
+        """Reload the start-up checkpoint (the only way back after sleep level 2, besides a push)."""
+        return self.client.update_weights("reload", [], version)
 
     def close_weight_transfer(self) -> bool:
         return self.client.call_utility("close_weight_transfer")

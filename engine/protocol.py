@@ -90,3 +90,12 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     utility_output: UtilityOutput | None = None
     engine_dead: str | None = None  # the core is going down; the reason
     timestamp: float = 0.0  # time.monotonic() in the core when the step's outputs were queued
+    engine_index: int = 0  # which engine core (data-parallel replica) sent it
+
+
+class EngineLoad(msgspec.Struct, array_like=True, gc=False):
+    """A replica's queue depth, published to the DP coordinator whenever it changes."""
+
+    engine_index: int
+    num_waiting: int  # held requests (arrived while paused) included
+    num_running: int

@@ -3,13 +3,13 @@
 The engine core reaches it only through the executor: `execute_model(scheduler_output)` for a
 step, and `collective_rpc` for everything else, where any public method of the worker, or of
 the worker extension class named in the config (how RL frameworks add `update_weights`-style
-methods), can be called by name. Weight updates stage and check the whole update first, then
-copy it in: a failed or interrupted update leaves the old weights serving, bit for bit.
+methods), can be called by name. Weight updates come in two calls: stage_weights receives or
+reads the whole update into fresh tensors and checks it, commit_staged copies it in; a failed
+or interrupted update leaves the old weights serving, bit for bit.
 """
 import ctypes
 import gc
 import importlib
-from typing import Iterable
 
 import torch
 
@@ -27,6 +27,7 @@ class Worker:
         self.model_runner = ModelRunner(config)
         self.transfer_group = None  # weight_sync.WeightTransferGroup while a trainer's group is open
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # sleep level 1 on CUDA
+        self._staged: dict[str, torch.Tensor] | None = None  # a checked update waiting for commit_staged
 
     @property
     def model(self) -> LlamaModel | None:
@@ -46,6 +47,17 @@ class Worker:
 
     def ping(self, value=None):
         return value
+
+    def node_ip_address(self) -> str:
+        """An address of this machine that other machines can reach (the default route's)."""
+        import socket
+
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect(("10.255.255.255", 1))  # no packet is sent: it only picks the interface
+                return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
 
     def model_info(self) -> dict:
         mc = self.config.model_config
@@ -70,59 +82,86 @@ class Worker:
         self.transfer_group = None
         return True
 
-    def receive_weights(self) -> dict:
-        """Receive one broadcast push (metadata, then buckets) and swap it in."""
-        from weight_sync import WeightReceiver
+    def stage_weights(self, source: str, args: list) -> dict:
+        """Receive or read a whole update into fresh tensors, every name, shape and dtype checked
+        (source: "broadcast", "disk" [path], "tensors" [named tensors], "ipc" [handles],
+        "reload", "peer" [master address, port, world size, rank]); nothing live changes until
+        commit_staged()."""
+        model = self.model
+        if model is None:
+            raise EngineStateError("the weights were dropped (sleep level 2): wake_up(['weights']) first")
+        if source == "broadcast":
+            from weight_sync import WeightReceiver
 
-        if self.transfer_group is None:
-            raise EngineStateError("no weight transfer group: call init_weight_transfer first")
-        return self._apply(WeightReceiver(self.transfer_group).receive(self.model.expected_weights()))
+            if self.transfer_group is None:
+                raise EngineStateError("no weight transfer group: call init_weight_transfer first")
+            staged = WeightReceiver(self.transfer_group).receive(model.expected_weights())
+        elif source in ("disk", "reload"):
+            path = self.config.model if source == "reload" else args[0]
+            staged = {}
+            for name, t in model.checkpoint_tensors(path):
+                model.check_weight(name, tuple(t.shape))
+                staged[name] = t.to(model.hf_view(name).dtype)
+        elif source == "tensors":
+            staged = {}
+            for name, t in args[0]:
+                model.check_weight(name, tuple(t.shape), t.dtype)
+                staged[name] = t.detach().to(self.model_runner.device, copy=True)
+        elif source == "ipc":
+            from weight_sync.ipc import read_shared
 
-    def update_weights_from_disk(self, path: str) -> dict:
-        """Load a safetensors checkpoint (the loader of start-up), cast to the engine's dtype, swap it in."""
-        expected = self.model.expected_weights()
-        staged = {}
-        for name, t in self.model.checkpoint_tensors(path):
-            self.model.check_weight(name, tuple(t.shape))
-            staged[name] = t.to(expected[name][1])
-        return self._apply(staged)
+            staged = read_shared(args[0], self.model_runner.device, check=model.check_weight)
+        elif source == "peer":  # a new data-parallel replica copies a live one (send_weights_to_peers)
+            from weight_sync import WeightReceiver, WeightTransferGroup
 
-    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict:
-        """Tensors handed over in this process (same checks as a push, dtypes must match)."""
-        staged = {}
-        for name, t in named_tensors:
-            self.model.check_weight(name, tuple(t.shape), t.dtype)
-            staged[name] = t.detach().to(self.model_runner.device, copy=True)
-        return self._apply(staged)
-
-    def update_weights_from_ipc(self, handles: dict) -> dict:
-        """Tensors shared by a process on this machine (weight_sync.ipc: CUDA IPC or shared memory);
-        every name, shape and dtype is checked before anything is copied."""
-        from weight_sync.ipc import read_shared
-
-        return self._apply(read_shared(handles, self.model_runner.device, check=self.model.check_weight))
-
-    def _apply(self, staged: dict[str, torch.Tensor]) -> dict:
+            master_address, master_port, world_size, rank = args
+            group = WeightTransferGroup(master_address, master_port, rank, world_size, backend=self._backend())
+            try:
+                staged = WeightReceiver(group).receive(model.expected_weights())
+            finally:
+                group.close()
+        else:
+            raise InvalidRequestError(f"unknown weight source {source!r}")
         if not staged:
             raise InvalidRequestError("weight update: no tensors")
-        runner = self.model_runner
-        if not runner.weights_valid:
-            missing = sorted(set(self.model.expected_weights()) - set(staged))
+        if not self.model_runner.weights_valid:
+            missing = sorted(set(model.expected_weights()) - set(staged))
             if missing:
                 raise EngineStateError(f"the weights were dropped (sleep level 2): a full update is needed, "
                                        f"missing e.g. {missing[:3]}")
-        with torch.no_grad():
-            for name, t in staged.items():
-                self.model.hf_view(name).copy_(t)
-        self.model.repack()
-        runner.weights_valid = True
+        self._staged = staged
         return {"num_tensors": len(staged), "num_bytes": sum(t.numel() * t.element_size() for t in staged.values())}
 
-    def reload_weights(self) -> dict:
-        """Reload the checkpoint the engine was started from (explicit, never implicit)."""
-        self.model.load_weights(self.config.model)
+    def send_weights_to_peers(self, master_address: str, master_port: int, world_size: int) -> dict:
+        """Broadcast this worker's live weights to new replicas (their stage_weights("peer", ...)):
+        rank 0 of a group of its own, closed afterwards."""
+        from weight_sync import WeightSender, WeightTransferGroup
+
+        if not self.model_runner.weights_valid:
+            raise EngineStateError("this replica holds no weights to share (sleep level 2)")
+        group = WeightTransferGroup(master_address, master_port, 0, world_size, backend=self._backend())
+        try:
+            return WeightSender(group).send(list(self.model.hf_views()))
+        finally:
+            group.close()
+
+    def _backend(self) -> str:
+        return "nccl" if self.model_runner.device.type == "cuda" else "gloo"
+
+    def commit_staged(self) -> bool:
+        """Copy the staged tensors into the live weights (cannot fail on good input: all checked)."""
+        assert self._staged is not None, "nothing staged"
+        with torch.no_grad():
+            for name, t in self._staged.items():
+                self.model.hf_view(name).copy_(t)
+        self._staged = None
+        self.model.repack()
         self.model_runner.weights_valid = True
-        return {"path": self.config.model}
+        return True
+
+    def discard_staged(self) -> bool:
+        self._staged = None
+        return True
 
     def weights_checksum(self) -> str:
         from weight_sync import weights_checksum

@@ -18,7 +18,7 @@ from engine.async_llm import AsyncLLM
 
 async def main() -> None:
     llm = AsyncLLM(dtype="float32", max_model_len=4096)
-    print("pid", llm.client.manager.proc.pid, flush=True)
+    print("pid", llm.client.manager.procs[0].pid, flush=True)
     print("dirs", llm.client._tmpdir, llm.client.manager._tmp, flush=True)  # IPC sockets live there
     params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
     n = 0

@@ -599,16 +599,16 @@ async def _assert_dead_afterwards(llm, pid: int):
         await llm.get_stats()
     assert time.monotonic() - t0 < 1.0, "calls on a dead engine must fail immediately"
     deadline = time.monotonic() + DEAD_WITHIN_S
-    while llm.client.manager.proc.poll() is None and time.monotonic() < deadline:
+    while llm.client.manager.procs[0].poll() is None and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
-    assert llm.client.manager.proc.poll() is not None, "the engine-core process is still running"
+    assert llm.client.manager.procs[0].poll() is not None, "the engine-core process is still running"
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # reaped, not a zombie
 
 
 def test_kill_9_of_engine_core_fails_every_waiter(loop):
     llm = AsyncLLM(dtype="float32", worker_extension_cls=EXT)
-    pid = llm.client.manager.proc.pid
+    pid = llm.client.manager.procs[0].pid
 
     async def main():
         tasks = await _start_waiters(llm)
@@ -635,7 +635,7 @@ def test_kill_9_of_engine_core_fails_every_waiter(loop):
 @pytest.mark.parametrize("how", ["exception_in_step", "worker_exits"])
 def test_engine_core_failure_fails_every_waiter(loop, how):
     llm = AsyncLLM(dtype="float32", worker_extension_cls=EXT)
-    pid = llm.client.manager.proc.pid
+    pid = llm.client.manager.procs[0].pid
 
     async def main():
         tasks = await _start_waiters(llm)
