@@ -47,7 +47,14 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     s.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--num-threads", type=int, default=None, help="torch threads in the engine core")
+    s.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads per engine core (default: the cores split between replicas)")
+    s.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine-core replicas, each with its own scheduler, KV cache and worker")
+    s.add_argument("--data-parallel-backend", default="mp", choices=["mp", "ray"],
+                   help="replicas as local processes (mp) or Ray actors (ray: any node of a Ray cluster)")
+    s.add_argument("--api-server-count", "-asc", type=int, default=1,
+                   help="API-server processes sharing the listening socket, each a client of every replica")
     s.add_argument("--worker-extension-cls", default=None, help="module.Class mixed into the engine's workers")
     s.add_argument("--api-key", default=None, help="Bearer key for every route but /health (env ROLLOUT_API_KEY)")
     s.add_argument("--admin-api-key", default=None,
@@ -81,7 +88,9 @@ def _serve(args) -> int:
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                          enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-                         num_threads=args.num_threads, worker_extension_cls=args.worker_extension_cls)
+                         num_threads=args.num_threads, worker_extension_cls=args.worker_extension_cls,
+                         data_parallel_size=args.data_parallel_size,
+                         data_parallel_backend=args.data_parallel_backend)
     try:
         config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                               api_key=args.api_key, admin_api_key=args.admin_api_key,
@@ -90,7 +99,7 @@ def _serve(args) -> int:
                               stats_interval_s=args.stats_interval_s, shutdown_grace_s=args.shutdown_grace_s,
                               wandb_project=args.wandb_project, wandb_run_name=args.wandb_run_name,
                               wandb_interval_s=args.wandb_interval_s, log_level=args.log_level,
-                              engine_kwargs=engine_kwargs, model=args.model)
+                              engine_kwargs=engine_kwargs, model=args.model, api_server_count=args.api_server_count)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

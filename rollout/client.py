@@ -177,6 +177,13 @@ class _Endpoints:
         return self._run(_Call("POST", "/abort_requests", lambda b: b["aborted"],
                                json={"request_ids": request_ids}, admin=True))
 
+    def scale(self, data_parallel_size: int, drain_timeout_s: float = 60.0):
+        """Grow or shrink the server's data-parallel replicas; returns {"data_parallel_size",
+        "added", "removed"}. Re-run init_weight_transfer afterwards (the world size changed)."""
+        return self._run(_Call("POST", "/scale", json={"data_parallel_size": data_parallel_size,
+                                                        "drain_timeout_s": drain_timeout_s},
+                               admin=True, timeout=LONG_TIMEOUT))
+
     def collective_rpc(self, method: str, args: Sequence = (), kwargs: dict | None = None,
                        timeout: float | None = None):
         body = {"method": method, "args": list(args), "kwargs": kwargs or {}, "timeout": timeout}

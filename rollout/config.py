@@ -17,6 +17,7 @@ class ServerConfig:
     collective_rpc_methods: worker methods /collective_rpc may call, beyond DEFAULT_RPC_METHODS.
     shutdown_grace_s: on SIGINT/SIGTERM, in-flight requests get this long to finish, then are
         aborted (they still get a final response, finish_reason "abort").
+    api_server_count: API-server processes sharing the listening socket (rollout/launcher.py).
     """
 
     host: str = "127.0.0.1"
@@ -34,12 +35,16 @@ class ServerConfig:
     log_level: str = "warning"
     engine_kwargs: dict = field(default_factory=dict)  # EngineConfig fields for AsyncLLM(model, **kw)
     model: str | None = None
+    api_server_count: int = 1
+    api_server_index: int = 0  # which of them this process is (set by the launcher)
 
     def __post_init__(self):
         self.api_key = self.api_key or os.environ.get("ROLLOUT_API_KEY") or None
         self.admin_api_key = self.admin_api_key or os.environ.get("ROLLOUT_ADMIN_API_KEY") or None
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not isinstance(self.api_server_count, int) or self.api_server_count < 1:
+            raise ValueError(f"api_server_count must be a positive int, got {self.api_server_count!r}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         for m in self.collective_rpc_methods:

@@ -33,7 +33,8 @@ _ENGINE_GAUGES = {"num_running": ("num_requests_running", "Requests in the engin
                   "num_free_blocks": ("kv_cache_free_blocks", "Free KV-cache blocks"),
                   "is_paused": ("is_paused", "1 while generation is paused"),
                   "paused_seconds": ("paused_seconds", "How long generation has been paused (0 when not)"),
-                  "is_sleeping": ("is_sleeping", "1 while the engine sleeps")}
+                  "is_sleeping": ("is_sleeping", "1 while the engine sleeps"),
+                  "num_replicas_alive": ("replicas_alive", "Engine-core replicas serving (data parallelism)")}
 
 
 class _EngineCollector:
@@ -66,7 +67,7 @@ class ServerMetrics:
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "Tokens returned to callers", registry=r)
         self.in_flight = Gauge(f"{PREFIX}_requests_in_flight", "Generation requests the server is serving "
-                               "(includes those waiting while paused)", registry=r)
+                               "(includes those waiting while paused)", registry=r, multiprocess_mode="livesum")
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Arrival to last token",
@@ -155,7 +156,16 @@ class ServerMetrics:
 
     # ---- export -------------------------------------------------------------------------------------
     def prometheus_text(self) -> bytes:
-        return generate_latest(self.registry)
+        """Exposition: this server's metrics, or with several API servers (PROMETHEUS_MULTIPROC_DIR
+        set by the launcher) the sum over all of them; the engine series either way."""
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        registry.register(_EngineCollector(self))
+        return generate_latest(registry)
 
     def snapshot(self) -> dict:
         """The same series as a flat dict (for W&B)."""

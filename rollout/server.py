@@ -40,6 +40,8 @@ class GuardMiddleware:
 
     def __init__(self, app, config: ServerConfig, state_getter):
         self.app, self.config, self.state_getter = app, config, state_getter
+        self.server_header = ((b"x-rollout-api-server", str(config.api_server_index).encode())
+                              if config.api_server_count > 1 else None)
         self._admin_paths: frozenset | None = None
         self._known_paths: frozenset | None = None
 
@@ -63,6 +65,8 @@ class GuardMiddleware:
                 return
             if message["type"] == "http.response.start":
                 status_box[0] = message["status"]
+                if self.server_header is not None:  # which of several API servers answered
+                    message = dict(message, headers=[*message.get("headers", ()), self.server_header])
             await send(message)
 
         try:
@@ -169,11 +173,14 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/health", tags=["info"])
     async def health(request: Request):
+        """200 {"status": "ok"} while every replica lives, {"status": "degraded", "dead_replicas"}
+        while some serve on; 503 once none does."""
         try:
-            await get_state(request).engine.check_health()
+            health = await get_state(request).engine.check_health()
         except Exception as e:  # noqa: BLE001 - dead (or unreachable) engine
             return JSONResponse(error_body(503, f"the engine is not healthy: {e}"), status_code=503)
-        return {"status": "ok"}
+        dead = sorted(set(health["replicas"]) - set(health["alive"]))
+        return {"status": "degraded", "dead_replicas": dead} if dead else {"status": "ok"}
 
     @app.get("/metrics", tags=["info"])
     async def metrics(request: Request):
@@ -227,28 +234,39 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-async def serve(config: ServerConfig) -> None:
-    """Bind, load the engine, serve until SIGINT/SIGTERM, shut everything down."""
-    from engine.async_llm import AsyncLLM
-
+def listen(config: ServerConfig) -> socket.socket:
     if config.api_key is None and not _is_loopback(config.host):
         _log(f"WARNING: listening on {config.host} without --api-key: anyone who can reach it can generate, "
              "pause, and replace the weights")
-    sock = socket.create_server((config.host, config.port), reuse_port=False)
+    return socket.create_server((config.host, config.port), reuse_port=False)
+
+
+def url_of(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+async def serve(config: ServerConfig, sock: socket.socket | None = None, connection=None, on_ready=None) -> None:
+    """Load the engine (start its engine cores, or attach to `connection`'s), serve on `sock`
+    (bound from the config by default) until SIGINT/SIGTERM, shut everything down."""
+    from engine.async_llm import AsyncLLM
+
+    sock = sock or listen(config)
     t0 = time.perf_counter()
-    _log(f"loading the model {config.model or '(default: SmolLM2-135M-Instruct)'} ...")
-    engine = AsyncLLM(config.model, **config.engine_kwargs)
+    if connection is None:
+        _log(f"loading the model {config.model or '(default: SmolLM2-135M-Instruct)'} ...")
+    engine = AsyncLLM(config.model, connection=connection, **config.engine_kwargs)
     try:
         c = engine.config
-        _log(f"{c.model_config.architecture} from {c.model} ({c.dtype}, {c.device}, max_model_len "
-             f"{engine.max_model_len}) loaded in {time.perf_counter() - t0:.1f} s")
+        if connection is None:
+            _log(f"{c.model_config.architecture} from {c.model} ({c.dtype}, {c.device}, max_model_len "
+                 f"{engine.max_model_len}) loaded in {time.perf_counter() - t0:.1f} s")
         app = build_app(engine, config)
         ucfg = uvicorn.Config(app, log_level=config.log_level, access_log=False, lifespan="on",
                               timeout_graceful_shutdown=int(config.shutdown_grace_s) + 10, timeout_keep_alive=30)
-        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        url = url_of(sock)
 
-        def on_ready():
+        def print_ready():
             auth = " (API key required)" if config.api_key else ""
             print(f"[rollout] serving {app.state.rollout.model_name} on {url}{auth}", flush=True)
 
@@ -267,7 +285,7 @@ async def serve(config: ServerConfig) -> None:
                 await state.abort_all_in_flight()
                 await asyncio.sleep(0.05)
 
-        await _Server(ucfg, on_ready, on_shutdown).serve(sockets=[sock])
+        await _Server(ucfg, on_ready or print_ready, on_shutdown).serve(sockets=[sock])
     finally:
         sock.close()
         engine.shutdown()
@@ -276,6 +294,10 @@ async def serve(config: ServerConfig) -> None:
 
 def run_server(config: ServerConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.api_server_count > 1:
+        from rollout.launcher import run_api_servers
+
+        return run_api_servers(config)
     try:
         asyncio.run(serve(config))
     except KeyboardInterrupt:

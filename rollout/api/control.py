@@ -11,6 +11,8 @@
          (no ids: every request in flight)
     POST /collective_rpc {"method", "args", "kwargs", "timeout"} -> {"results": [one per worker]}
          (registered methods only: ServerConfig.rpc_methods; arguments are JSON values)
+    POST /scale {"data_parallel_size", "drain_timeout_s"} -> {"data_parallel_size", "added", "removed"}
+         (and vLLM's POST /scale_elastic_ep {"new_data_parallel_size", "drain_timeout"})
     GET  /get_world_size                                 -> {"world_size": engine workers}
     GET  /server_info                                    -> model, dtype, device, limits, state
 
@@ -25,7 +27,7 @@ from typing import Literal
 from fastapi import APIRouter, Query, Request
 
 from rollout.api.errors import APIError, engine_error
-from rollout.api.protocol import AbortRequestsBody, CollectiveRPCBody
+from rollout.api.protocol import AbortRequestsBody, CollectiveRPCBody, ScaleBody, ScaleElasticEPBody
 from rollout.api.state import get_state
 
 router = APIRouter(tags=["admin"])
@@ -131,6 +133,24 @@ async def collective_rpc(body: CollectiveRPCBody, request: Request):
                         for r in results]}
 
 
+@router.post("/scale")
+async def scale(body: ScaleBody, request: Request):
+    """Grow or shrink the data-parallel replicas (AsyncLLM.scale); a trainer re-runs
+    init_weight_transfer afterwards (the world size changed)."""
+    state = get_state(request)
+    async with state.control_lock:
+        return await call(state.engine.scale(body.data_parallel_size, body.drain_timeout_s), "data_parallel_size")
+
+
+@router.post("/scale_elastic_ep")
+async def scale_elastic_ep(body: ScaleElasticEPBody, request: Request):
+    """vLLM's name and body for /scale."""
+    state = get_state(request)
+    async with state.control_lock:
+        return await call(state.engine.scale(body.new_data_parallel_size, body.drain_timeout),
+                          "new_data_parallel_size")
+
+
 @info_router.get("/get_world_size")
 async def get_world_size(request: Request, include_dp: bool = Query(True)):
     state = get_state(request)
@@ -145,4 +165,5 @@ async def server_info(request: Request):
             "max_model_len": state.engine.max_model_len, "max_num_seqs": cfg.max_num_seqs,
             "weight_version": await call(state.engine.get_weight_version()),
             "is_paused": await call(state.engine.is_paused()), "is_sleeping": await call(state.engine.is_sleeping()),
-            "requests_in_flight": len(state.in_flight)}
+            "requests_in_flight": len(state.in_flight), "data_parallel_size": cfg.data_parallel_size,
+            "api_server": state.config.api_server_index, "api_server_count": state.config.api_server_count}

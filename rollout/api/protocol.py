@@ -212,6 +212,18 @@ class CollectiveRPCBody(_Strict):
     timeout: float | None = None
 
 
+class ScaleBody(_Strict):
+    data_parallel_size: int = Field(ge=1)
+    drain_timeout_s: float = Field(60.0, ge=0)
+
+
+class ScaleElasticEPBody(_Strict):
+    """vLLM's /scale_elastic_ep body."""
+
+    new_data_parallel_size: int = Field(ge=1)
+    drain_timeout: float = Field(120.0, ge=0)
+
+
 class InitInfo(_Strict):
     master_address: str
     master_port: int = Field(ge=1, le=65535)

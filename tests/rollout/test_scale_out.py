@@ -1,0 +1,142 @@
+"""Several API servers (`rollout serve --api-server-count 2 --data-parallel-size 2`), real
+processes: 64 concurrent streams are answered by both servers (x-rollout-api-server header)
+and served by both replicas; a /pause through one server holds generation through the other;
+/metrics aggregates the servers' counters; SIGKILL of one API server makes the launcher stop
+everything: no process is left."""
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.rollout.conftest import ADMIN_KEY, API_KEY, children_of, start_server
+
+USER = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+pytestmark = pytest.mark.slow
+
+
+def descendants(pid: int) -> list[int]:
+    out, stack = [], [pid]
+    while stack:
+        kids = children_of(stack.pop())
+        out += kids
+        stack += kids
+    return out
+
+
+def stream(url: str, i: int, box: dict) -> None:
+    body = {"prompt": f"Count from {i} upwards:", "max_tokens": 8, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=300) as http:  # a connection of its own
+        with http.stream("POST", url + "/v1/completions", json=body, headers=USER) as r:
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+            box[i] = (r.status_code, r.headers.get("x-rollout-api-server"), lines)
+
+
+def test_two_api_servers_two_replicas():
+    server = start_server("--api-server-count", "2", "--data-parallel-size", "2")
+    procs = descendants(server.proc.pid)
+    try:
+        assert len(procs) >= 5, procs  # 2 API servers, 2 engine cores, the coordinator
+        box: dict = {}
+        threads = [threading.Thread(target=stream, args=(server.url, i, box)) for i in range(64)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert len(box) == 64 and all(code == 200 for code, _, _ in box.values())
+        assert all(lines[-1] == "data: [DONE]" for _, _, lines in box.values())
+        by_server = [sum(1 for _, s, _ in box.values() if s == str(k)) for k in (0, 1)]
+        assert min(by_server) > 0, by_server
+        stats = httpx.get(server.url + "/metrics", headers=USER, timeout=30).text
+        finished = sum(float(ln.split()[-1]) for ln in stats.splitlines()
+                       if ln.startswith("rollout_requests_finished_total"))
+        assert finished == 64, finished  # both servers' counters, summed
+        info = httpx.get(server.url + "/server_info", headers=ADMIN, timeout=30).json()
+        assert info["api_server_count"] == 2 and info["data_parallel_size"] == 2
+
+        # a pause through one server is seen through every server and holds generation
+        assert httpx.post(server.url + "/pause", params={"mode": "abort"}, headers=ADMIN,
+                          timeout=60).status_code == 200
+        for _ in range(8):  # fresh connections: both servers answer
+            assert httpx.get(server.url + "/is_paused", headers=USER, timeout=30).json()["is_paused"] is True
+        held: dict = {}
+        t = threading.Thread(target=stream, args=(server.url, 99, held))
+        t.start()
+        time.sleep(1.0)
+        assert 99 not in held
+        assert httpx.post(server.url + "/resume", headers=ADMIN, timeout=60).status_code == 200
+        t.join(120)
+        assert held[99][0] == 200 and held[99][2][-1] == "data: [DONE]"
+
+        # kill -9 one API server: the launcher stops everything, nothing is left behind
+        api_servers = children_of(server.proc.pid)
+        victim = next(pid for pid in api_servers if "rollout.launcher" in Path(f"/proc/{pid}/cmdline").read_text())
+        os.kill(victim, signal.SIGKILL)
+        assert server.proc.wait(60) == 1, server.log()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+    deadline = time.monotonic() + 15
+    while [p for p in procs if Path(f"/proc/{p}").exists() and "zombie" not in _state(p)]:
+        assert time.monotonic() < deadline, f"processes left: {procs}"
+        time.sleep(0.2)
+
+
+def _state(pid: int) -> str:
+    try:
+        return json.dumps(Path(f"/proc/{pid}/status").read_text().lower())
+    except OSError:
+        return "zombie"
+
+
+def generate_stream(url: str, i: int, box: dict) -> None:
+    body = {"prompt_token_ids": [[1, 2, 3, 100 + i]], "stream": True,
+            "sampling_params": {"temperature": 0, "max_tokens": 48, "ignore_eos": True}}
+    with httpx.Client(timeout=600) as http:
+        with http.stream("POST", url + "/generate", json=body, headers=USER) as r:
+            events = [json.loads(ln) for ln in r.iter_lines() if ln]
+    box[i] = (r.status_code, events)
+
+
+def test_scale_1_2_1_while_32_requests_stream():
+    """/scale grows to 2 replicas (the new one holds the weights pushed since start-up: same
+    checksum) and back to 1 while 32 requests stream: none lost, none duplicated, all complete."""
+    from rollout.client import RolloutClient
+
+    server = start_server()
+    try:
+        with RolloutClient(server.url, api_key=API_KEY, admin_api_key=ADMIN_KEY, timeout=300) as client:
+            path = client.server_info()["model_path"]
+            assert client.push_weights_from_disk(path, version=2)["weight_version"] == 2
+            live = client.weights_checksum()
+            box: dict = {}
+            threads = [threading.Thread(target=generate_stream, args=(server.url, i, box)) for i in range(32)]
+            for t in threads[:16]:
+                t.start()
+            assert client.scale(2) == {"data_parallel_size": 2, "added": [1], "removed": []}
+            assert client.weights_checksum() == live  # both replicas (the server checks they agree)
+            assert client.get_world_size() == 2
+            for t in threads[16:]:
+                t.start()
+            time.sleep(1.0)
+            assert client.scale(1, drain_timeout_s=300) == {"data_parallel_size": 1, "added": [], "removed": [1]}
+            for t in threads:
+                t.join(600)
+            health = httpx.get(server.url + "/health", timeout=30).json()
+            assert health == {"status": "ok"}, health
+        assert sorted(box) == list(range(32))
+        for code, events in box.values():
+            assert code == 200
+            tokens = [t for e in events for o in e["outputs"] for t in o["token_ids"]]
+            assert len(tokens) == 48, len(tokens)  # complete, no token twice or lost
+            assert events[-1]["outputs"][0]["finish_reason"] == "length"
+            assert {v for e in events for o in e["outputs"] for v in o["weight_versions"]} == {2}
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0, server.log()
