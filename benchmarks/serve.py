@@ -136,7 +136,7 @@ def run_engine(args) -> dict:
     from engine.sampling_params import RequestOutputKind, SamplingParams
 
     async def main():
-        llm = AsyncLLM(dtype=args.dtype, max_model_len=args.max_model_len)
+        llm = AsyncLLM(dtype=args.dtype, max_model_len=args.max_model_len, data_parallel_size=args.data_parallel_size)
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                      tokenize=False) for q in questions()]
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True,
@@ -159,10 +159,11 @@ def run_engine(args) -> dict:
     return asyncio.run(main())
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def start_server(args, api_servers: int = 1) -> tuple[subprocess.Popen, str]:
     script = os.path.join(os.path.dirname(sys.executable), "rollout")
     cmd = ([script] if os.path.exists(script) else [sys.executable, "-m", "rollout.cli"]) + [
-        "serve", "--port", "0", "--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
+        "serve", "--port", "0", "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+        "--api-server-count", str(api_servers), "--data-parallel-size", str(args.data_parallel_size)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT,
                             env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"))
     found: dict = {}
@@ -198,16 +199,21 @@ def print_table(rows: list[tuple[str, dict]], args) -> None:
             "done", "cut off", "tokens"]
     table = [[name, f"{r['req_per_s']:.2f}", f"{r['tok_per_s']:.1f}", ms(r["ttft"]), ms(r["itl"]), s(r["e2e"]),
               str(r["requests"]), str(r["cut_off"]), str(r["tokens"])] for name, r in rows]
-    if len(rows) == 2:
-        a, b = rows[0][1], rows[1][1]
-        table.append(["http / engine", f"{_ratio(a['req_per_s'], b['req_per_s'])}x",
+    engine = [r for name, r in rows if name.startswith("engine")]
+    for name, a in [(n, r) for n, r in rows if n.startswith("http")] if engine else []:
+        b = engine[0]
+        table.append([f"{name} / engine", f"{_ratio(a['req_per_s'], b['req_per_s'])}x",
                       f"{_ratio(a['tok_per_s'], b['tok_per_s'])}x",
                       "/".join(f"{a['ttft'][p] / b['ttft'][p]:.2f}" for p in ("p50", "p90", "p99")),
                       "/".join(f"{a['itl'][p] / b['itl'][p]:.2f}" for p in ("p50", "p90", "p99")),
                       "/".join(f"{a['e2e'][p] / b['e2e'][p]:.2f}" for p in ("p50", "p90", "p99")), "", "", ""])
     widths = [max(len(str(r[i])) for r in [head] + table) for i in range(len(head))]
     line = lambda r: " | ".join(str(c).ljust(w) for c, w in zip(r, widths))  # noqa: E731
-    print(f"\n{args.concurrency} concurrent streaming clients, {args.max_tokens} new tokens per request "
+    sys.path.insert(0, HERE)
+    from timing import machine_line
+
+    print(f"\n{machine_line()}")
+    print(f"{args.concurrency} concurrent streaming clients, {args.max_tokens} new tokens per request "
           f"(EOS ignored), temperature {args.temperature}, dtype {args.dtype}, {args.duration:g} s or "
           f"{args.num_requests} requests per run (cut off = still running at the end; their tokens count)")
     print(line(head))
@@ -229,6 +235,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process AsyncLLM run")
+    ap.add_argument("--api-server-counts", default="1",
+                    help="HTTP runs with these numbers of API servers, e.g. 1,2 (each starts a server)")
+    ap.add_argument("--data-parallel-size", type=int, default=1, help="engine-core replicas of the server")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--_engine-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -236,14 +245,16 @@ def main() -> None:
         print(json.dumps(run_engine(args)))
         return
     rows = []
-    proc, url = (None, args.url) if args.url else start_server(args)
-    try:
-        print(f"[serve-bench] http run against {url} ...", file=sys.stderr, flush=True)
-        rows.append(("http (rollout serve)", asyncio.run(run_http(url, args.api_key, questions(), args))))
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+    for k in [int(x) for x in args.api_server_counts.split(",")] if not args.url else [0]:
+        proc, url = (None, args.url) if args.url else start_server(args, k)
+        try:
+            print(f"[serve-bench] http run against {url} ...", file=sys.stderr, flush=True)
+            name = "http (rollout serve)" if k <= 1 else f"http, {k} API servers"
+            rows.append((name, asyncio.run(run_http(url, args.api_key, questions(), args))))
+        finally:
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
     if not args.no_engine:
         print("[serve-bench] engine run (AsyncLLM in process) ...", file=sys.stderr, flush=True)
         cmd = [sys.executable, __file__, "--_engine-only"] + [a for a in sys.argv[1:] if a != "--_engine-only"]

@@ -8,7 +8,8 @@ multi-process engines: frontend + engine core). Prefix caching is off for our en
 so repeated prompts are not served from the cache.
 
 Engines: hf = transformers generate (left-padded batch); ours = LLM with the engine core in
-process; ours_mp = LLM through the engine-core process (the default); async = AsyncLLM, one
+process; ours_mp = LLM through the engine-core process (the default); ours_dp2 = LLM with two
+engine-core replicas (data parallelism; the cores split between them); async = AsyncLLM, one
 concurrent generate() per prompt, DELTA outputs, which also reports the frontend's median
 per-token latency (engine core queued the token -> the caller's async-for received it).
 
@@ -40,12 +41,12 @@ def workload():
 ENGINE_KW = dict(enable_prefix_caching=False, max_num_seqs=256, max_num_batched_tokens=4096)
 
 
-def run_ours(dtype, batches, reps, multiprocess=False):
+def run_ours(dtype, batches, reps, multiprocess=False, data_parallel_size=1):
     from engine import LLM, SamplingParams
 
     w = workload()
     t = time.perf_counter()
-    llm = LLM(dtype=dtype, multiprocess=multiprocess, **ENGINE_KW)
+    llm = LLM(dtype=dtype, multiprocess=multiprocess, data_parallel_size=data_parallel_size, **ENGINE_KW)
     load_s = time.perf_counter() - t
 
     def run(prompts, sample, n):
@@ -63,6 +64,11 @@ def run_ours(dtype, batches, reps, multiprocess=False):
 
 def run_ours_mp(dtype, batches, reps):
     return run_ours(dtype, batches, reps, multiprocess=True)
+
+
+def run_ours_dp2(dtype, batches, reps):
+    """Two engine-core replicas, the cores split between them (one thread each here)."""
+    return run_ours(dtype, batches, reps, multiprocess=True, data_parallel_size=2)
 
 
 def run_async(dtype, batches, reps):
@@ -159,7 +165,7 @@ def _log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-ENGINES = {"hf": run_hf, "ours": run_ours, "ours_mp": run_ours_mp, "async": run_async}
+ENGINES = {"hf": run_hf, "ours": run_ours, "ours_mp": run_ours_mp, "ours_dp2": run_ours_dp2, "async": run_async}
 
 
 def main():
@@ -192,6 +198,10 @@ def main():
 
 
 def print_table(results, batches):
+    sys.path.insert(0, HERE)
+    from timing import machine_line
+
+    print(machine_line())
     cols = [f"b{b}_{m}_tok_s" for b in batches if b != 1 for m in ("greedy", "sample")]
     head = ["engine", "dtype"] + [c.replace("_tok_s", "") for c in cols] + ["single", "peak MB", "load s",
                                                                               "lag ms"]

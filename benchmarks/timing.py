@@ -1,5 +1,24 @@
-"""Timing helper shared by the kernel benchmarks (imported from the benchmark scripts' folder)."""
+"""Helpers shared by the benchmarks (imported from the benchmark scripts' folder): the timing of
+small calls, and the line that says which machine a table was measured on."""
+import os
 import time
+
+
+def machine_line() -> str:
+    """CPU model, cores and SIMD features: printed with every table (the machine changes)."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model == "unknown CPU":
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"machine: {model}, {cores} cores, {' '.join(simd) or 'no AVX2'}"
 
 
 def ms_per_call(fn, batch_s=0.01, total_s=0.3):
