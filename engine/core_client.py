@@ -321,6 +321,17 @@ class _MPClientBase:
     def _engine_of(self, request_id: str) -> EngineState | None:
         return self.owner.get(request_id)
 
+    def _by_engine(self, request_ids: list[str]) -> list[tuple[EngineState, list[str]]]:
+        """The live replicas holding these requests, each with its ids (unknown ids: dropped)."""
+        if self.dead_reason is not None:
+            return []
+        groups: dict[int, list[str]] = {}
+        for rid in request_ids:
+            engine = self._engine_of(rid)
+            if engine is not None and engine.alive:
+                groups.setdefault(engine.index, []).append(rid)
+        return [(self.engines[i], rids) for i, rids in groups.items()]
+
     def _frames(self, engine: EngineState, kind: RequestType, obj) -> list:
         return [engine.identity, kind.value, *self.encoder.encode(obj)]
 
@@ -447,15 +458,8 @@ class SyncMPClient(_MPClientBase, _SyncPlans):
             self._send(engine, RequestType.STREAM_INPUT, chunk)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if self.dead_reason is not None:
-            return
-        by_engine: dict[int, list[str]] = {}
-        for rid in request_ids:
-            engine = self._engine_of(rid)
-            if engine is not None and engine.alive:
-                by_engine.setdefault(engine.index, []).append(rid)
-        for index, rids in by_engine.items():
-            self._send(self.engines[index], RequestType.ABORT, rids)
+        for engine, rids in self._by_engine(request_ids):
+            self._send(engine, RequestType.ABORT, rids)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         while True:
@@ -578,15 +582,8 @@ class AsyncMPClient(_MPClientBase):
             await self._send(engine, RequestType.STREAM_INPUT, chunk)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
-        if self.dead_reason is not None:
-            return
-        by_engine: dict[int, list[str]] = {}
-        for rid in request_ids:
-            engine = self._engine_of(rid)
-            if engine is not None and engine.alive:
-                by_engine.setdefault(engine.index, []).append(rid)
-        for index, rids in by_engine.items():
-            await self._send(self.engines[index], RequestType.ABORT, rids)
+        for engine, rids in self._by_engine(request_ids):
+            await self._send(engine, RequestType.ABORT, rids)
 
     async def get_output_async(self) -> EngineCoreOutputs:
         """The next message with request outputs; raises EngineDeadError when every core is gone."""
