@@ -7,7 +7,7 @@ their neutral value and refused otherwise, naming the field.
 """
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from rollout.api.errors import APIError
@@ -15,8 +15,32 @@ from rollout.api.errors import APIError
 PromptInput = str | list[int] | list[str | list[int]]
 
 
+# what msgpack carries to the engine core: a larger int would fail there, after the request was taken
+INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def check_ints(value: Any, path: str = "") -> None:
+    """Refuse (400, naming the field) an integer anywhere in a body that msgpack cannot carry."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not INT_MIN <= value <= INT_MAX:
+            raise APIError(400, f"{path or 'the body'} is out of range: integers must lie in "
+                                f"[-2^63, 2^64), got {value}", path or None)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_ints(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_ints(v, f"{path}[{i}]")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ints_fit(cls, data: Any) -> Any:
+        check_ints(data)  # the outermost body runs first, so the path is complete
+        return data
 
 
 class StreamOptions(_Strict):

@@ -29,6 +29,16 @@ CASES = [
     ("request-ids-int", "POST", "/abort_requests", dict(json={"request_ids": 3}, headers=ADMIN), 400, "request_ids",
      ["request_ids"]),
     ("not-json", "POST", G, dict(content=b"{oops", headers={"Content-Type": "application/json"}), 400, None, ["JSON"]),
+    # integers msgpack cannot carry to the engine core (once a 500 OverflowError)
+    ("seed-2-64", "POST", G, dict(json={"prompt": "a", "sampling_params": {"seed": 1 << 64}}), 400,
+     "sampling_params.seed", ["range"]),
+    ("max-tokens-huge", "POST", C, dict(json={"prompt": "a", "max_tokens": 1 << 70}), 400, "max_tokens", ["range"]),
+    ("stop-token-huge", "POST", CHAT, dict(json={"messages": MSGS, "stop_token_ids": [1, -(1 << 64)]}), 400,
+     "stop_token_ids[1]", ["range"]),
+    ("rpc-arg-huge", "POST", "/collective_rpc", dict(json={"method": "ping", "args": [1 << 65]}, headers=ADMIN), 400,
+     "args[0]", ["range"]),
+    ("ipc-handle-huge", "POST", "/update_weights_from_ipc",
+     dict(json={"handles": {"kind": "shm", "size": 1 << 66}}, headers=ADMIN), 400, "handles.size", ["range"]),
     # missing fields
     ("no-prompt", "POST", C, dict(json={"max_tokens": 3}), 400, "prompt", ["required"]),
     ("no-messages", "POST", CHAT, dict(json={}), 400, "messages", ["required"]),
