@@ -221,14 +221,16 @@ class AsyncLLM:
             op.child_to_parent.clear()
 
     # ---- RL control: pause / resume (the engine core owns the state) ------------------------------
-    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> dict:
+    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True,
+                               timeout_s: float | None = None) -> dict:
         """Stop generating. "abort": in-flight requests end now with finish_reason "abort" and the
         tokens so far; "wait": they run to completion (this returns then); "keep": they freeze in
         place (KV kept) and continue after resume_generation(). New requests are held until the
-        resume either way. Returns {"aborted": n, "mode": mode}."""
+        resume either way; with `timeout_s` the pause lifts itself (logged) if nobody resumed
+        within it. Returns {"aborted": n, "kept": n (frozen by keep), "mode": mode}."""
         if mode not in ("abort", "wait", "keep"):
-            raise InvalidRequestError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
-        return await self._call("pause", mode, clear_cache)
+            raise InvalidRequestError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}", "mode")
+        return await self._call("pause", mode, clear_cache, timeout_s)
 
     async def resume_generation(self) -> dict:
         """Resume; returns {"paused_seconds": how long generation was paused, or None}."""
@@ -275,8 +277,9 @@ class AsyncLLM:
     async def get_weight_version(self) -> int:
         return await self._call("get_weight_version")
 
-    async def set_weight_version(self, version: int) -> int:
-        return await self._call("set_weight_version", version)
+    async def set_weight_version(self, version: int, above: int | None = None) -> int:
+        """Relabel the live weights; see EngineCore.set_weight_version."""
+        return await self._call("set_weight_version", version, above)
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> bool:
         """Pause (with `mode`, unless paused) and free the KV cache and weights (see LLM.sleep)."""

@@ -15,6 +15,7 @@ metrics ask the core (`is_paused`, `is_sleeping`, `get_stats`).
                    "wait": admitted requests run to completion, new ones are held;
                    "keep": nothing runs; requests keep their KV and continue after resume.
                    Any later pause or resume replaces the mode, so no sequence of calls wedges.
+                   With timeout_s, the pause lifts itself (logged) if nobody resumed in time.
     resume()       admit the held requests; frozen ones continue.
     sleep(level)   pauses first (its `mode`) unless already paused, then frees the KV cache and
                    offloads (1) or drops (2) the weights; the wake-up that leaves nothing asleep
@@ -23,6 +24,7 @@ metrics ask the core (`is_paused`, `is_sleeping`, `get_stats`).
 import logging
 import os
 import resource
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -45,10 +47,43 @@ SLEEP_PARTS = ("weights", "kv_cache")
 @dataclass
 class Deferred:
     """A utility call's result that is ready later: `done()` is checked after every step and
-    every input; once it holds, `finish()` gives the result (or raises the call's error)."""
+    every input (and every few ms while idle); once it holds, `finish()` gives the result (or
+    raises the call's error). `needs_steps`: only engine steps can make it done (a drain), as
+    opposed to work in a thread of its own."""
 
     done: Callable[[], bool]
     finish: Callable[[], Any]
+    needs_steps: bool = True
+
+    @classmethod
+    def in_thread(cls, fn: Callable[[], Any], name: str) -> "Deferred":
+        """Run `fn` in a thread while the engine goes on serving; its result is the answer."""
+        box: dict = {}
+
+        def run():
+            try:
+                box["result"] = fn()
+            except BaseException as e:  # raised again by finish(), to the caller
+                box["error"] = e
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.start()
+
+        def finish():
+            if "error" in box:
+                raise box["error"]
+            return box["result"]
+
+        return cls(lambda: not thread.is_alive(), finish, needs_steps=False)
+
+
+def stale_version(version: int, live: int) -> EngineStateError | None:
+    """The refusal for a weight version that does not increase, or None. Versions increase
+    strictly so that a token's version names one set of weights."""
+    if version <= live:
+        return EngineStateError(f"weight versions must increase: {version} is not above the live version {live}",
+                                "weight_version")
+    return None
 
 
 class EngineCore:
@@ -73,6 +108,9 @@ class EngineCore:
         self.num_generated_tokens = 0
         self.paused_since: float | None = None  # time.monotonic() of the pause now in force
         self.paused_by_sleep = False  # the pause now in force was made by sleep(): wake_up lifts it
+        self.pause_deadline: float | None = None  # time.monotonic() at which the pause lifts itself
+        self.forming_group: Deferred | None = None  # init_weight_transfer while its group forms
+        self.group_cancel = threading.Event()  # set by close_weight_transfer to stop the forming
         self.asleep: set[str] = set()  # parts freed by sleep: "weights", "kv_cache"
         self.needs_weights = False  # a level-2 sleep dropped the weights: a push or reload refills them
         self._pending_outputs: list[EngineCoreOutput] = []  # produced outside step() (aborts, stream input)
@@ -114,8 +152,8 @@ class EngineCore:
         if self.asleep:
             raise EngineStateError("the engine is asleep: call wake_up() before generating")
         if self.needs_weights:
-            raise EngineStateError("the engine holds no weights (it slept at level 2): push weights "
-                                   "or call reload_weights() before generating")
+            raise EngineStateError("the engine holds no weights (it slept at level 2): push weights or reload the "
+                                   "start-up checkpoint (reload_weights(), POST /reload_weights) before generating")
 
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
         """Abort; returns the final outputs (finish_reason abort) of the requests that existed."""
@@ -132,7 +170,12 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """Whether step() would compute or hand out something."""
+        self._expire_pause()
         return bool(self._pending_outputs) or (self._can_run() and self.scheduler.can_step())
+
+    def seconds_to_next_event(self) -> float | None:
+        """How long the core may sit idle before something is due (a pause's deadline)."""
+        return None if self.pause_deadline is None else max(0.0, self.pause_deadline - time.monotonic())
 
     def _can_run(self) -> bool:
         return not self.asleep and not self.needs_weights
@@ -153,27 +196,41 @@ class EngineCore:
         return outputs
 
     # ---- pause / resume -------------------------------------------------------------------
-    def pause(self, mode: str = "abort", clear_cache: bool = True):
+    def pause(self, mode: str = "abort", clear_cache: bool = True, timeout_s: float | None = None):
         """Pause generation (see the module docstring); "wait" answers once the admitted requests
-        finished. Returns {"aborted": n (requests an abort-mode pause ended), "mode": mode}."""
+        finished. `timeout_s`: resume by itself (logged) if nobody resumed within it, so a trainer
+        that dies while generation is paused does not hang every rollout. Returns {"aborted": n
+        (requests an abort-mode pause ended), "kept": n (requests a keep-mode pause froze; they
+        continue after resume), "mode": mode}."""
+        if timeout_s is not None and not timeout_s > 0:
+            raise InvalidRequestError(f"pause timeout_s must be positive, got {timeout_s}", "timeout_s")
         num_aborted = self._set_pause(mode)
+        self.pause_deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        kept = len(self.scheduler.requests) - len(self.scheduler.held) if mode == "keep" else 0
 
         def finish() -> dict:
             if clear_cache:
                 self.reset_prefix_cache()
-            return {"aborted": num_aborted, "mode": mode}
+            return {"aborted": num_aborted, "kept": kept, "mode": mode}
 
         return Deferred(self._drained, finish) if mode == "wait" else finish()
 
     def _set_pause(self, mode: str) -> int:
         if mode not in PAUSE_MODES:
-            raise InvalidRequestError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+            raise InvalidRequestError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}", "mode")
         num_aborted = self.abort_all() if mode == "abort" else 0
         self.scheduler.set_pause_state(PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW)
         if self.paused_since is None:
             self.paused_since = time.monotonic()
         self.paused_by_sleep = False  # an explicit pause outlives a later wake-up
+        self.pause_deadline = None
         return num_aborted
+
+    def _expire_pause(self) -> None:
+        if self.pause_deadline is not None and time.monotonic() >= self.pause_deadline:
+            seconds = self.resume()["paused_seconds"]
+            logger.warning("generation was paused for %.1f s, past the pause's timeout_s, and nobody resumed "
+                           "it: resumed", seconds)
 
     def _drained(self) -> bool:
         """No admitted request runs any more, none can (asleep, no weights: waiting would block the
@@ -187,6 +244,7 @@ class EngineCore:
         seconds = None if self.paused_since is None else time.monotonic() - self.paused_since
         self.paused_since = None
         self.paused_by_sleep = False
+        self.pause_deadline = None
         return {"paused_seconds": seconds}
 
     def is_paused(self) -> bool:
@@ -251,10 +309,36 @@ class EngineCore:
         """Every worker joins the trainer's group: the trainer is rank 0, then the workers of
         replica 0, replica 1, ... Returns the workers' ranks."""
         rank_offset = 1 + self.config.data_parallel_rank * len(self.executor.workers)
-        return self.executor.collective_rpc("init_weight_transfer", [master_address, master_port, world_size],
-                                            {"backend": backend, "rank_offset": rank_offset, "timeout_s": timeout_s})
+        if self.group_cancel.is_set():  # a cancelled forming stops within a connect attempt
+            deadline = time.monotonic() + 2.0
+            while not self.forming_group.done() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        if self.forming_group is not None and not self.forming_group.done():
+            raise EngineStateError("a weight transfer group is already being formed: wait for that call's answer "
+                                   "(at most its timeout_s) or close_weight_transfer() first")
+        cancel = self.group_cancel = threading.Event()
+
+        def form() -> list[int]:
+            ranks = self.executor.collective_rpc(
+                "init_weight_transfer", [master_address, master_port, world_size],
+                {"backend": backend, "rank_offset": rank_offset, "timeout_s": timeout_s, "cancel": cancel})
+            if cancel.is_set():  # closed (the caller went away) just as it formed
+                from weight_sync import WeightGroupError
+
+                self.executor.collective_rpc("close_weight_transfer")
+                raise WeightGroupError("the weight transfer group was closed while it formed")
+            return ranks
+
+        # Forming the group waits for every rank (up to timeout_s): in a thread, so that
+        # generation goes on meanwhile; the answer comes when every rank joined.
+        self.forming_group = Deferred.in_thread(form, "weight-group")
+        return self.forming_group
 
     def close_weight_transfer(self) -> bool:
+        """Leave the group, or stop forming it (a group that forms meanwhile is closed at once)."""
+        if self.forming_group is not None and not self.forming_group.done():
+            self.group_cancel.set()
+            return True
         self.executor.collective_rpc("close_weight_transfer")
         return True
 
@@ -276,8 +360,9 @@ class EngineCore:
         return dict(stats, weight_version=self.weight_version)
 
     def commit_weights(self, version: int) -> int:
-        """Make the staged update live under `version`; no KV computed by the old weights is
-        reused (prefix and encoder caches cleared)."""
+        """Make the staged update live under `version` (weight_update_plan has checked that it
+        increases; a replica that joins by scaling takes the live version); no KV computed by
+        the old weights is reused (prefix and encoder caches cleared)."""
         self.executor.collective_rpc("commit_staged")
         self.weight_version = int(version)
         self.needs_weights = False
@@ -300,11 +385,16 @@ class EngineCore:
     def get_weight_version(self) -> int:
         return self.weight_version
 
-    def set_weight_version(self, version: int) -> int:
+    def set_weight_version(self, version: int, above: int | None = None) -> int:
         """Relabel the current weights (vLLM's finish_weight_update sets the version after the
-        transfer); tokens produced from now on carry it."""
+        transfer); tokens produced from now on carry it. It must exceed `above` (default: the
+        live version; a weight update in several chunks passes the version from before its
+        first chunk, since generation stayed paused while the chunks went live)."""
         if not isinstance(version, int) or isinstance(version, bool):
-            raise InvalidRequestError(f"weight version must be an int, got {version!r}")
+            raise InvalidRequestError(f"weight version must be an int, got {version!r}", "weight_version")
+        if version != self.weight_version and (error := stale_version(version, self.weight_version
+                                                                     if above is None else above)):
+            raise error
         self.weight_version = version
         return version
 

@@ -34,6 +34,7 @@ import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.coordinator import DPCoordinator, DPLoads
+from engine.core import stale_version
 from engine.core_proc import HANDSHAKE_TIMEOUT_MS, EngineAddresses, engine_identity
 from engine.errors import EngineDeadError, EngineStateError, InvalidRequestError, remote_error
 from engine.managers import CoreEngineActorManager, CoreEngineProcManager, EngineWatcher
@@ -54,7 +55,7 @@ def combine(method: str, results: list) -> Any:
     if method in ("collective_rpc", "init_weight_transfer"):  # one entry per worker of every replica
         return [r for rs in results for r in rs]
     if method == "pause":
-        return dict(results[0], aborted=sum(r["aborted"] for r in results))
+        return dict(results[0], aborted=sum(r["aborted"] for r in results), kept=sum(r["kept"] for r in results))
     if method in ("is_paused", "is_sleeping"):
         return any(results)
     if method in ("resume", "wake_up"):
@@ -90,9 +91,14 @@ def combine_stats(stats: list[dict]) -> dict:
 
 def weight_update_plan(source: str, args: list, version: int | None) -> Generator:
     """Stage the update on every replica; if one refuses, discard it everywhere and raise that
-    refusal; else make it live everywhere under one version (default: the newest + 1)."""
+    refusal; else make it live everywhere under one version (default: the newest + 1). Versions
+    increase strictly, so a token's version names one set of weights: a version at or below the
+    live one is refused (409) after staging, so that a trainer's sender never blocks on a
+    receiver that walked away."""
     staged = yield ("each", "stage_weights", [source, args])
     failures = [r for r in staged if isinstance(r, BaseException)]
+    if not failures and version is not None:
+        failures = [e for e in [stale_version(version, max(s["weight_version"] for s in staged))] if e]
     if failures:
         yield ("each", "discard_weights", [])
         raise failures[0]
@@ -159,9 +165,12 @@ class InprocClient(_SyncPlans):
         result = getattr(self.core, method)(*args, **kwargs)
         if isinstance(result, Deferred):  # step the core until it can answer (outputs are kept)
             while not result.done():
-                if not self.core.has_work():
+                if self.core.has_work():
+                    self._outputs.extend(self.core.step())
+                elif result.needs_steps:
                     raise EngineStateError(f"{method} cannot finish: nothing in the engine can run")
-                self._outputs.extend(self.core.step())
+                else:
+                    time.sleep(0.005)
             result = result.finish()
         return result
 
@@ -492,7 +501,7 @@ class SyncMPClient(_MPClientBase, _SyncPlans):
         if isinstance(result, Exception):
             raise result
         if result.failure is not None:
-            raise remote_error(result.failure_type, result.failure)
+            raise remote_error(result.failure_type, result.failure, param=result.failure_param)
         return result.result
 
     def call_utility_each(self, method: str, *args, timeout: float | None = None, **kwargs) -> list:
@@ -634,7 +643,7 @@ class AsyncMPClient(_MPClientBase):
             self._pending.pop(call_id, None)
             raise TimeoutError(f"{method} did not answer within {timeout} s") from None
         if result.failure is not None:
-            raise remote_error(result.failure_type, result.failure)
+            raise remote_error(result.failure_type, result.failure, param=result.failure_param)
         return result.result
 
     async def call_utility_each_async(self, method: str, *args, timeout: float | None = None, **kwargs) -> list:

@@ -18,6 +18,7 @@ import ctypes
 import logging
 import os
 import queue
+import shutil
 import signal
 import sys
 import threading
@@ -34,6 +35,8 @@ from engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequ
                              RequestType, StreamInput, UtilityOutput, UtilityRequest)
 from engine.serial import MsgpackDecoder, MsgpackEncoder
 
+DEFERRED_POLL_S = 0.005
+PARENT_DEATH_SIGNAL = signal.SIGUSR1  # not SIGTERM: that one means a normal stop
 logger = logging.getLogger("engine")
 HANDSHAKE_TIMEOUT_MS = 30_000
 TO_COORDINATOR = -1  # output-queue destination of load reports
@@ -67,9 +70,18 @@ class Ready(msgspec.Struct):
 
 def run_engine_core(handshake_address: str, parent_pid: int, engine_index: int = 0) -> None:
     """Entry point of an engine-core process (started by CoreEngineProcManager)."""
-    die_with_parent(parent_pid)
+    folders = {handshake_address}  # ipc socket folders; more once the startup message names them
+
+    def on_parent_death(*_):  # nobody is left to remove the ipc socket folders: do it, then go
+        for address in folders:
+            if address.startswith("ipc://"):
+                shutil.rmtree(os.path.dirname(address[len("ipc://"):]), ignore_errors=True)
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # the frontend stops us
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; it shuts us down
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(PARENT_DEATH_SIGNAL, on_parent_death)
+    die_with_parent(parent_pid, on_parent_death)
     logging.basicConfig(level=logging.WARNING, format=f"[engine-core {engine_index}] %(levelname)s %(message)s")
     ctx = zmq.Context()
     hs = ctx.socket(zmq.DEALER)
@@ -80,6 +92,7 @@ def run_engine_core(handshake_address: str, parent_pid: int, engine_index: int =
     if not hs.poll(HANDSHAKE_TIMEOUT_MS):
         sys.exit("engine core: no startup message from the frontend")
     startup = msgspec.msgpack.decode(hs.recv(), type=Startup)
+    folders.update(startup.addresses.inputs + startup.addresses.outputs + [startup.addresses.coordinator])
     try:
         core = EngineCore(EngineConfig(**startup.config))
     except Exception as e:  # report why, then exit: the frontend raises it
@@ -91,22 +104,27 @@ def run_engine_core(handshake_address: str, parent_pid: int, engine_index: int =
     EngineCoreProc(core, ctx, startup.addresses, engine_index).run()
 
 
-def die_with_parent(parent_pid: int) -> None:
-    try:  # Linux: the kernel sends SIGKILL when the parent dies
+def die_with_parent(parent_pid: int, on_death=None) -> None:
+    """Exit when the parent process dies (`on_death()` first, if given: it must exit). Linux
+    sends SIGKILL, or PARENT_DEATH_SIGNAL when `on_death` is given (the caller's handler for it
+    must call on_death); a watchdog thread covers the rest."""
+    death_signal = signal.SIGKILL if on_death is None else PARENT_DEATH_SIGNAL
+    on_death = on_death or (lambda: os._exit(1))
+    try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(1, death_signal)  # PR_SET_PDEATHSIG
     except OSError:
         pass
 
     def watchdog():
         while True:
             if os.getppid() != parent_pid:
-                os._exit(1)
+                on_death()
             threading.Event().wait(1.0)
 
     threading.Thread(target=watchdog, daemon=True, name="parent-watchdog").start()
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+        on_death()
 
 
 class EngineCoreProc:
@@ -188,8 +206,11 @@ class EngineCoreProc:
     def run(self) -> None:
         try:
             while True:
-                if not self.core.has_work():
-                    self._handle(*self.input_queue.get())  # idle: block for input
+                if not self.core.has_work():  # idle: block for input, or until something is due
+                    try:
+                        self._handle(*self.input_queue.get(timeout=self._idle_timeout()))
+                    except queue.Empty:
+                        pass
                 while not self.input_queue.empty():
                     self._handle(*self.input_queue.get_nowait())
                 if self.core.has_work():
@@ -204,6 +225,12 @@ class EngineCoreProc:
             self.output_queue.put((0, EngineCoreOutputs(engine_dead=msg)))
             threading.Event().wait(2.0)  # let the output thread flush
             os._exit(1)
+
+    def _idle_timeout(self) -> float | None:
+        """None (block) unless a call waits on a thread (poll it) or a pause's deadline is due."""
+        timeouts = [t for t in (DEFERRED_POLL_S if self.deferred else None, self.core.seconds_to_next_event())
+                    if t is not None]
+        return min(timeouts) if timeouts else None
 
     def _handle(self, client: int, kind: RequestType, msg) -> None:
         if kind in (RequestType.ADD, RequestType.ADD_MANY):
@@ -252,7 +279,7 @@ class EngineCoreProc:
         try:
             result = fn(*req.args, **req.kwargs)
         except Exception as e:  # reported to the caller; the engine keeps serving
-            return self._answer(client, UtilityOutput(req.call_id, failure=_message(e), failure_type=type(e).__name__))
+            return self._answer(client, UtilityOutput.failed(req.call_id, e))
         if isinstance(result, Deferred):
             self.deferred.append((client, req.call_id, result))
         else:
@@ -267,7 +294,7 @@ class EngineCoreProc:
             try:
                 self._answer(client, UtilityOutput(call_id, result=d.finish()))
             except Exception as e:
-                self._answer(client, UtilityOutput(call_id, failure=_message(e), failure_type=type(e).__name__))
+                self._answer(client, UtilityOutput.failed(call_id, e))
         self.deferred = waiting
 
     def _answer(self, client: int, out: UtilityOutput) -> None:
@@ -282,7 +309,3 @@ class EngineCoreProc:
         if load != self._last_load:
             self._last_load = load
             self.output_queue.put((TO_COORDINATOR, EngineLoad(self.engine_index, *load)))
-
-
-def _message(e: BaseException) -> str:
-    return e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 and isinstance(e.args[0], str) else str(e)

@@ -34,13 +34,16 @@ _REMOTE_TYPES = {c.__name__: c for c in (InvalidRequestError, EngineStateError, 
                                          IsADirectoryError, TimeoutError, NotImplementedError)}
 
 
-def remote_error(type_name: str | None, message: str, default: type = RuntimeError) -> Exception:
-    """The exception for a failure the engine core reported as (type name, message)."""
-    if type_name in ("WeightTransferError", "WeightPushRefused"):
+def remote_error(type_name: str | None, message: str, default: type = RuntimeError,
+                 param: str | None = None) -> Exception:
+    """The exception for a failure the engine core reported as (type name, message, field)."""
+    if type_name in ("WeightTransferError", "WeightPushRefused", "WeightGroupError"):
         from weight_sync import group
 
         return getattr(group, type_name)(message)
     cls = _REMOTE_TYPES.get(type_name or "")
+    if cls is not None and issubclass(cls, InvalidRequestError):
+        return cls(message, param)
     if cls is not None:
         return cls(message)
     return default(f"{type_name}: {message}" if type_name else message)

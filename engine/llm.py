@@ -127,10 +127,12 @@ class LLM:
     # ---- RL control (synchronous twins of AsyncLLM's; the engine core owns the state) ------------
     # Offline, generate() returns only when its requests are done, so pausing matters between
     # calls: "keep" freezes requests left in the engine; weights updates need a paused or idle engine.
-    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> dict:
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True,
+                         timeout_s: float | None = None) -> dict:
+        """See AsyncLLM.pause_generation."""
         if mode not in ("abort", "wait", "keep"):
-            raise InvalidRequestError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
-        return self.client.call_utility("pause", mode, clear_cache)
+            raise InvalidRequestError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}", "mode")
+        return self.client.call_utility("pause", mode, clear_cache, timeout_s)
 
     def resume_generation(self) -> dict:
         return self.client.call_utility("resume")
@@ -174,8 +176,9 @@ class LLM:
     def get_weight_version(self) -> int:
         return self.client.call_utility("get_weight_version")
 
-    def set_weight_version(self, version: int) -> int:
-        return self.client.call_utility("set_weight_version", version)
+    def set_weight_version(self, version: int, above: int | None = None) -> int:
+        """Relabel the live weights; see EngineCore.set_weight_version."""
+        return self.client.call_utility("set_weight_version", version, above)
 
     def sleep(self, level: int = 1, mode: str = "abort") -> bool:
         """Pause (with `mode`, unless paused), free the KV cache, and offload (level 1) or drop

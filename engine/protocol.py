@@ -81,6 +81,13 @@ class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     result: Any = None
     failure: str | None = None  # the message of the exception the call raised
     failure_type: str | None = None  # its class name (engine.errors.remote_error raises it again)
+    failure_param: str | None = None  # the field at fault, for an InvalidRequestError that names one
+
+    @classmethod
+    def failed(cls, call_id: int, e: BaseException) -> "UtilityOutput":
+        # a KeyError's str() quotes its message
+        message = e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
+        return cls(call_id, failure=message, failure_type=type(e).__name__, failure_param=getattr(e, "param", None))
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

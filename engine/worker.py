@@ -10,6 +10,7 @@ or interrupted update leaves the old weights serving, bit for bit.
 import ctypes
 import gc
 import importlib
+import threading
 
 import torch
 
@@ -66,14 +67,16 @@ class Worker:
 
     # ---- weight updates ---------------------------------------------------------------------
     def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
-                             backend: str = "gloo", rank_offset: int = 1, timeout_s: float = 60.0) -> int:
-        """Join the trainer's group (trainer = rank 0); returns this worker's rank in it."""
+                             backend: str = "gloo", rank_offset: int = 1, timeout_s: float = 60.0,
+                             cancel: threading.Event | None = None) -> int:
+        """Join the trainer's group (trainer = rank 0); returns this worker's rank in it. Setting
+        `cancel` (from another thread) gives up while rank 0 is not listening yet."""
         from weight_sync import WeightTransferGroup
 
         self.close_weight_transfer()
         rank = rank_offset + self.rank
         self.transfer_group = WeightTransferGroup(master_address, master_port, rank, world_size, backend=backend,
-                                                  timeout_s=timeout_s)
+                                                  timeout_s=timeout_s, cancel=cancel)
         return rank
 
     def close_weight_transfer(self) -> bool:

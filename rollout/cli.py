@@ -53,12 +53,16 @@ def _add_serve_parser(sub) -> None:
                    help="engine-core replicas, each with its own scheduler, KV cache and worker")
     s.add_argument("--data-parallel-backend", default="mp", choices=["mp", "ray"],
                    help="replicas as local processes (mp) or Ray actors (ray: any node of a Ray cluster)")
+    s.add_argument("--stay-up-when-engine-dies", action="store_true",
+                   help="answer 503 once no engine replica lives instead of exiting with status 1")
     s.add_argument("--api-server-count", "-asc", type=int, default=1,
                    help="API-server processes sharing the listening socket, each a client of every replica")
     s.add_argument("--worker-extension-cls", default=None, help="module.Class mixed into the engine's workers")
-    s.add_argument("--api-key", default=None, help="Bearer key for every route but /health (env ROLLOUT_API_KEY)")
+    s.add_argument("--api-key", default=None, help="Bearer key for every route but /health (env ROLLOUT_API_KEY); admin routes need "
+                        "--admin-api-key once any key is set")
     s.add_argument("--admin-api-key", default=None,
-                   help="Bearer key for control and weight routes (env ROLLOUT_ADMIN_API_KEY)")
+                   help="Bearer key for control and weight routes, also accepted by the others "
+                        "(env ROLLOUT_ADMIN_API_KEY)")
     s.add_argument("--max-body-bytes", type=_bytes, default=16 << 20, help="larger bodies get 413 (default 16MiB)")
     s.add_argument("--collective-rpc-method", action="append", default=[], metavar="NAME",
                    help="allow /collective_rpc to call this worker method (repeatable)")
@@ -99,7 +103,8 @@ def _serve(args) -> int:
                               stats_interval_s=args.stats_interval_s, shutdown_grace_s=args.shutdown_grace_s,
                               wandb_project=args.wandb_project, wandb_run_name=args.wandb_run_name,
                               wandb_interval_s=args.wandb_interval_s, log_level=args.log_level,
-                              engine_kwargs=engine_kwargs, model=args.model, api_server_count=args.api_server_count)
+                              engine_kwargs=engine_kwargs, model=args.model, api_server_count=args.api_server_count,
+                              exit_on_engine_death=not args.stay_up_when_engine_dies)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -15,6 +15,11 @@ True for the current `wandb.run`) every push logs rollout/push_seconds, push_gb_
 weight_version to the trainer's own W&B run, without advancing its step. Idempotent calls (GET,
 /health, is_*, versions) are retried on connection errors; the others never are. A non-2xx answer
 raises `RolloutAPIError` with the server's message and the field at fault (`param`).
+
+`timeout` (600 s by default, as the openai client) bounds how long any call waits for an answer,
+generation included (a stream: the gap between two events); calls that last a whole weight
+transfer or a pause in mode "wait" have no read limit. A call past it raises TimeoutError, and
+the server aborts the request it left behind.
 """
 from __future__ import annotations
 
@@ -110,15 +115,13 @@ class _Endpoints:
         body, _ = _prompt_body(prompts)
         sp = dict(sampling_params or {})
         body.update(sampling_params=sp, request_id=request_id)
-        return self._run(_Call("POST", "/generate", lambda b: _outputs(b, sp.get("n", 1)), json=body,
-                               timeout=LONG_TIMEOUT))
+        return self._run(_Call("POST", "/generate", lambda b: _outputs(b, sp.get("n", 1)), json=body))
 
     def completions(self, prompt, **fields):
-        return self._run(_Call("POST", "/v1/completions", json=dict(fields, prompt=prompt), timeout=LONG_TIMEOUT))
+        return self._run(_Call("POST", "/v1/completions", json=dict(fields, prompt=prompt)))
 
     def chat_completions(self, messages: list[dict], **fields):
-        return self._run(_Call("POST", "/v1/chat/completions", json=dict(fields, messages=messages),
-                               timeout=LONG_TIMEOUT))
+        return self._run(_Call("POST", "/v1/chat/completions", json=dict(fields, messages=messages)))
 
     def models(self):
         return self._run(_Call("GET", "/v1/models", lambda b: [m["id"] for m in b["data"]], idempotent=True))
@@ -151,9 +154,13 @@ class _Endpoints:
                                timeout=LONG_TIMEOUT))
 
     # ---- control ----------------------------------------------------------------------------------
-    def pause(self, mode: str = "abort", clear_cache: bool = True):
-        return self._run(_Call("POST", "/pause", params={"mode": mode, "clear_cache": str(clear_cache).lower()},
-                               admin=True, timeout=LONG_TIMEOUT))
+    def pause(self, mode: str = "abort", clear_cache: bool = True, timeout_s: float | None = None):
+        """{"aborted": n, "kept": n}. `timeout_s`: the server resumes by itself after that long
+        unless resumed (so a trainer that dies while paused does not hang the rollouts)."""
+        params = {"mode": mode, "clear_cache": str(clear_cache).lower()}
+        if timeout_s is not None:
+            params["timeout_s"] = timeout_s
+        return self._run(_Call("POST", "/pause", params=params, admin=True, timeout=LONG_TIMEOUT))
 
     def resume(self):
         return self._run(_Call("POST", "/resume", admin=True))
@@ -214,6 +221,11 @@ class _Endpoints:
 
     update_weights_from_disk = push_weights_from_disk
 
+    def reload_weights(self, version: int | None = None):
+        """The server's start-up checkpoint again (after sleep level 2, or to undo pushes)."""
+        return self._run(_Call("POST", "/reload_weights", self._push_logger("disk"), json={"version": version},
+                               admin=True, timeout=LONG_TIMEOUT))
+
     def update_weights_from_ipc(self, handles: dict, version: int | None = None):
         """Tensors shared from this machine (weight_sync.SharedWeights; keep it open until this
         returns). Pause generation first, or run idle: `push_weights_shared` does it all."""
@@ -241,15 +253,15 @@ class _Endpoints:
         """Form the transfer group: this process is rank 0, the server's workers join."""
         return self.weights.init(backend, master_address, master_port, timeout_s, bucket_bytes)
 
-    def push_weights(self, named_tensors, version: int | None = None, pause_mode: str = "abort", dtype=None):
+    def push_weights(self, named_tensors, version: int | None = None, pause_mode: str = "keep", dtype=None):
         """pause -> broadcast -> atomic swap -> clear caches -> resume (see WeightTransfer.push)."""
         return self.weights.push(named_tensors, version, pause_mode, dtype)
 
-    def weight_update(self, version: int | None = None, pause_mode: str = "abort", dtype=None):
+    def weight_update(self, version: int | None = None, pause_mode: str = "keep", dtype=None):
         """One update in several chunks, as a context manager (see WeightTransfer.update)."""
         return self.weights.update(version, pause_mode, dtype)
 
-    def push_weights_shared(self, named_tensors, version: int | None = None, pause_mode: str = "abort"):
+    def push_weights_shared(self, named_tensors, version: int | None = None, pause_mode: str = "keep"):
         """Same machine: CUDA IPC on a shared GPU, shared memory on CPU; no group needed."""
         return self.weights.push_shared(named_tensors, version, pause_mode)
 
@@ -269,6 +281,16 @@ class _Transport:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         return dict(method=call.method, url=self.url + call.path, json=call.json, params=call.params,
                     headers=headers, timeout=self.timeout if call.timeout is None else call.timeout)
+
+    @contextlib.contextmanager
+    def _timeouts(self, call: _Call):
+        """httpx's read / write / pool timeouts as the builtin TimeoutError (connection errors,
+        connect timeouts included, stay httpx's: the retry logic tells them apart)."""
+        try:
+            yield
+        except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout) as e:
+            raise TimeoutError(f"{call.method} {call.path}: no answer from {self.url} within "
+                               f"{self.timeout if call.timeout is None else call.timeout} s") from e
 
     @staticmethod
     def _read(call: _Call, resp: httpx.Response):
@@ -294,7 +316,7 @@ class RolloutClient(_Transport, _Endpoints):
     connection pool)."""
 
     def __init__(self, url: str = "http://127.0.0.1:8000", api_key: str | None = None,
-                 admin_api_key: str | None = None, timeout: float = 60.0, retries: int = 3,
+                 admin_api_key: str | None = None, timeout: float | None = 600.0, retries: int = 3,
                  wandb_run: Any = None):
         super().__init__(url, api_key, admin_api_key, timeout, retries)
         self.http = httpx.Client(timeout=timeout)
@@ -304,7 +326,8 @@ class RolloutClient(_Transport, _Endpoints):
     def _run(self, call: _Call):
         for attempt in range(self.retries + 1 if call.idempotent else 1):
             try:
-                return self._read(call, self.http.request(**self._request_kwargs(call)))
+                with self._timeouts(call):
+                    return self._read(call, self.http.request(**self._request_kwargs(call)))
             except RETRYABLE:
                 if attempt >= (self.retries if call.idempotent else 0):
                     raise
@@ -314,8 +337,8 @@ class RolloutClient(_Transport, _Endpoints):
         """Yields (prompt index, GenerateOutput delta: only the new tokens) as they come."""
         body, _ = _prompt_body(prompts)
         body.update(sampling_params=dict(sampling_params or {}), request_id=request_id, stream=True)
-        call = _Call("POST", "/generate", json=body, timeout=LONG_TIMEOUT)
-        with self.http.stream(**self._request_kwargs(call)) as resp:
+        call = _Call("POST", "/generate", json=body)
+        with self._timeouts(call), self.http.stream(**self._request_kwargs(call)) as resp:
             if resp.status_code >= 400:
                 resp.read()
                 raise _api_error(resp)
@@ -359,7 +382,7 @@ class AsyncRolloutClient(_Transport, _Endpoints):
     """asyncio client: the same methods, awaited."""
 
     def __init__(self, url: str = "http://127.0.0.1:8000", api_key: str | None = None,
-                 admin_api_key: str | None = None, timeout: float = 60.0, retries: int = 3,
+                 admin_api_key: str | None = None, timeout: float | None = 600.0, retries: int = 3,
                  wandb_run: Any = None):
         super().__init__(url, api_key, admin_api_key, timeout, retries)
         self.http = httpx.AsyncClient(timeout=timeout)
@@ -369,7 +392,8 @@ class AsyncRolloutClient(_Transport, _Endpoints):
     async def _run(self, call: _Call):
         for attempt in range(self.retries + 1 if call.idempotent else 1):
             try:
-                return self._read(call, await self.http.request(**self._request_kwargs(call)))
+                with self._timeouts(call):
+                    return self._read(call, await self.http.request(**self._request_kwargs(call)))
             except RETRYABLE:
                 if attempt >= (self.retries if call.idempotent else 0):
                     raise
@@ -379,7 +403,12 @@ class AsyncRolloutClient(_Transport, _Endpoints):
                               request_id: str | None = None):
         body, _ = _prompt_body(prompts)
         body.update(sampling_params=dict(sampling_params or {}), request_id=request_id, stream=True)
-        call = _Call("POST", "/generate", json=body, timeout=LONG_TIMEOUT)
+        call = _Call("POST", "/generate", json=body)
+        with self._timeouts(call):
+            async for delta in self._stream(call):
+                yield delta
+
+    async def _stream(self, call: _Call):
         async with self.http.stream(**self._request_kwargs(call)) as resp:
             if resp.status_code >= 400:
                 await resp.aread()

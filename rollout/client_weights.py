@@ -159,6 +159,7 @@ class WeightUpdate:
         self.version: int | None = None
         self.weight_version: int | None = None
         self.stats: list[dict] = []
+        self.paused: dict = {}  # the pause's answer: how many requests it aborted and kept
         self.t0 = time.perf_counter()
 
     def send(self, named_tensors: Iterable):
@@ -171,7 +172,8 @@ class WeightUpdate:
     def result(self) -> dict:
         last = self.stats[-1] if self.stats else {}
         return {"weight_version": self.weight_version, "seconds": time.perf_counter() - self.t0,
-                "send": last.get("send"), "update": last.get("update"), "num_sends": self.num_sends}
+                "send": last.get("send"), "update": last.get("update"), "num_sends": self.num_sends,
+                "aborted": self.paused.get("aborted", 0), "kept": self.paused.get("kept", 0)}
 
 
 class WeightTransfer:
@@ -234,13 +236,19 @@ class WeightTransfer:
         group.close()
 
     # ---- pushes -------------------------------------------------------------------------------
-    def push(self, named_tensors: Iterable, version: int | None = None, pause_mode: str = "abort", dtype=None):
+    def push(self, named_tensors: Iterable, version: int | None = None, pause_mode: str = "keep", dtype=None):
         """pause(mode) -> start -> [POST /update_weights || WeightSender.send] -> finish(version) -> resume.
 
         Tensors carry Hugging Face names (a subset of the model is fine) and are cast to the
         engine's dtype (or `dtype`). The engine swaps them in atomically, clears its prefix and
-        encoder caches and labels them `version` (default: previous + 1). A failed push leaves
-        the old weights serving; generation is resumed either way. In chunks: `update()`."""
+        encoder caches and labels them `version` (default: previous + 1; versions must increase).
+        A failed push leaves the old weights serving; generation is resumed either way. In chunks:
+        `update()`.
+
+        pause_mode "keep" (the default) loses no work: requests in flight freeze and continue on
+        the new weights (their later tokens carry the new version); "abort" ends them with
+        finish_reason "abort" and partial tokens; "wait" lets them finish first. The result says
+        how many were aborted and kept."""
         return self.run(self._push_plan(named_tensors, version, pause_mode, dtype))
 
     def _push_plan(self, named_tensors, version, pause_mode, dtype) -> Plan:
@@ -253,7 +261,7 @@ class WeightTransfer:
             yield from self._end_plan(update, ok)
         return update.result()
 
-    def update(self, version: int | None = None, pause_mode: str = "abort", dtype=None):
+    def update(self, version: int | None = None, pause_mode: str = "keep", dtype=None):
         """with client.weight_update(version=step) as u: u.send(chunk); u.send(chunk2) ...
         (async with ... and await u.send(...) with the asyncio client)
 
@@ -286,9 +294,15 @@ class WeightTransfer:
         if self.group is None:
             raise RuntimeError("no weight transfer group: call init_weight_transfer() first")
         update = WeightUpdate(self, self.group, dtype or self.dtype)
-        yield lambda c: c.pause(mode=pause_mode)
+        update.paused = yield lambda c: c.pause(mode=pause_mode)
         try:
-            update.version = (yield lambda c: c.weight_version()) + 1 if version is None else version
+            live = yield lambda c: c.weight_version()
+            if version is not None and version <= live:  # refused before any byte moves
+                from rollout.client import RolloutAPIError
+
+                raise RolloutAPIError(409, f"weight versions must increase: {version} is not above the live "
+                                           f"version {live}", "engine_state_error", "weight_version")
+            update.version = live + 1 if version is None else version
             yield lambda c: c.start_weight_update()
         except BaseException:
             yield lambda c: c.resume()
@@ -301,7 +315,7 @@ class WeightTransfer:
         named = [(n, t) for n, t in named_tensors]
         kw = {"bucket_bytes": self.bucket_bytes} if self.bucket_bytes else {}
         sender = WeightSender(update.group, **kw)
-        info = _update_info(named, update.dtype, update.version)
+        info = _update_info(named, update.dtype, None)  # the version is set once, by the finish
         both = yield Beside(lambda c: c.update_weights(info), functools.partial(sender.send, named, update.dtype),
                             on_stuck=lambda e: update.group.abort(f"the server failed the update: {e}"))
         if both.error is not None:  # a refused push ends the sender too, with the group intact
@@ -321,7 +335,7 @@ class WeightTransfer:
             log_push(self.client.wandb_run, "broadcast", time.perf_counter() - update.t0,
                      sum(s["send"]["num_bytes"] for s in update.stats), update.weight_version)
 
-    def push_shared(self, named_tensors: Iterable, version: int | None = None, pause_mode: str = "abort"):
+    def push_shared(self, named_tensors: Iterable, version: int | None = None, pause_mode: str = "keep"):
         """For a trainer on the server's machine: pause -> share the tensors (CUDA IPC on a shared
         GPU, shared memory on CPU; in the engine's dtype) -> the engine copies them in -> resume.
         No transfer group needed."""
@@ -330,10 +344,11 @@ class WeightTransfer:
     def _shared_plan(self, named_tensors, version, pause_mode) -> Plan:
         from weight_sync import SharedWeights
 
-        yield lambda c: c.pause(mode=pause_mode)
+        paused = yield lambda c: c.pause(mode=pause_mode)
         try:
             with SharedWeights() as shared:
                 handles = shared.share(named_tensors)
-                return (yield lambda c: c.update_weights_from_ipc(handles, version))
+                result = yield lambda c: c.update_weights_from_ipc(handles, version)
+                return dict(result, aborted=paused.get("aborted", 0), kept=paused.get("kept", 0))
         finally:
             yield lambda c: c.resume()

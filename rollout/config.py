@@ -12,12 +12,15 @@ class ServerConfig:
     """host/port: where to listen (loopback by default; port 0 = any free port, printed when ready).
     api_key: Bearer key required on every route but /health (env ROLLOUT_API_KEY).
     admin_api_key: Bearer key required on control and weight routes (env ROLLOUT_ADMIN_API_KEY);
-        it also opens every other route.
+        it also opens every other route. Once either key is set, every route but /health needs
+        one, and the admin routes need the admin key (with only api_key they are closed).
     max_body_bytes: larger request bodies are refused with 413.
     collective_rpc_methods: worker methods /collective_rpc may call, beyond DEFAULT_RPC_METHODS.
     shutdown_grace_s: on SIGINT/SIGTERM, in-flight requests get this long to finish, then are
         aborted (they still get a final response, finish_reason "abort").
     api_server_count: API-server processes sharing the listening socket (rollout/launcher.py).
+    exit_on_engine_death: once no engine replica lives, log why and exit with status 1 (as vLLM
+        does, so that an orchestrator restarts the server); False: stay up answering 503.
     """
 
     host: str = "127.0.0.1"
@@ -37,6 +40,7 @@ class ServerConfig:
     model: str | None = None
     api_server_count: int = 1
     api_server_index: int = 0  # which of them this process is (set by the launcher)
+    exit_on_engine_death: bool = True
 
     def __post_init__(self):
         self.api_key = self.api_key or os.environ.get("ROLLOUT_API_KEY") or None

@@ -125,6 +125,14 @@ class ServerMetrics:
         self.weight_updates.labels(source).inc()
         self._last["weight_update_s"] = seconds
 
+    def engine_died(self) -> None:
+        """No replica lives: engine_healthy 0, and no gauge keeps claiming running work."""
+        self.healthy = False
+        self.throughput = 0.0
+        for k in ("num_running", "num_waiting", "kv_usage", "is_paused", "paused_seconds"):
+            if k in self.engine_stats:
+                self.engine_stats[k] = 0
+
     # ---- engine polling ---------------------------------------------------------------------------
     def update_engine_stats(self, stats: dict) -> None:
         now = time.monotonic()
@@ -145,7 +153,7 @@ class ServerMetrics:
         except Exception as e:  # noqa: BLE001 - a dead engine shows as engine_healthy 0
             from engine.errors import EngineDeadError
             if isinstance(e, EngineDeadError) or getattr(engine, "errored", False):
-                self.healthy = False
+                self.engine_died()
             else:
                 logger.debug("get_stats failed: %s", e)
 

@@ -23,14 +23,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from engine.errors import EngineDeadError
 from rollout.api import control, generate, openai, weights
-from rollout.api.errors import error_body, install_error_handlers
+from rollout.api.errors import document_errors, error_body, install_error_handlers
 from rollout.api.state import ServerState, get_state
 from rollout.config import ServerConfig
 from rollout.metrics import WandbLogger
 
 logger = logging.getLogger("rollout")
 OPEN_PATHS = frozenset({"/health"})
+HEALTH_STATS_TIMEOUT_S = 1.0
+ENGINE_WATCH_S = 0.5
 
 
 class GuardMiddleware:
@@ -104,15 +107,20 @@ class GuardMiddleware:
             return None
         auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
         token = auth[7:].strip() if auth[:7].lower() == "bearer " else None
+        # Once any key is set: admin routes take the admin key only (none set: they are closed),
+        # every other route but /health takes the user key or the admin key.
         is_admin = token is not None and cfg.admin_api_key is not None and _same(token, cfg.admin_api_key)
         is_user = token is not None and cfg.api_key is not None and _same(token, cfg.api_key)
-        if path in admin_paths and cfg.admin_api_key is not None:
+        if path in admin_paths:
             if is_admin:
                 return None
+            if cfg.admin_api_key is None:
+                return 403, "admin routes are closed: the server was started with --api-key but no --admin-api-key", \
+                    "authorization"
             if is_user:
                 return 403, "this route needs the admin API key", "authorization"
             return 401, "missing or wrong admin API key (Authorization: Bearer <key>)", "authorization"
-        if cfg.api_key is None or is_user or is_admin:
+        if is_user or is_admin:
             return None
         return 401, "missing or wrong API key (Authorization: Bearer <key>)", "authorization"
 
@@ -169,18 +177,26 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
     app = FastAPI(title="rollout", lifespan=lifespan)
     install_error_handlers(app)
+    document_errors(app)
     app.add_middleware(GuardMiddleware, config=config, state_getter=lambda: holder.get("state"))
 
     @app.get("/health", tags=["info"])
     async def health(request: Request):
         """200 {"status": "ok"} while every replica lives, {"status": "degraded", "dead_replicas"}
-        while some serve on; 503 once none does."""
+        while some serve on; 503 once none does. While generation is paused it says for how long
+        ("paused_seconds"): a pause nobody lifts is visible to an orchestrator."""
+        engine = get_state(request).engine
         try:
-            health = await get_state(request).engine.check_health()
+            health = await engine.check_health()
         except Exception as e:  # noqa: BLE001 - dead (or unreachable) engine
             return JSONResponse(error_body(503, f"the engine is not healthy: {e}"), status_code=503)
         dead = sorted(set(health["replicas"]) - set(health["alive"]))
-        return {"status": "degraded", "dead_replicas": dead} if dead else {"status": "ok"}
+        body = {"status": "degraded", "dead_replicas": dead} if dead else {"status": "ok"}
+        with contextlib.suppress(Exception):  # a busy or dying engine: liveness is the answer
+            stats = await asyncio.wait_for(engine.get_stats(), HEALTH_STATS_TIMEOUT_S)
+            if stats["is_paused"]:
+                body["paused_seconds"] = round(stats["paused_seconds"], 3)
+        return body
 
     @app.get("/metrics", tags=["info"])
     async def metrics(request: Request):
@@ -235,9 +251,14 @@ class _Server(uvicorn.Server):
 
 
 def listen(config: ServerConfig) -> socket.socket:
-    if config.api_key is None and not _is_loopback(config.host):
+    if config.api_key is None and config.admin_api_key is None and not _is_loopback(config.host):
         _log(f"WARNING: listening on {config.host} without --api-key: anyone who can reach it can generate, "
              "pause, and replace the weights")
+    if config.api_key is not None and config.admin_api_key is None:
+        _log("WARNING: --api-key without --admin-api-key: the admin routes (pause, weights, sleep, ...) are "
+             "closed; pass --admin-api-key to use them")
+    if config.admin_api_key is not None and config.api_key is None:
+        _log("note: --admin-api-key without --api-key: generation takes the admin key too")
     return socket.create_server((config.host, config.port), reuse_port=False)
 
 
@@ -285,11 +306,29 @@ async def serve(config: ServerConfig, sock: socket.socket | None = None, connect
                 await state.abort_all_in_flight()
                 await asyncio.sleep(0.05)
 
-        await _Server(ucfg, on_ready or print_ready, on_shutdown).serve(sockets=[sock])
+        server = _Server(ucfg, on_ready or print_ready, on_shutdown)
+        watcher = asyncio.ensure_future(_exit_when_engine_dies(engine, server, app)) \
+            if config.exit_on_engine_death else None
+        await server.serve(sockets=[sock])
+        if watcher is not None:
+            watcher.cancel()
+        if engine.errored and config.exit_on_engine_death:
+            raise EngineDeadError(engine.dead_error or engine.client.dead_reason)
     finally:
         sock.close()
         engine.shutdown()
         _log("stopped")
+
+
+async def _exit_when_engine_dies(engine, server: uvicorn.Server, app) -> None:
+    while not engine.errored:
+        await asyncio.sleep(ENGINE_WATCH_S)
+    _log(f"the engine died ({engine.dead_error or engine.client.dead_reason}): exiting (status 1) so that an "
+         "orchestrator restarts the server")
+    state = getattr(app.state, "rollout", None)
+    if state is not None:
+        state.metrics.engine_died()
+    server.should_exit = True
 
 
 def run_server(config: ServerConfig) -> int:
@@ -302,6 +341,8 @@ def run_server(config: ServerConfig) -> int:
         asyncio.run(serve(config))
     except KeyboardInterrupt:
         pass
+    except EngineDeadError:
+        return 1
     except (ValueError, OSError) as e:  # bad engine options, unknown model, port in use
         print(f"error: {e}", file=sys.stderr)
         return 1

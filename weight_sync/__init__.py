@@ -23,7 +23,8 @@ IPC on a shared GPU, shared memory on CPU).
 """
 from weight_sync.checkpoint import load_safetensors_folder
 from weight_sync.checksum import weights_checksum
-from weight_sync.group import WeightPushRefused, WeightTransferError, WeightTransferGroup, find_free_port
+from weight_sync.group import (WeightGroupError, WeightPushRefused, WeightTransferError, WeightTransferGroup,
+                               find_free_port)
 from weight_sync.ipc import SharedWeights, read_shared
 from weight_sync.protocol import DEFAULT_BUCKET_BYTES, WeightReceiver, WeightSender
 
@@ -31,6 +32,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "SharedWeights",
     "WeightReceiver",
+    "WeightGroupError",
     "WeightPushRefused",
     "WeightSender",
     "WeightTransferError",

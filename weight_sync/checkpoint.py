@@ -25,7 +25,10 @@ def safetensors_files(path: str | Path) -> list[Path]:
         raise FileNotFoundError(f"no safetensors checkpoint at {path}: not a folder or a .safetensors file")
     index = path / INDEX_NAME
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a safetensors index (a JSON object with a weight_map): {e}") from e
         files = [path / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -41,9 +44,17 @@ def load_safetensors_folder(path: str | Path) -> Iterator[tuple[str, torch.Tenso
     """Yield (name, tensor) for every tensor of every shard; a name found twice is an error."""
     seen: set[str] = set()
     for file in safetensors_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
+        try:
+            f = safe_open(file, framework="pt", device="cpu")
+        except Exception as e:  # safetensors' own error type: a truncated or corrupt file
+            raise ValueError(f"{file} is not a readable safetensors file: {e}") from e
+        with f:
             for name in f.keys():
                 if name in seen:
                     raise ValueError(f"tensor {name!r} appears in more than one shard of {path}")
                 seen.add(name)
-                yield name, f.get_tensor(name)
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as e:
+                    raise ValueError(f"tensor {name!r} of {file} cannot be read: {e}") from e
+                yield name, tensor

@@ -31,14 +31,24 @@ from __future__ import annotations
 
 import datetime
 import socket
+import threading
+import time
 
 import torch
 import torch.distributed as dist
 
 
+MASTER_POLL_S = 0.1
+
+
 class WeightTransferError(RuntimeError):
     """A weight push failed: refused by a receiver, aborted by the sender, or the transport
     (peer died, timed out). The receiver's staged tensors are discarded; live weights are untouched."""
+
+
+class WeightGroupError(WeightTransferError):
+    """The group could not form: a peer never joined within the timeout, or the master address
+    is unreachable. The caller's input (address, port, world size) or its trainer is at fault."""
 
 
 class WeightPushRefused(WeightTransferError):
@@ -64,6 +74,26 @@ def _local_address_towards(master_address: str, master_port: int) -> str:
         return s.getsockname()[0]
 
 
+def _wait_for_master(master_address: str, master_port: int, deadline: float,
+                     cancel: threading.Event | None) -> None:
+    """Return once the master's rendezvous port accepts connections; raise WeightGroupError at
+    the deadline or when `cancel` is set. (TCPStore's own connect retries past its timeout and
+    cannot be cancelled.)"""
+    while True:
+        if cancel is not None and cancel.is_set():
+            raise WeightGroupError(f"forming the weight transfer group at {master_address}:{master_port} was "
+                                   "cancelled")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WeightGroupError(f"could not form the weight transfer group: nothing accepted connections at "
+                                   f"{master_address}:{master_port} in time (is the trainer's rank 0 up?)")
+        try:
+            socket.create_connection((master_address, master_port), timeout=min(left, 0.25)).close()
+            return
+        except OSError:
+            time.sleep(min(MASTER_POLL_S, max(left, 0.0)))
+
+
 def _listen_fd(master_address: str, master_port: int) -> int:
     """A listening socket on master_address only, detached: the TCPStore takes ownership."""
     family = socket.getaddrinfo(master_address, master_port, type=socket.SOCK_STREAM)[0][0]
@@ -80,7 +110,8 @@ class WeightTransferGroup:
     `backend="gloo"` moves CPU tensors over TCP, `backend="nccl"` CUDA tensors (on `device`,
     default the current CUDA device). Both take the same calls; tensors must live on
     `group.device`. The constructor blocks until all `world_size` ranks have joined (or raises
-    after `timeout_s`).
+    after `timeout_s`); a joining rank gives up early when `cancel` is set while it waits for
+    rank 0 to listen.
     """
 
     def __init__(
@@ -92,6 +123,7 @@ class WeightTransferGroup:
         backend: str = "gloo",
         timeout_s: float = 60.0,
         device: torch.device | str | None = None,
+        cancel: threading.Event | None = None,
     ):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -108,13 +140,15 @@ class WeightTransferGroup:
         self._closed = False
 
         if backend == "nccl" and not (torch.cuda.is_available() and hasattr(dist, "ProcessGroupNCCL")):
-            raise RuntimeError("backend 'nccl' needs CUDA and a torch built with NCCL; use 'gloo' on CPU")
+            raise ValueError("backend 'nccl' needs CUDA and a torch built with NCCL; use 'gloo' on CPU")
         if backend == "gloo":
             self.device = torch.device("cpu")
         else:
             self.device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
         self._store = self._pg = None
         listen_fd = _listen_fd(master_address, master_port) if rank == 0 else None
+        if rank != 0:  # joining ranks wait for the master's port first: bounded and cancellable
+            _wait_for_master(master_address, master_port, time.monotonic() + timeout_s, cancel)
         try:
             # wait_for_workers=False: the backend's rendezvous below does the waiting, with our
             # timeout. On rank 0 the store lives as long as the group (peers may still be reading
@@ -141,7 +175,7 @@ class WeightTransferGroup:
                 self._pg = dist.ProcessGroupNCCL(self._store, rank, world_size, opts)
         except RuntimeError as e:  # DistStoreError / DistNetworkError / gloo connect errors
             self._release()
-            raise WeightTransferError(
+            raise WeightGroupError(
                 f"could not form the weight transfer group at {master_address}:{master_port} as rank {rank} "
                 f"of {world_size} within {timeout_s:g}s: {e}"
             ) from e

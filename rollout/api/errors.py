@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineDeadError, EngineStateError, InvalidRequestError
-from weight_sync.group import WeightPushRefused, WeightTransferError
+from weight_sync.group import WeightGroupError, WeightPushRefused, WeightTransferError
 
 logger = logging.getLogger("rollout")
 
@@ -57,10 +57,12 @@ def engine_error(e: BaseException, param: str | None = None) -> APIError:
     if isinstance(e, TimeoutError):
         return APIError(504, str(e) or "the engine did not answer in time")
     text = str(e)
-    if isinstance(e, EngineStateError):
-        return APIError(409, text)
+    if isinstance(e, EngineStateError):  # the field only where the engine names one
+        return APIError(409, text, e.param)
     if isinstance(e, WeightPushRefused):  # names / shapes / dtypes did not match
         return APIError(400, text, param or "update_info", type="weight_transfer_error")
+    if isinstance(e, WeightGroupError):  # no trainer joined at that address in time
+        return APIError(400, text, param or "init_info", type="weight_transfer_error")
     if isinstance(e, WeightTransferError):
         return APIError(500, text, type="weight_transfer_error")
     if isinstance(e, _BAD_INPUT):  # the field the engine names, else the one the route expects
@@ -115,6 +117,10 @@ def install_error_handlers(app: FastAPI) -> None:
         param = validation_param(first.get("loc", ()))
         msg = validation_message(first, param)
         others = {validation_param(x.get("loc", ())) for x in errors} - {param}
+        inner = sorted(o for o in others if o and param and o.startswith((param + "[", param + ".")))
+        if inner:  # a union refused as a whole: name the element at fault (stop[1], not stop)
+            others = others - {inner[0]} | {param}
+            param = inner[0]
         more = f" (and problems with {', '.join(sorted(map(str, others)))})" if others else ""
         return error_response(400, msg + more, param)
 
@@ -122,9 +128,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, e: StarletteHTTPException):
         if e.status_code == 404:
             return error_response(404, f"no route {request.method} {request.url.path}")
-        if e.status_code == 405:
-            return error_response(405, f"{request.method} is not allowed on {request.url.path}")
-        return error_response(e.status_code, str(e.detail))
+        if e.status_code == 405:  # Allow: the methods the route takes (RFC 9110)
+            allow = (e.headers or {}).get("Allow") or (e.headers or {}).get("allow", "")
+            return error_response(405, f"{request.method} is not allowed on {request.url.path} (allowed: {allow})",
+                                  headers=e.headers)
+        return error_response(e.status_code, str(e.detail), headers=e.headers)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, e: InvalidRequestError):
@@ -135,3 +143,34 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _any(request: Request, e: Exception):
         err = engine_error(e)
         return error_response(err.status, err.message, err.param, err.type)
+
+
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"anyOf": [{"type": "string"}, {"type": "null"}]}, "code": {"type": "integer"}}}}}
+
+
+def document_errors(app: FastAPI) -> None:
+    """Make the OpenAPI document say what the server sends: a validation error is a 400 with
+    our error body (FastAPI documents a 422 with its own body, which this server never sends)."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            for item in schema.get("paths", {}).values():
+                for op in item.values():
+                    responses = op.setdefault("responses", {})
+                    responses.pop("422", None)
+                    responses["400"] = {"description": "Bad request (the message and `param` name the field)",
+                                        "content": {"application/json": {
+                                            "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+            schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+            schemas.pop("HTTPValidationError", None)
+            schemas.pop("ValidationError", None)
+            schemas["ErrorResponse"] = _ERROR_SCHEMA
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

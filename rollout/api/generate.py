@@ -92,7 +92,7 @@ async def generate(body: GenerateRequest, request: Request):
     if not body.stream:
         outs = await until_disconnect(request, gather_all(final_output(g) for g in gens))
         return {"results": [request_output_json(o) for o in outs], "usage": usage_json(outs)}
-    firsts = await prime(gens)
+    firsts = await prime(gens, request)
     use_sse = body.stream_format == "sse"
     frame = sse if use_sse else ndjson
 

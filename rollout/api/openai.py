@@ -137,7 +137,7 @@ async def _serve(request: Request, body, prompts: list, field: str, chat: bool):
         return JSONResponse({"id": base, "object": obj, "created": created, "model": state.model_name,
                              "choices": _choices(outs, params.n, state, chat, body, echo),
                              "usage": usage_json(outs)}, headers=headers)
-    firsts = await prime(gens)
+    firsts = await prime(gens, request)
     return StreamingResponse(_events(state, body, gens, firsts, params.n, base, created, chat, echo),
                              media_type="text/event-stream", headers=headers)
 

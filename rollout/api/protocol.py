@@ -17,20 +17,30 @@ PromptInput = str | list[int] | list[str | list[int]]
 
 # what msgpack carries to the engine core: a larger int would fail there, after the request was taken
 INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1
+MAX_GROUP_TIMEOUT_S = 600.0  # forming a weight transfer group waits at most this long
 
 
-def check_ints(value: Any, path: str = "") -> None:
-    """Refuse (400, naming the field) an integer anywhere in a body that msgpack cannot carry."""
-    if isinstance(value, int) and not isinstance(value, bool):
+def check_wire_values(value: Any, path: str = "") -> None:
+    """Refuse (400, naming the field) what the engine core cannot take, anywhere in a body: an
+    integer msgpack cannot carry, a string that is not valid Unicode (a lone surrogate such as
+    "\\ud800", which JSON can spell but UTF-8 cannot encode: tokenizers fail on it)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"{path or 'the body'} is not valid Unicode: a lone surrogate "
+                                f"U+{ord(value[e.start]):04X} at character {e.start}", path or None) from None
+    elif isinstance(value, int) and not isinstance(value, bool):
         if not INT_MIN <= value <= INT_MAX:
             raise APIError(400, f"{path or 'the body'} is out of range: integers must lie in "
                                 f"[-2^63, 2^64), got {value}", path or None)
     elif isinstance(value, dict):
         for k, v in value.items():
-            check_ints(v, f"{path}.{k}" if path else str(k))
+            check_wire_values(k, f"{path} (a key)" if path else "a key")
+            check_wire_values(v, f"{path}.{k}" if path else str(k))
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            check_ints(v, f"{path}[{i}]")
+            check_wire_values(v, f"{path}[{i}]")
 
 
 class _Strict(BaseModel):
@@ -38,8 +48,8 @@ class _Strict(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _ints_fit(cls, data: Any) -> Any:
-        check_ints(data)  # the outermost body runs first, so the path is complete
+    def _values_fit(cls, data: Any) -> Any:
+        check_wire_values(data)  # the outermost body runs first, so the path is complete
         return data
 
 
@@ -233,7 +243,7 @@ class CollectiveRPCBody(_Strict):
     method: str
     args: list[Any] = Field(default_factory=list)
     kwargs: dict[str, Any] = Field(default_factory=dict)
-    timeout: float | None = None
+    timeout: float | None = Field(default=None, gt=0)
 
 
 class ScaleBody(_Strict):
@@ -254,7 +264,7 @@ class InitInfo(_Strict):
     world_size: int = Field(ge=2)
     rank_offset: int = 1
     backend: Literal["gloo", "nccl"] | None = None
-    timeout_s: float = Field(default=60.0, gt=0)
+    timeout_s: float = Field(default=60.0, gt=0, le=MAX_GROUP_TIMEOUT_S)
 
 
 class InitWeightTransferBody(_Strict):
@@ -288,6 +298,10 @@ class FinishWeightUpdateBody(_Strict):
 
 class UpdateFromDiskBody(_Strict):
     path: str
+    version: int | None = None
+
+
+class ReloadWeightsBody(_Strict):
     version: int | None = None
 
 

@@ -28,6 +28,7 @@ class WeightUpdate:
     """A /start_weight_update .. /finish_weight_update sequence in progress."""
 
     started: float
+    version_before: int  # the live version when it started: the finish's version must exceed it
     num_updates: int = 0
     weight_version: int | None = None
 

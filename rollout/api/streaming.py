@@ -7,6 +7,7 @@ import json
 from typing import Any, AsyncGenerator, AsyncIterator
 
 from rollout.api.errors import APIError, engine_error, error_body
+from rollout.api.state import until_disconnect
 
 DONE = b"data: [DONE]\n\n"
 
@@ -24,10 +25,16 @@ def error_event(e: BaseException) -> dict:
     return error_body(err.status, err.message, err.param, err.type)
 
 
-async def prime(gens: list[AsyncGenerator]) -> list:
-    """The first item of every stream; on any failure every stream is closed and the first
+async def prime(gens: list[AsyncGenerator], request) -> list:
+    """The first item of every stream; on any failure, or if the client goes away first (a
+    stream held by a pause sends nothing for a while), every stream is closed and the first
     error is raised."""
-    results = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
+    try:
+        results = await until_disconnect(request, asyncio.gather(*(g.__anext__() for g in gens),
+                                                                 return_exceptions=True))
+    except BaseException:
+        await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
+        raise
     failure = next((r for r in results if isinstance(r, BaseException)), None)
     if failure is not None:
         await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)

@@ -12,7 +12,8 @@
     POST /finish_weight_update {"weight_version": v}   -> closes the update; v labels the weights
          (default: the previous version + 1 per /update_weights)
 
-Ours: POST /update_weights_from_disk {"path", "version"}, POST /update_weights_from_ipc
+Ours: POST /update_weights_from_disk {"path", "version"}, POST /reload_weights {"version"} (the
+start-up checkpoint: after sleep level 2, or to undo pushes), POST /update_weights_from_ipc
 {"handles", "version"} (a trainer on the same machine: weight_sync.SharedWeights, CUDA IPC on a
 shared GPU or shared memory on CPU), POST /close_weight_transfer,
 GET /weights/version (and vLLM's GET /weight_info), GET /weights/checksum (compare with
@@ -28,9 +29,9 @@ from fastapi import APIRouter, Request
 
 from rollout.api.control import call
 from rollout.api.errors import APIError
-from rollout.api.protocol import (FinishWeightUpdateBody, InitWeightTransferBody, StartWeightUpdateBody,
-                                  UpdateFromDiskBody, UpdateFromIPCBody, UpdateWeightsBody)
-from rollout.api.state import ServerState, WeightUpdate, get_state
+from rollout.api.protocol import (FinishWeightUpdateBody, InitWeightTransferBody, ReloadWeightsBody,
+                                  StartWeightUpdateBody, UpdateFromDiskBody, UpdateFromIPCBody, UpdateWeightsBody)
+from rollout.api.state import ServerState, WeightUpdate, get_state, until_disconnect
 
 router = APIRouter(tags=["admin"])
 info_router = APIRouter(tags=["info"])
@@ -46,16 +47,27 @@ async def init_weight_transfer_engine(body: InitWeightTransferBody, request: Req
     if info.world_size != num_workers + 1:
         raise APIError(400, f"world_size must be {num_workers + 1} (the trainer + {num_workers} engine worker(s)), "
                             f"got {info.world_size}", "init_info.world_size")
-    backend = info.backend or ("nccl" if str(state.engine.config.device).startswith("cuda") else "gloo")
-    ranks = await call(state.engine.init_weight_transfer(info.master_address, info.master_port, info.world_size,
-                                                         backend, info.timeout_s), "init_info")
+    on_gpu = str(state.engine.config.device).startswith("cuda")
+    backend = info.backend or ("nccl" if on_gpu else "gloo")
+    if backend == "nccl" and not on_gpu:
+        raise APIError(400, "backend 'nccl' needs the engine on a CUDA device; this engine runs on "
+                            f"{state.engine.config.device}: use 'gloo'", "init_info.backend")
+    # The engine forms the group in a thread and goes on serving; a client that goes away
+    # closes the group it was forming.
+    try:
+        ranks = await until_disconnect(request, call(state.engine.init_weight_transfer(
+            info.master_address, info.master_port, info.world_size, backend, info.timeout_s), "init_info"))
+    except APIError as e:
+        if e.status == 499:
+            await call(state.engine.close_weight_transfer())
+        raise
     return {"message": "Weight transfer initialized", "ranks": ranks, "backend": backend}
 
 
 @router.post("/start_weight_update")
 async def start_weight_update(request: Request, body: StartWeightUpdateBody | None = None):
     state = get_state(request)
-    state.weight_update = WeightUpdate(started=time.monotonic())
+    state.weight_update = WeightUpdate(time.monotonic(), await call(state.engine.get_weight_version()))
     return {"message": "Weight update started"}
 
 
@@ -69,7 +81,7 @@ async def update_weights(body: UpdateWeightsBody, request: Request):
         raise APIError(400, f"names, dtype_names and shapes must have the same length, got {lengths}",
                        "update_info")
     if state.weight_update is None:  # vLLM's older two-phase protocol has no start phase
-        state.weight_update = WeightUpdate(started=time.monotonic())
+        state.weight_update = WeightUpdate(time.monotonic(), await call(state.engine.get_weight_version()))
     async with state.control_lock:
         result = await call(state.engine.update_weights(info.weight_version), "update_info")
     state.weight_update.num_updates += 1
@@ -94,19 +106,15 @@ async def finish_weight_update(request: Request, body: FinishWeightUpdateBody | 
         raise APIError(409, "no weight update in progress: POST /start_weight_update and /update_weights first")
     current = await call(state.engine.get_weight_version())
     if want is not None and want != current:
-        await _relabel(state, want)
+        await _relabel(state, want, upd.version_before)
         current = want
     state.weight_update = None
     state.metrics.observe_push("transfer", time.monotonic() - upd.started)
     return {"message": "Weight update finished", "weight_version": current}
 
 
-async def _relabel(state: ServerState, version: int) -> None:
-    setter = getattr(state.engine, "set_weight_version", None)
-    if setter is None:
-        raise APIError(409, "this engine cannot relabel the weights after the update: pass the version as "
-                            "update_info.weight_version to /update_weights", "weight_version")
-    await call(setter(version), "weight_version")
+async def _relabel(state: ServerState, version: int, above: int) -> None:
+    await call(state.engine.set_weight_version(version, above), "weight_version")
 
 
 @router.post("/update_weights_from_disk")
@@ -115,6 +123,14 @@ async def update_weights_from_disk(body: UpdateFromDiskBody, request: Request):
         raise APIError(400, f"path {body.path!r} is not a folder on the server", "path")
     state = get_state(request)
     return await _timed_update(state, "disk", state.engine.update_weights_from_disk(body.path, body.version), "path")
+
+
+@router.post("/reload_weights")
+async def reload_weights(request: Request, body: ReloadWeightsBody | None = None):
+    """The start-up checkpoint again (after sleep level 2, or to undo pushes)."""
+    state = get_state(request)
+    return await _timed_update(state, "disk", state.engine.reload_weights(body.version if body else None),
+                               "version")
 
 
 @router.post("/update_weights_from_ipc")

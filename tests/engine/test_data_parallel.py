@@ -57,7 +57,7 @@ def test_requests_spread_and_control_reaches_every_replica(tiny_folder):
         generated2 = [s["num_generated_tokens"] for s in replica_stats(llm)]
         assert sorted(b - a for a, b in zip(generated, generated2)) == [0, 16]
         # control verbs reach both and combine
-        assert llm.pause_generation("keep") == {"aborted": 0, "mode": "keep"}
+        assert llm.pause_generation("keep") == {"aborted": 0, "kept": 0, "mode": "keep"}
         assert llm.is_paused() and all(s["is_paused"] for s in replica_stats(llm))
         llm.resume_generation()
         assert not llm.is_paused()

@@ -174,7 +174,7 @@ def test_the_sequences_that_wedged_the_server(core):
     assert core.sleep(1, "keep") is True  # keep: "c" is frozen, loses its KV, recomputes later
     # "c" cannot drain while the engine sleeps: the wait answers at once instead of blocking the
     # caller (and, in the server, every control route) until somebody else wakes the engine
-    assert settle(core, core.pause("wait")) == {"aborted": 0, "mode": "wait"}
+    assert settle(core, core.pause("wait")) == {"aborted": 0, "kept": 0, "mode": "wait"}
     assert core.wake_up()["is_sleeping"] is False
     assert core.is_paused()  # the explicit pause outlives the wake-up
     run_until_idle(core, finished)  # "c" was admitted before the wait pause: it runs to its end
@@ -186,7 +186,7 @@ def test_the_sequences_that_wedged_the_server(core):
 def test_held_and_frozen_requests_make_no_progress(core):
     add(core, "running")
     core.step()
-    assert core.pause("abort") == {"aborted": 1, "mode": "abort"}
+    assert core.pause("abort") == {"aborted": 1, "kept": 0, "mode": "abort"}
     add(core, "held")
     assert [(o.request_id, o.finish_reason) for o in core.step()] == [("running", FinishReason.ABORT)]
     for _ in range(3):
@@ -217,3 +217,26 @@ def test_llm_and_async_llm_have_the_same_control_methods():
     for name in _control_methods(LLM):
         sync, coro = inspect.signature(getattr(LLM, name)), inspect.signature(getattr(AsyncLLM, name))
         assert list(sync.parameters) == list(coro.parameters), name
+
+
+def test_weight_versions_increase_strictly(tiny_folder):
+    """A version at or below the live one is refused (the weights stay as they were), so a
+    token's version names one set of weights; the default is the live version + 1."""
+    llm = LLM(model=tiny_folder, tokenizer=str(default_model_path()), dtype="float32", multiprocess=False,
+              kv_cache_memory=8 << 20)
+    try:
+        assert llm.reload_weights(version=3)["weight_version"] == 3
+        checksum = llm.weights_checksum()
+        for stale in (3, 1, -1):
+            with pytest.raises(EngineStateError, match="must increase") as err:
+                llm.reload_weights(version=stale)
+            assert err.value.param == "weight_version"
+            assert llm.get_weight_version() == 3 and llm.weights_checksum() == checksum
+        assert llm.reload_weights()["weight_version"] == 4
+        with pytest.raises(EngineStateError, match="must increase"):
+            llm.set_weight_version(2)
+        assert llm.set_weight_version(4) == 4 and llm.set_weight_version(9) == 9  # relabel: same or later
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0]
+        assert out.weight_versions == [9, 9]
+    finally:
+        llm.shutdown()

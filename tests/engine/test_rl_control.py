@@ -159,7 +159,7 @@ def _rss(llm) -> int:
 
 
 def test_sleep_releases_memory_and_outputs_survive(llm, prompts):
-    llm.reload_weights(version=0)
+    llm.reload_weights()
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     kv_bytes = llm.collective_rpc("fill_kv_cache")[0]
     weight_bytes = llm.collective_rpc("weight_bytes")[0]
@@ -182,7 +182,7 @@ def test_sleep_releases_memory_and_outputs_survive(llm, prompts):
         llm.generate(prompts, GREEDY, use_tqdm=False)
     with pytest.raises(EngineStateError, match="no weights"):
         llm.weights_checksum()
-    llm.reload_weights(version=0)
+    llm.reload_weights()
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == before
 
 
@@ -329,29 +329,29 @@ def stop_ipc_trainer(proc) -> None:
 def test_weights_shared_by_a_trainer_process(llm, prompts, default_model_path):
     """Shared memory from a real trainer process: bad shares leave the weights whole; a good one
     matches transformers on the new weights and the trainer's checksum."""
-    llm.reload_weights(version=0)
+    base_version = llm.reload_weights()["weight_version"]
     base_sum = llm.weights_checksum()
     for mode, words in (("wrong_shape", "shape"), ("unknown_name", "unknown")):
         proc, shared = start_ipc_trainer(mode)
         with pytest.raises(InvalidRequestError, match=words):
-            llm.update_weights_from_ipc(shared["handles"], version=5)
+            llm.update_weights_from_ipc(shared["handles"], version=base_version + 5)
         stop_ipc_trainer(proc)
-        assert llm.get_weight_version() == 0 and llm.weights_checksum() == base_sum
+        assert llm.get_weight_version() == base_version and llm.weights_checksum() == base_sum
     proc, shared = start_ipc_trainer("full")
     try:
-        result = llm.update_weights_from_ipc(shared["handles"], version=3)
+        result = llm.update_weights_from_ipc(shared["handles"], version=base_version + 3)
     finally:
         stop_ipc_trainer(proc)
-    assert result["weight_version"] == 3 and llm.weights_checksum() == shared["checksum"]
+    assert result["weight_version"] == base_version + 3 and llm.weights_checksum() == shared["checksum"]
     after = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert all(o.outputs[0].weight_versions == [3] * 16 for o in after)
+    assert all(o.outputs[0].weight_versions == [base_version + 3] * 16 for o in after)
     reference = hf_greedy(hf_model_with(default_model_path, perturbed_state(default_model_path)), prompts, 16)
     assert [o.outputs[0].token_ids for o in after] == [r[0] for r in reference]
     # the segment is gone once the trainer closed it: a clear error, weights unchanged
     with pytest.raises(InvalidRequestError, match="closed it too early"):
         llm.update_weights_from_ipc(shared["handles"])
     assert llm.weights_checksum() == shared["checksum"]
-    llm.reload_weights(version=0)
+    llm.reload_weights()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

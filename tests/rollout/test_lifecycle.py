@@ -1,8 +1,9 @@
 """Servers of their own (slow: more model loads): SIGINT while a stream and a paused-queue
 request are in flight -> both get a final response, the process exits 0 and no engine core
 survives; --wandb-project in offline mode writes a run with the metric series; an engine core
-killed with SIGKILL turns /health and generation into 503 within seconds, and the server still
-shuts down cleanly."""
+killed with SIGKILL makes the server exit with status 1 (or, with --stay-up-when-engine-dies, turns
+/health and generation into 503 within seconds and still shuts down cleanly); kill -9 of the
+server leaves neither an engine core nor an ipc socket folder behind."""
 import json
 import os
 import signal
@@ -74,7 +75,8 @@ def test_sigint_gives_in_flight_requests_a_final_response_and_leaves_no_child(tm
 
 
 def test_dead_engine_core_is_503_not_a_hang():
-    server = start_server()
+    """--stay-up-when-engine-dies: 503s (not a hang), zeroed gauges, and a clean SIGTERM exit."""
+    server = start_server("--stay-up-when-engine-dies")
     try:
         [core] = children_of(server.proc.pid)
         os.kill(core, signal.SIGKILL)
@@ -85,6 +87,43 @@ def test_dead_engine_core_is_503_not_a_hang():
         r = httpx.post(server.url + "/generate", json={"prompt": "Hi"}, headers=USER, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["type"] == "engine_dead_error", r.text
         assert httpx.get(server.url + "/health", timeout=10).json()["error"]["code"] == 503
+        metrics = httpx.get(server.url + "/metrics", headers=USER, timeout=10).text
+        assert "rollout_engine_healthy 0.0" in metrics
+        assert "rollout_num_requests_running 0.0" in metrics, "a gauge kept its last value"
     finally:
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(60) == 0, server.log()
+
+
+def _ipc_folders(server_pid: int, core_pid: int) -> set[Path]:
+    """The ipc socket folders a server and its engine core use: the handshake address in the
+    core's command line, and the unix sockets the server has bound."""
+    cmdline = Path(f"/proc/{core_pid}/cmdline").read_text()
+    folders = {Path(m.split("ipc://", 1)[1]).parent for m in cmdline.split("'") if m.startswith("ipc://")}
+    inodes = {os.readlink(f"/proc/{server_pid}/fd/{fd}") for fd in os.listdir(f"/proc/{server_pid}/fd")}
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        cols = line.split()
+        if len(cols) > 7 and f"socket:[{cols[6]}]" in inodes and "/rollout-" in cols[7]:
+            folders.add(Path(cols[7]).parent)
+    return {f for f in folders if f.exists()}
+
+
+def test_engine_death_exits_the_server_and_frontend_death_leaves_no_ipc_folders():
+    # by default a server whose engine died exits with status 1 and says why
+    server = start_server()
+    [core] = children_of(server.proc.pid)
+    os.kill(core, signal.SIGKILL)
+    assert server.proc.wait(30) == 1, server.log()
+    assert "the engine died" in server.log()
+    # kill -9 of the front end: its engine core follows and removes the ipc socket folders
+    server = start_server()
+    [core] = children_of(server.proc.pid)
+    folders = _ipc_folders(server.proc.pid, core)
+    assert len(folders) >= 2, "found no ipc socket folder to watch"
+    server.proc.kill()
+    server.proc.wait(30)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{core}").exists() or any(f.exists() for f in folders):
+        assert time.monotonic() < deadline, f"left behind: core alive={Path(f'/proc/{core}').exists()}, " \
+                                             f"{[str(f) for f in folders if f.exists()]}"
+        time.sleep(0.1)

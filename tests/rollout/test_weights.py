@@ -50,6 +50,33 @@ def test_push_changes_weights_checksum_and_version(transfer, original):
     assert client.generate(PROMPT, GREEDY)[0].token_ids == before.token_ids
 
 
+def test_the_default_push_loses_no_work(transfer, original):
+    """push_weights pauses in mode "keep" by default: a request in flight is neither truncated
+    nor aborted; its tokens after the push carry the new version; the result counts it."""
+    client = transfer
+    old_version = client.weight_version()
+    box, started = {}, threading.Event()
+
+    def stream():
+        deltas = []
+        for _, ds in client.generate_stream(PROMPT, dict(GREEDY, max_tokens=120)):
+            deltas.extend(ds)
+            started.set()
+        box["deltas"] = deltas
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    assert started.wait(120)
+    result = client.push_weights([("model.norm.weight", original["model.norm.weight"])])
+    t.join(120)
+    assert result["aborted"] == 0 and result["kept"] == 1, result
+    deltas = box["deltas"]
+    assert deltas[-1].finish_reason == "length"
+    versions = [v for d in deltas for v in d.weight_versions]
+    assert len(versions) == 120 and versions[0] == old_version and versions[-1] == result["weight_version"]
+    assert versions == sorted(versions)
+
+
 def test_refused_push_leaves_weights_whole(transfer, original):
     client = transfer
     good = client.weights_checksum()

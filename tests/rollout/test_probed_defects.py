@@ -1,0 +1,198 @@
+"""The defects found by probing the served API as an outside tester (issue 13, "fix first"), one
+test each, against the real server:
+
+- pause / resume / sleep / wake_up sequences that used to wedge generation;
+- a pause's deadline (timeout_s): it lifts itself, /health says how long it has lasted;
+- the client's timeout applies to generation (TimeoutError, and the server drops the request);
+- a lone surrogate anywhere in a body: a 400 naming the field, the connection stays usable;
+- bad admin input is a 4xx naming the problem (corrupt checkpoint, nccl on CPU, a master that
+  never answers, a non-positive timeout), weights untouched;
+- forming a weight transfer group does not stall generation; a client that goes away cancels it;
+- weight versions increase strictly (409 naming weight_version);
+- the OpenAPI document says 400 (what the server sends), a 405 carries Allow;
+- API keys: once any key is set, admin routes need the admin key (in process, no engine).
+"""
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from rollout.client import RolloutAPIError, RolloutClient
+from rollout.config import ServerConfig
+from rollout.server import build_app
+from tests.rollout.conftest import ADMIN_KEY, API_KEY
+
+USER = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+SHORT = {"temperature": 0, "max_tokens": 4, "ignore_eos": True}
+
+
+def generates(client, within_s: float = 60) -> bool:
+    """A short generation completes (run in a thread so that a wedge fails instead of hanging)."""
+    box = {}
+    t = threading.Thread(target=lambda: box.update(out=client.generate("Hi", SHORT)[0]), daemon=True)
+    t.start()
+    t.join(within_s)
+    return not t.is_alive() and len(box["out"].token_ids) == 4
+
+
+def test_control_sequences_that_wedged_generation(client):
+    for calls in ([("pause", {"mode": "keep"}), ("pause", {"mode": "abort"}), ("resume", {})],
+                  [("sleep", {"mode": "keep"}), ("pause", {"mode": "wait"}), ("wake_up", {}), ("resume", {})],
+                  [("pause", {"mode": "keep"}), ("sleep", {"mode": "abort"}), ("wake_up", {}), ("resume", {})]):
+        for name, kwargs in calls:
+            getattr(client, name)(**kwargs)
+        assert not client.is_paused() and not client.is_sleeping(), calls
+        assert generates(client), f"generation hangs after {calls}"
+
+
+def test_a_pause_with_a_deadline_lifts_itself(client, server):
+    client.pause(mode="keep", timeout_s=1.5)
+    try:
+        health = httpx.get(server.url + "/health", timeout=10).json()
+        assert health["status"] == "ok" and 0 <= health["paused_seconds"] < 1.5
+        deadline = time.monotonic() + 10
+        while client.is_paused():
+            assert time.monotonic() < deadline, "the pause outlived its timeout_s"
+            time.sleep(0.1)
+        assert "paused_seconds" not in httpx.get(server.url + "/health", timeout=10).json()
+        assert generates(client)
+        assert "nobody resumed" in server.log()
+    finally:
+        client.resume()
+    with pytest.raises(RolloutAPIError) as e:
+        client.pause(timeout_s=0)
+    assert e.value.status == 400 and e.value.param == "timeout_s"
+
+
+def test_the_client_timeout_applies_to_generation(client, server):
+    client.pause(mode="keep")
+    try:
+        with RolloutClient(server.url, api_key=API_KEY, timeout=2) as quick:
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError, match="/generate"):
+                quick.generate("Hi", SHORT)
+            assert time.monotonic() - t0 < 10
+            with pytest.raises(TimeoutError):
+                for _ in quick.generate_stream("Hi", SHORT):
+                    pass
+        deadline = time.monotonic() + 10  # the server dropped what the client left behind
+        while client.server_info()["requests_in_flight"]:
+            assert time.monotonic() < deadline, "requests of a client that timed out stayed in flight"
+            time.sleep(0.1)
+    finally:
+        client.resume()
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/generate", '{"prompt": "a\\ud800b", "sampling_params": {"max_tokens": 2}}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}',
+     "messages[0].content"),
+    ("/v1/completions", '{"prompt": "ab", "max_tokens": 2, "stop": ["\\ud800"]}', "stop[0]"),
+    ("/generate", '{"prompt": "a", "\\ud800": 1}', "a key"),
+])
+def test_a_lone_surrogate_is_a_clean_400_and_the_connection_lives(server, path, body, param):
+    with httpx.Client(base_url=server.url, headers=USER, timeout=60) as http:
+        r = http.post(path, content=body.encode(), headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and "surrogate" in err["message"], err
+        ok = http.post("/generate", json={"prompt": "Hi", "sampling_params": SHORT})  # same connection
+        assert ok.status_code == 200
+    assert "TextEncodeInput" not in server.log()
+
+
+def test_bad_admin_input_is_a_4xx_naming_the_problem(client, server, tmp_path):
+    before = client.weights_checksum()
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header")
+    cases = [
+        ("/update_weights_from_disk", {"path": str(tmp_path)}, "path", "safetensors"),
+        ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1", "master_port": 9,
+                                                        "world_size": 2, "backend": "nccl"}},
+         "init_info.backend", "nccl"),
+        ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1", "master_port": 9,
+                                                        "world_size": 2, "timeout_s": 1}}, "init_info", "trainer"),
+        ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1", "master_port": 9,
+                                                        "world_size": 2, "timeout_s": 10 ** 6}},
+         "init_info.timeout_s", "600"),
+        ("/collective_rpc", {"method": "ping", "timeout": 0}, "timeout", "greater than 0"),
+    ]
+    with httpx.Client(base_url=server.url, headers=ADMIN, timeout=60) as http:
+        for path, body, param, words in cases:
+            t0 = time.monotonic()
+            r = http.post(path, json=body)
+            assert 400 <= r.status_code < 500, (path, r.status_code, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and words in err["message"], (path, err)
+            assert time.monotonic() - t0 < 5, f"{path} took {time.monotonic() - t0:.1f} s"
+    assert client.weights_checksum() == before
+    assert generates(client)
+
+
+def test_forming_a_group_does_not_stall_generation_and_a_disconnect_cancels_it(client, server):
+    body = {"init_info": {"master_address": "127.0.0.1", "master_port": 9, "world_size": 2, "timeout_s": 30}}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1 s: the server stops forming
+        httpx.post(server.url + "/init_weight_transfer_engine", json=body, headers=ADMIN, timeout=1.0)
+    body["init_info"]["timeout_s"] = 3
+    forming = threading.Thread(target=lambda: httpx.post(server.url + "/init_weight_transfer_engine", json=body,
+                                                         headers=ADMIN, timeout=30), daemon=True)
+    forming.start()  # a second attempt is taken (not 409: the first was cancelled) and forms for 3 s
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    assert generates(client, within_s=30)
+    assert time.monotonic() - t0 < 2.5, "generation waited for the group to form"
+    assert forming.is_alive()
+    forming.join(30)
+
+
+def test_weight_versions_increase_strictly(client, model_path):
+    version = client.weight_version() + 1
+    assert client.push_weights_from_disk(model_path, version=version)["weight_version"] == version
+    for stale in (version, version - 1):
+        with pytest.raises(RolloutAPIError) as e:
+            client.push_weights_from_disk(model_path, version=stale)
+        assert e.value.status == 409 and e.value.param == "weight_version" and "increase" in e.value.message
+    assert client.weight_version() == version
+    assert client.reload_weights()["weight_version"] == version + 1
+    assert generates(client)
+
+
+def test_openapi_says_400_and_405_says_allow(server):
+    doc = httpx.get(server.url + "/openapi.json", headers=USER, timeout=30).json()
+    codes = {c for item in doc["paths"].values() for op in item.values() for c in op["responses"]}
+    assert "422" not in codes and "400" in codes
+    assert "ErrorResponse" in doc["components"]["schemas"]
+    r = httpx.get(server.url + "/pause", headers=ADMIN, timeout=30)
+    assert r.status_code == 405 and r.headers["allow"] == "POST", r.headers
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "stop": ["a", 5]}, headers=USER, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop[1]", r.text
+
+
+# (api_key, admin_api_key) -> {(route, token): denied status, or None when the key check lets it through}
+KEY_RULES = {
+    ("u", None): {("/v1/models", None): 401, ("/v1/models", "u"): None, ("/pause", "u"): 403,
+                  ("/pause", None): 403},
+    (None, "a"): {("/v1/models", None): 401, ("/v1/models", "a"): None, ("/pause", "a"): None,
+                  ("/pause", None): 401, ("/pause", "u"): 401},
+    ("u", "a"): {("/v1/models", "u"): None, ("/v1/models", "a"): None, ("/pause", "u"): 403,
+                 ("/pause", "a"): None, ("/pause", "x"): 401},
+    (None, None): {("/v1/models", None): None, ("/pause", None): None},
+}
+
+
+@pytest.mark.parametrize("keys", list(KEY_RULES))
+def test_api_key_rules(keys):
+    app = build_app(engine=None, config=ServerConfig(api_key=keys[0], admin_api_key=keys[1]))
+
+    async def check():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # no engine: passed = not 401/403
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            for (path, token), want in KEY_RULES[keys].items():
+                headers = {"Authorization": f"Bearer {token}"} if token else {}
+                r = await http.request("GET" if path == "/v1/models" else "POST", path, headers=headers)
+                got = r.status_code if r.status_code in (401, 403) else None
+                assert got == want, (keys, path, token, r.status_code, r.text)
+
+    asyncio.run(check())
