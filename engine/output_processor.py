@@ -4,6 +4,7 @@ fan-in, and assembly of RequestOutputs from the core's per-step EngineCoreOutput
 `process_outputs` is the only function that loops over a step's EngineCoreOutputs: one pass
 does detokenization, stop checks and output assembly.
 """
+import time
 from dataclasses import dataclass, field
 
 from tokenizers.decoders import DecodeStream
@@ -63,6 +64,7 @@ class RequestState:
     prompt_logprobs: list | None = None
     prompt_top_logprobs: list | None = None
     num_cached_tokens: int = 0
+    first_token_time: float | None = None  # time.monotonic() when its first token arrived here
     queue: object = None  # the AsyncLLM's per-request queue (None offline)
 
     @property
@@ -113,6 +115,8 @@ class OutputProcessor:
                     state.prompt_top_logprobs = [None if t is None else dict(t) for t in o.prompt_top_logprobs]
             if o.new_token_ids:
                 state.num_cached_tokens = max(state.num_cached_tokens, o.num_cached_tokens)
+                if state.first_token_time is None:
+                    state.first_token_time = time.monotonic()
             stopped = self._append(seq, o)
             if stopped:
                 to_abort.append(o.request_id)
@@ -179,7 +183,7 @@ class OutputProcessor:
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
                              prompt_logprobs=state.prompt_logprobs, prompt_top_logprobs=state.prompt_top_logprobs,
-                             num_cached_tokens=state.num_cached_tokens)
+                             num_cached_tokens=state.num_cached_tokens, first_token_time=state.first_token_time)
 
     @staticmethod
     def _delta(seq: SequenceState) -> CompletionOutput:

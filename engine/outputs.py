@@ -37,3 +37,4 @@ class RequestOutput:
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     core_timestamp: float = 0.0  # time.monotonic() when the engine core produced the newest token
+    first_token_time: float | None = None  # time.monotonic() when the first token reached the frontend

@@ -21,6 +21,10 @@ class Processor:
         self.max_model_len = max_model_len
         eos = config.model_config.eos_token_ids or [tokenizer.eos_token_id]
         self.eos_token_id: int | None = eos[0] if eos and eos[0] is not None else None
+        # no token spells more characters than the longest vocabulary entry: a longer text
+        # cannot fit in the context, and is refused before the tokenizer spends time on it
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = max(longest, 1) * max_model_len
 
     def process(self, prompt: PromptType, params: SamplingParams | None) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids); raises InvalidRequestError."""
@@ -50,6 +54,10 @@ class Processor:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty", "prompt")
+            if len(prompt) > self.max_prompt_chars:
+                raise InvalidRequestError(
+                    f"the prompt has {len(prompt)} characters: more than {self.max_model_len} tokens "
+                    f"(max_model_len) can spell (at most {self.max_prompt_chars} characters)", "prompt")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)

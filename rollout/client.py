@@ -117,6 +117,23 @@ class _Endpoints:
         body.update(sampling_params=sp, request_id=request_id)
         return self._run(_Call("POST", "/generate", lambda b: _outputs(b, sp.get("n", 1)), json=body))
 
+    def generate_chat(self, messages: list[dict], sampling_params: dict | None = None, request_id: str | None = None,
+                      chat_template_kwargs: dict | None = None, tools: list[dict] | None = None):
+        """One conversation through the model's chat template (what /v1/chat/completions runs),
+        with /generate's token-level answer: a GenerateOutput (a list of n when n > 1)."""
+        sp = dict(sampling_params or {})
+        body = {"messages": messages, "sampling_params": sp, "request_id": request_id,
+                "chat_template_kwargs": chat_template_kwargs, "tools": tools}
+        return self._run(_Call("POST", "/generate", lambda b: _outputs(b, sp.get("n", 1))[0], json=body))
+
+    def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None, **fields) -> list[int]:
+        """The token ids the server runs for a text (as is) or a conversation (chat template)."""
+        body = dict(fields, prompt=prompt, messages=messages)
+        return self._run(_Call("POST", "/tokenize", lambda b: b["tokens"], json=body))
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self._run(_Call("POST", "/detokenize", lambda b: b["prompt"], json={"tokens": list(token_ids)}))
+
     def completions(self, prompt, **fields):
         return self._run(_Call("POST", "/v1/completions", json=dict(fields, prompt=prompt)))
 

@@ -14,6 +14,8 @@ or SSE with "stream_format": "sse", ending in `data: [DONE]`) is one result's de
 "prompt_index"; the last line of each result has "finished": true. `logprobs[i]` is the
 sampled token's logprob under the distribution it was drawn from (see SamplingParams).
 """
+import asyncio
+
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
@@ -24,6 +26,8 @@ from rollout.api.errors import APIError, engine_error
 from rollout.api.protocol import GenerateRequest, make_sampling_params
 from rollout.api.state import gather_all, get_state, until_disconnect
 from rollout.api.streaming import DONE, error_event, merge, ndjson, prime, sse
+
+INLINE_CHARS = 8192  # shorter texts are tokenized on the event loop (a thread hop costs more)
 
 router = APIRouter(tags=["generate"])
 
@@ -53,8 +57,33 @@ def usage_json(outs: list[RequestOutput]) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
 
 
-def tokenize_prompts(state, prompts: list, field: str, batch: bool, params) -> list[list[int]]:
-    """Token ids of every prompt, checked now (a bad prompt is a 400 naming it)."""
+async def off_loop(fn, *args, size: int, **kwargs):
+    """fn(*args) in a worker thread when `size` (characters) makes it long, inline otherwise: a
+    long text must not freeze the event loop that serves every other request (the tokenizer
+    releases the GIL)."""
+    if size > INLINE_CHARS:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+async def render_chat(state, messages: list, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                      chat_template_kwargs: dict | None = None, tools: list | None = None) -> str:
+    """The conversation as the model's chat template renders it (a 400 naming `messages` if it
+    cannot)."""
+    convo = [m.to_template() for m in messages]
+    kwargs = dict(chat_template_kwargs or {})
+    if tools:
+        kwargs["tools"] = tools
+    try:
+        return await off_loop(state.engine.tokenizer.apply_chat_template, convo,
+                              size=sum(len(str(m.get("content") or "")) for m in convo),
+                              add_generation_prompt=add_generation_prompt and not continue_final_message,
+                              continue_final_message=continue_final_message, tokenize=False, **kwargs)
+    except Exception as e:  # jinja errors, bad roles, ...
+        raise APIError(400, f"the chat template cannot render these messages: {e}", "messages") from e
+
+
+def _tokenize_all(state, prompts: list, field: str, batch: bool, params) -> list[list[int]]:
     ids = []
     for i, p in enumerate(prompts):
         try:
@@ -62,6 +91,19 @@ def tokenize_prompts(state, prompts: list, field: str, batch: bool, params) -> l
         except InvalidRequestError as e:
             raise APIError(400, f"{field}[{i}]: {e}" if batch else str(e), field) from e
     return ids
+
+
+async def tokenize_prompts(state, prompts: list, field: str, batch: bool, params,
+                           params_field: str = "") -> list[list[int]]:
+    """Token ids of every prompt, checked now (a bad prompt is a 400 naming it; `params_field`
+    prefixes the name of a sampling parameter at fault)."""
+    limit = state.engine.max_model_len
+    if params.max_tokens is not None and params.max_tokens >= limit:  # can never fit (the engine would clamp)
+        raise APIError(400, f"max_tokens is {params.max_tokens}, but the context holds {limit} tokens "
+                            f"(max_model_len) including the prompt; a request whose prompt + max_tokens exceeds "
+                            f"it stops at the context's end with finish_reason 'length'", params_field + "max_tokens")
+    size = sum(len(p) for p in prompts if isinstance(p, str))
+    return await off_loop(_tokenize_all, state, prompts, field, batch, params, size=size)
 
 
 async def final_output(gen) -> RequestOutput:
@@ -79,13 +121,16 @@ async def generate(body: GenerateRequest, request: Request):
     state = get_state(request)
     state.check_can_generate()
     prompts, field, batch = body.prompts()
+    if body.messages is not None:
+        prompts = [await render_chat(state, body.messages, body.add_generation_prompt,
+                                     chat_template_kwargs=body.chat_template_kwargs, tools=body.tools)]
     kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
     try:
         params = make_sampling_params(dict(body.sampling_params.model_dump(), output_kind=kind))
     except InvalidRequestError as e:
         err = engine_error(e)
         raise APIError(400, str(e), f"sampling_params.{err.param}" if err.param else "sampling_params") from e
-    ids = tokenize_prompts(state, prompts, field, batch, params)
+    ids = await tokenize_prompts(state, prompts, field, batch, params, "sampling_params.")
     base = state.new_request_id(body.request_id, "gen")
     rids = [f"{base}-{i}" for i in range(len(ids))] if batch else [base]
     gens = [state.generate(p, params, rid, field) for p, rid in zip(ids, rids)]

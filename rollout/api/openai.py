@@ -1,6 +1,6 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (SSE with
 "stream": true, `data: [DONE]` at the end; usage in a last chunk with
-stream_options.include_usage).
+stream_options.include_usage); vLLM's /tokenize, /detokenize, /tokenizer_info and /version.
 
 Beyond OpenAI (as vLLM): top_k, min_p, min_tokens, stop_token_ids, ignore_eos, ...; with
 "return_token_ids": true each choice also carries `token_ids`, `prompt_token_ids` and
@@ -17,8 +17,9 @@ from engine.errors import InvalidRequestError
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind
 from rollout.api.errors import APIError, engine_error
-from rollout.api.generate import final_output, tokenize_prompts, usage_json
-from rollout.api.protocol import ChatCompletionRequest, CompletionRequest, normalize_prompts
+from rollout.api.generate import final_output, off_loop, render_chat, tokenize_prompts, usage_json
+from rollout.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                  normalize_prompts)
 from rollout.api.state import ServerState, gather_all, get_state, until_disconnect
 from rollout.api.streaming import DONE, error_event, merge, prime, sse
 
@@ -121,7 +122,7 @@ async def _serve(request: Request, body, prompts: list, field: str, chat: bool):
     state.check_can_generate()
     _check_model(state, body.model)
     params = _params(body, body.stream)
-    ids = tokenize_prompts(state, prompts, field, len(prompts) > 1, params)
+    ids = await tokenize_prompts(state, prompts, field, len(prompts) > 1, params)
     base = _request_id(state, request, body, "chatcmpl" if chat else "cmpl")
     rids = [f"{base}-{i}" for i in range(len(ids))] if len(ids) > 1 else [base]
     gens = [state.generate(p, params, rid, field) for p, rid in zip(ids, rids)]
@@ -193,15 +194,59 @@ async def completions(body: CompletionRequest, request: Request):
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    state = get_state(request)
-    messages = [m.to_template() for m in body.messages]
-    kwargs = dict(body.chat_template_kwargs or {})
-    if body.tools:
-        kwargs["tools"] = body.tools
-    try:
-        text = state.engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-            continue_final_message=body.continue_final_message, tokenize=False, **kwargs)
-    except Exception as e:  # jinja errors, bad roles, ...
-        raise APIError(400, f"the chat template cannot render these messages: {e}", "messages") from e
+    text = await render_chat(get_state(request), body.messages, body.add_generation_prompt,
+                             body.continue_final_message, body.chat_template_kwargs, body.tools)
     return await _serve(request, body, [text], "messages", chat=True)
+
+
+# ---- vLLM's tokenizer and info routes ---------------------------------------------------------------
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request):
+    """{"count", "max_model_len", "tokens"[, "token_strs"]}: the ids the engine would run (a
+    text prompt as is, messages through the chat template)."""
+    state = get_state(request)
+    _check_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
+    text = body.prompt if body.messages is None else await render_chat(
+        state, body.messages, body.add_generation_prompt, chat_template_kwargs=body.chat_template_kwargs,
+        tools=body.tools)
+    tok = state.engine.tokenizer
+    ids = await off_loop(tok.encode, text, size=len(text), add_special_tokens=body.add_special_tokens)
+    out = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
+    if body.return_token_strs:
+        out["token_strs"] = tok.convert_ids_to_tokens(ids)
+    return out
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request):
+    state = get_state(request)
+    _check_model(state, body.model)
+    vocab = state.engine.processor.vocab_size
+    bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"token id {body.tokens[bad]} is out of the vocabulary [0, {vocab})", f"tokens[{bad}]")
+    return {"prompt": state.engine.tokenizer.decode(body.tokens)}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request):
+    """The tokenizer's configuration (as vLLM serves it: what a client needs to tokenize alike)."""
+    tok = get_state(request).engine.tokenizer
+    return {"tokenizer_class": type(tok).__name__, "vocab_size": len(tok), "model_max_length": tok.model_max_length,
+            "bos_token": tok.bos_token, "eos_token": tok.eos_token, "pad_token": tok.pad_token,
+            "unk_token": tok.unk_token, "add_bos_token": getattr(tok, "add_bos_token", None),
+            "chat_template": tok.chat_template, "added_tokens_decoder": {
+                str(i): t.content for i, t in tok.added_tokens_decoder.items()}}
+
+
+@router.get("/version")
+async def version():
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return {"version": package_version("rollout")}
+    except PackageNotFoundError:
+        return {"version": "unknown"}

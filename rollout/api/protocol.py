@@ -189,19 +189,28 @@ class GenerateSamplingParams(_Strict):
 
 
 class GenerateRequest(_Strict):
-    """/generate: text prompts (`prompt`) or token ids (`prompt_token_ids`), one or a batch."""
+    """/generate: text prompts (`prompt`, as they are: no chat template, no BOS), token ids
+    (`prompt_token_ids`), one or a batch, or one conversation (`messages`, rendered with the
+    model's chat template and `chat_template_kwargs` / `tools`, as /v1/chat/completions does)."""
 
     prompt: str | list[str] | None = None
     prompt_token_ids: list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict] | None = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: bool = False
     stream_format: Literal["ndjson", "sse"] = "ndjson"
     request_id: str | None = None
 
     def prompts(self) -> tuple[list[str | list[int]], str, bool]:
-        """(prompts, the field they came from, whether the request was a batch)."""
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise APIError(400, "give exactly one of 'prompt' (text) and 'prompt_token_ids'", "prompt")
+        """(prompts, the field they came from, whether the request was a batch); `messages` are
+        rendered by the route (they need the tokenizer)."""
+        if sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)) != 1:
+            raise APIError(400, "give exactly one of 'prompt' (text), 'prompt_token_ids' and 'messages'", "prompt")
+        if self.messages is not None:
+            return [], "messages", False
         if self.prompt is not None:
             batch = isinstance(self.prompt, list)
             prompts = list(self.prompt) if batch else [self.prompt]
@@ -308,3 +317,21 @@ class ReloadWeightsBody(_Strict):
 class UpdateFromIPCBody(_Strict):
     handles: dict  # from weight_sync.SharedWeights.share(): {"kind", "tensors", ...}
     version: int | None = None
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a text `prompt`, or `messages` rendered with the chat template."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict] | None = None
+    return_token_strs: bool = False
+    model: str | None = None
+
+
+class DetokenizeRequest(_Strict):
+    tokens: list[int]
+    model: str | None = None

@@ -74,9 +74,8 @@ class ServerState:
         try:
             async for out in self.engine.generate(prompt, params, request_id):
                 prompt_len = len(out.prompt_token_ids)
+                first_token = out.first_token_time  # also right when only the final output comes
                 for c in out.outputs:
-                    if c.token_ids and first_token is None:
-                        first_token = time.monotonic()
                     num_tokens[c.index] = num_tokens[c.index] * delta + len(c.token_ids)
                 if out.finished:
                     reasons = [c.finish_reason for c in out.outputs]

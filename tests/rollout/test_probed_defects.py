@@ -196,3 +196,88 @@ def test_api_key_rules(keys):
                 assert got == want, (keys, path, token, r.status_code, r.text)
 
     asyncio.run(check())
+
+
+def test_long_prompts_do_not_freeze_the_server(server):
+    from tests.rollout.conftest import MAX_MODEL_LEN
+
+    with httpx.Client(base_url=server.url, headers=USER, timeout=60) as http:
+        t0 = time.monotonic()  # longer than any max_model_len tokens can spell: refused untokenized
+        r = http.post("/generate", json={"prompt": "x" * 900_000})
+        assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
+        assert time.monotonic() - t0 < 2
+    # prompts that must be tokenized to find out they are too long: tokenized beside the loop
+    text = "hello world, this is a test. " * 1300  # ~38k characters, ~10k tokens > MAX_MODEL_LEN
+    assert len(text) < 81 * MAX_MODEL_LEN
+    statuses, lags = [], []
+
+    def post():
+        statuses.append(httpx.post(server.url + "/generate", json={"prompt": text}, headers=USER, timeout=60)
+                        .status_code)
+
+    threads = [threading.Thread(target=post) for _ in range(24)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        t0 = time.monotonic()
+        httpx.get(server.url + "/health", timeout=30)
+        lags.append(time.monotonic() - t0)
+    for t in threads:
+        t.join()
+    assert statuses == [400] * 24
+    assert max(lags) < 0.5, f"/health took {max(lags):.2f} s while long prompts were tokenized"
+
+
+def _ttft(client) -> tuple[float, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {}
+    for fam in text_string_to_metric_families(client.metrics()):
+        for s in fam.samples:
+            if s.name in ("rollout_time_to_first_token_seconds_sum", "rollout_time_to_first_token_seconds_count"):
+                found[s.name.rsplit("_", 1)[1]] = s.value
+    return found["sum"], found["count"]
+
+
+def test_ttft_of_a_non_streamed_request_is_its_first_token_not_its_end(client):
+    s0, n0 = _ttft(client)
+    t0 = time.monotonic()
+    client.generate("Tell me a story.", {"temperature": 0, "max_tokens": 120, "ignore_eos": True})
+    duration = time.monotonic() - t0
+    s1, n1 = _ttft(client)
+    assert n1 == n0 + 1
+    assert s1 - s0 < duration / 3, f"TTFT {s1 - s0:.2f} s of a {duration:.2f} s request"
+
+
+def test_max_tokens_beyond_the_context_is_a_400(server):
+    from tests.rollout.conftest import MAX_MODEL_LEN
+
+    with httpx.Client(base_url=server.url, headers=USER, timeout=60) as http:
+        r = http.post("/v1/completions", json={"prompt": "a", "max_tokens": MAX_MODEL_LEN})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        r = http.post("/generate", json={"prompt": "a", "sampling_params": {"max_tokens": 10 ** 6}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.max_tokens", r.text
+        # within the context alone, but not with the prompt: it runs to the context's end
+        r = http.post("/generate", json={"prompt_token_ids": [1] * 500,
+                                         "sampling_params": {"max_tokens": 100, "ignore_eos": True}})
+        out = r.json()["results"][0]["outputs"][0]
+        assert r.status_code == 200 and out["finish_reason"] == "length" and len(out["token_ids"]) == 12
+
+
+def test_chat_messages_through_generate_and_the_tokenizer_routes(client, server):
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    ids = client.tokenize(messages=messages)
+    assert client.detokenize(ids).startswith("<|im_start|>")
+    out = client.generate_chat(messages, {"temperature": 0, "max_tokens": 8})
+    assert out.prompt_token_ids == ids
+    chat = client.chat_completions(messages, max_tokens=8, temperature=0, return_token_ids=True)
+    assert chat["choices"][0]["token_ids"] == out.token_ids  # the same rendering as the chat route
+    assert client.tokenize("hello world") == client.generate("hello world", {"max_tokens": 1})[0].prompt_token_ids
+    with httpx.Client(base_url=server.url, headers=USER, timeout=30) as http:
+        info = http.get("/tokenizer_info").json()
+        assert info["eos_token"] and info["chat_template"]
+        assert http.get("/version").json()["version"]
+        r = http.post("/detokenize", json={"tokens": [1, 10 ** 9]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens[1]"
+        r = http.post("/generate", json={"prompt": "a", "messages": messages})
+        assert r.status_code == 400 and "exactly one" in r.json()["error"]["message"]
