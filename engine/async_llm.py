@@ -222,15 +222,17 @@ class AsyncLLM:
 
     # ---- RL control: pause / resume (the engine core owns the state) ------------------------------
     async def pause_generation(self, mode: str = "abort", clear_cache: bool = True,
-                               timeout_s: float | None = None) -> dict:
+                               timeout_s: float | None = None, recompute_kv: bool = False) -> dict:
         """Stop generating. "abort": in-flight requests end now with finish_reason "abort" and the
         tokens so far; "wait": they run to completion (this returns then); "keep": they freeze in
         place (KV kept) and continue after resume_generation(). New requests are held until the
         resume either way; with `timeout_s` the pause lifts itself (logged) if nobody resumed
-        within it. Returns {"aborted": n, "kept": n (frozen by keep), "mode": mode}."""
+        within it. `recompute_kv` (keep): frozen requests recompute their KV under weights pushed
+        during the pause instead of reusing the old weights' KV (EngineCore.pause). Returns
+        {"aborted": n, "kept": n (frozen by keep), "mode": mode}."""
         if mode not in ("abort", "wait", "keep"):
             raise InvalidRequestError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}", "mode")
-        return await self._call("pause", mode, clear_cache, timeout_s)
+        return await self._call("pause", mode, clear_cache, timeout_s, recompute_kv)
 
     async def resume_generation(self) -> dict:
         """Resume; returns {"paused_seconds": how long generation was paused, or None}."""

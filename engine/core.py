@@ -109,6 +109,7 @@ class EngineCore:
         self.paused_since: float | None = None  # time.monotonic() of the pause now in force
         self.paused_by_sleep = False  # the pause now in force was made by sleep(): wake_up lifts it
         self.pause_deadline: float | None = None  # time.monotonic() at which the pause lifts itself
+        self.recompute_kept_kv = False  # pause(keep, recompute_kv=True): new weights drop the frozen KV
         self.forming_group: Deferred | None = None  # init_weight_transfer while its group forms
         self.group_cancel = threading.Event()  # set by close_weight_transfer to stop the forming
         self.asleep: set[str] = set()  # parts freed by sleep: "weights", "kv_cache"
@@ -196,16 +197,22 @@ class EngineCore:
         return outputs
 
     # ---- pause / resume -------------------------------------------------------------------
-    def pause(self, mode: str = "abort", clear_cache: bool = True, timeout_s: float | None = None):
+    def pause(self, mode: str = "abort", clear_cache: bool = True, timeout_s: float | None = None,
+              recompute_kv: bool = False):
         """Pause generation (see the module docstring); "wait" answers once the admitted requests
         finished. `timeout_s`: resume by itself (logged) if nobody resumed within it, so a trainer
-        that dies while generation is paused does not hang every rollout. Returns {"aborted": n
+        that dies while generation is paused does not hang every rollout. `recompute_kv` (mode
+        "keep"): when new weights go live during this pause, the frozen requests drop their KV and
+        recompute it (prompt and tokens so far) under the new weights, so every later token is
+        what the new weights give for the whole sequence (SGLang's retract); by default they keep
+        the KV the old weights computed (vLLM's keep), which is cheaper. Returns {"aborted": n
         (requests an abort-mode pause ended), "kept": n (requests a keep-mode pause froze; they
         continue after resume), "mode": mode}."""
         if timeout_s is not None and not timeout_s > 0:
             raise InvalidRequestError(f"pause timeout_s must be positive, got {timeout_s}", "timeout_s")
         num_aborted = self._set_pause(mode)
         self.pause_deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.recompute_kept_kv = recompute_kv
         kept = len(self.scheduler.requests) - len(self.scheduler.held) if mode == "keep" else 0
 
         def finish() -> dict:
@@ -245,6 +252,7 @@ class EngineCore:
         self.paused_since = None
         self.paused_by_sleep = False
         self.pause_deadline = None
+        self.recompute_kept_kv = False
         return {"paused_seconds": seconds}
 
     def is_paused(self) -> bool:
@@ -364,6 +372,8 @@ class EngineCore:
         increases; a replica that joins by scaling takes the live version); no KV computed by
         the old weights is reused (prefix and encoder caches cleared)."""
         self.executor.collective_rpc("commit_staged")
+        if self.recompute_kept_kv and self.scheduler.pause_state is PauseState.PAUSED_ALL:
+            self.scheduler.preempt_all()  # the frozen requests recompute under the new weights
         self.weight_version = int(version)
         self.needs_weights = False
         self.reset_prefix_cache()

@@ -128,11 +128,11 @@ class LLM:
     # Offline, generate() returns only when its requests are done, so pausing matters between
     # calls: "keep" freezes requests left in the engine; weights updates need a paused or idle engine.
     def pause_generation(self, mode: str = "abort", clear_cache: bool = True,
-                         timeout_s: float | None = None) -> dict:
+                         timeout_s: float | None = None, recompute_kv: bool = False) -> dict:
         """See AsyncLLM.pause_generation."""
         if mode not in ("abort", "wait", "keep"):
             raise InvalidRequestError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}", "mode")
-        return self.client.call_utility("pause", mode, clear_cache, timeout_s)
+        return self.client.call_utility("pause", mode, clear_cache, timeout_s, recompute_kv)
 
     def resume_generation(self) -> dict:
         return self.client.call_utility("resume")

@@ -133,9 +133,30 @@ class LlamaModel:
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {name: (tuple(v.shape), v.dtype) for name, v in self.hf_views()}
 
+    def accepted_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What a push may carry: the model's tensors, and for tied embeddings the copy of
+        lm_head.weight that a trainer's state_dict() holds (see untie_pushed)."""
+        accepted = self.expected_weights()
+        if self.mc.tie_word_embeddings:
+            accepted["lm_head.weight"] = accepted["model.embed_tokens.weight"]
+        return accepted
+
+    def untie_pushed(self, staged: dict[str, torch.Tensor]) -> None:
+        """Drop a pushed lm_head.weight of a tied model (as vLLM does) after checking it equals
+        the embedding it is tied to (the pushed one, else the live one)."""
+        head = staged.pop("lm_head.weight", None) if self.mc.tie_word_embeddings else None
+        if head is None:
+            return
+        embed = staged.get("model.embed_tokens.weight", self.hf_view("model.embed_tokens.weight"))
+        if not torch.equal(head.to(embed.device, embed.dtype), embed):
+            raise InvalidRequestError("lm_head.weight differs from model.embed_tokens.weight, but this model ties "
+                                      "them (tie_word_embeddings): push equal tensors, or only the embedding")
+
     def check_weight(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> None:
         """Refuse (InvalidRequestError) a tensor this model has no place for: unknown name, wrong
         shape, or (when given) a dtype other than the model's."""
+        if name == "lm_head.weight" and self.mc.tie_word_embeddings:  # the tied copy: see untie_pushed
+            name = "model.embed_tokens.weight"
         if name not in self._hf:
             raise InvalidRequestError(f"unknown parameter {name!r} (this model has no such tensor)")
         view = self.hf_view(name)

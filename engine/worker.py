@@ -98,7 +98,7 @@ class Worker:
 
             if self.transfer_group is None:
                 raise EngineStateError("no weight transfer group: call init_weight_transfer first")
-            staged = WeightReceiver(self.transfer_group).receive(model.expected_weights())
+            staged = WeightReceiver(self.transfer_group).receive(model.accepted_weights())
         elif source in ("disk", "reload"):
             path = self.config.model if source == "reload" else args[0]
             staged = {}
@@ -125,6 +125,7 @@ class Worker:
                 group.close()
         else:
             raise InvalidRequestError(f"unknown weight source {source!r}")
+        model.untie_pushed(staged)
         if not staged:
             raise InvalidRequestError("weight update: no tensors")
         if not self.model_runner.weights_valid:

@@ -59,6 +59,7 @@ class GenerateOutput:
     prompt_token_ids: list[int] = field(default_factory=list)
     request_id: str = ""
     num_cached_tokens: int = 0
+    prompt_logprobs: list[float | None] | None = None  # with sampling_params.prompt_logprobs; [0] is None
 
     @classmethod
     def from_json(cls, result: dict, c: dict) -> GenerateOutput:
@@ -67,7 +68,8 @@ class GenerateOutput:
                    text=c["text"], finish_reason=c.get("finish_reason"), stop_reason=c.get("stop_reason"),
                    top_logprobs=None if top is None else [[(int(t), float(lp)) for t, lp in step] for step in top],
                    prompt_token_ids=result.get("prompt_token_ids", []), request_id=result.get("request_id", ""),
-                   num_cached_tokens=result.get("num_cached_tokens", 0))
+                   num_cached_tokens=result.get("num_cached_tokens", 0),
+                   prompt_logprobs=result.get("prompt_logprobs"))
 
 
 @dataclass
@@ -111,7 +113,8 @@ class _Endpoints:
     # ---- generation -------------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: dict | None = None,
                  request_id: str | None = None):
-        """One output per prompt, in order (a list of n outputs per prompt when n > 1)."""
+        """A list with one entry per prompt, in order (also for a single prompt): a GenerateOutput,
+        or with n > 1 the list of its n samples."""
         body, _ = _prompt_body(prompts)
         sp = dict(sampling_params or {})
         body.update(sampling_params=sp, request_id=request_id)
@@ -141,7 +144,12 @@ class _Endpoints:
         return self._run(_Call("POST", "/v1/chat/completions", json=dict(fields, messages=messages)))
 
     def models(self):
+        """The served model names (`model_info()` has their folders and context lengths)."""
         return self._run(_Call("GET", "/v1/models", lambda b: [m["id"] for m in b["data"]], idempotent=True))
+
+    def model_info(self) -> list[dict]:
+        """/v1/models' entries: id, root (the model folder on the server), max_model_len, ..."""
+        return self._run(_Call("GET", "/v1/models", lambda b: b["data"], idempotent=True))
 
     # ---- info -------------------------------------------------------------------------------------
     def health(self):
@@ -171,10 +179,13 @@ class _Endpoints:
                                timeout=LONG_TIMEOUT))
 
     # ---- control ----------------------------------------------------------------------------------
-    def pause(self, mode: str = "abort", clear_cache: bool = True, timeout_s: float | None = None):
+    def pause(self, mode: str = "abort", clear_cache: bool = True, timeout_s: float | None = None,
+              recompute_kv: bool = False):
         """{"aborted": n, "kept": n}. `timeout_s`: the server resumes by itself after that long
-        unless resumed (so a trainer that dies while paused does not hang the rollouts)."""
-        params = {"mode": mode, "clear_cache": str(clear_cache).lower()}
+        unless resumed (so a trainer that dies while paused does not hang the rollouts).
+        `recompute_kv` (keep): weights pushed during the pause make the frozen requests
+        recompute their KV under the new weights instead of reusing the old weights' KV."""
+        params = {"mode": mode, "clear_cache": str(clear_cache).lower(), "recompute_kv": str(recompute_kv).lower()}
         if timeout_s is not None:
             params["timeout_s"] = timeout_s
         return self._run(_Call("POST", "/pause", params=params, admin=True, timeout=LONG_TIMEOUT))
@@ -270,17 +281,20 @@ class _Endpoints:
         """Form the transfer group: this process is rank 0, the server's workers join."""
         return self.weights.init(backend, master_address, master_port, timeout_s, bucket_bytes)
 
-    def push_weights(self, named_tensors, version: int | None = None, pause_mode: str = "keep", dtype=None):
+    def push_weights(self, named_tensors, version: int | None = None, pause_mode: str = "keep", dtype=None,
+                     recompute_kv: bool = False):
         """pause -> broadcast -> atomic swap -> clear caches -> resume (see WeightTransfer.push)."""
-        return self.weights.push(named_tensors, version, pause_mode, dtype)
+        return self.weights.push(named_tensors, version, pause_mode, dtype, recompute_kv)
 
-    def weight_update(self, version: int | None = None, pause_mode: str = "keep", dtype=None):
+    def weight_update(self, version: int | None = None, pause_mode: str = "keep", dtype=None,
+                      recompute_kv: bool = False):
         """One update in several chunks, as a context manager (see WeightTransfer.update)."""
-        return self.weights.update(version, pause_mode, dtype)
+        return self.weights.update(version, pause_mode, dtype, recompute_kv)
 
-    def push_weights_shared(self, named_tensors, version: int | None = None, pause_mode: str = "keep"):
+    def push_weights_shared(self, named_tensors, version: int | None = None, pause_mode: str = "keep",
+                            recompute_kv: bool = False):
         """Same machine: CUDA IPC on a shared GPU, shared memory on CPU; no group needed."""
-        return self.weights.push_shared(named_tensors, version, pause_mode)
+        return self.weights.push_shared(named_tensors, version, pause_mode, recompute_kv)
 
     def close_weight_transfer(self):
         return self.weights.close()
@@ -351,7 +365,9 @@ class RolloutClient(_Transport, _Endpoints):
                 time.sleep(min(0.1 * 2 ** attempt, 2.0))
 
     def generate_stream(self, prompts, sampling_params: dict | None = None, request_id: str | None = None):
-        """Yields (prompt index, GenerateOutput delta: only the new tokens) as they come."""
+        """Yields (prompt index, [GenerateOutput delta per sample: only the new tokens]) as they
+        come: always a list, of n deltas (sample i at position i; a sample without new tokens in
+        this event has an empty delta)."""
         body, _ = _prompt_body(prompts)
         body.update(sampling_params=dict(sampling_params or {}), request_id=request_id, stream=True)
         call = _Call("POST", "/generate", json=body)

@@ -121,6 +121,11 @@ async def _abeside(client, step: Beside) -> Both:
     return both
 
 
+def _pause(mode: str, recompute_kv: bool) -> dict:
+    """The pause a push makes: client.pause(**this)."""
+    return {"mode": mode, "recompute_kv": recompute_kv} if recompute_kv else {"mode": mode}
+
+
 def log_push(wandb_run: Any, source: str, seconds: float, num_bytes: int | None, version: int | None) -> None:
     """Log one push to the trainer's W&B run (`True`: the current `wandb.run`). commit=False: the
     values join the trainer's next `log` call instead of advancing its step."""
@@ -236,7 +241,8 @@ class WeightTransfer:
         group.close()
 
     # ---- pushes -------------------------------------------------------------------------------
-    def push(self, named_tensors: Iterable, version: int | None = None, pause_mode: str = "keep", dtype=None):
+    def push(self, named_tensors: Iterable, version: int | None = None, pause_mode: str = "keep", dtype=None,
+             recompute_kv: bool = False):
         """pause(mode) -> start -> [POST /update_weights || WeightSender.send] -> finish(version) -> resume.
 
         Tensors carry Hugging Face names (a subset of the model is fine) and are cast to the
@@ -248,11 +254,12 @@ class WeightTransfer:
         pause_mode "keep" (the default) loses no work: requests in flight freeze and continue on
         the new weights (their later tokens carry the new version); "abort" ends them with
         finish_reason "abort" and partial tokens; "wait" lets them finish first. The result says
-        how many were aborted and kept."""
-        return self.run(self._push_plan(named_tensors, version, pause_mode, dtype))
+        how many were aborted and kept. `recompute_kv`: kept requests recompute their KV under the
+        new weights instead of reusing the old weights' KV (see RolloutClient.pause)."""
+        return self.run(self._push_plan(named_tensors, version, _pause(pause_mode, recompute_kv), dtype))
 
-    def _push_plan(self, named_tensors, version, pause_mode, dtype) -> Plan:
-        update = yield from self._begin_plan(version, pause_mode, dtype)
+    def _push_plan(self, named_tensors, version, pause: dict, dtype) -> Plan:
+        update = yield from self._begin_plan(version, pause, dtype)
         ok = False
         try:
             yield from self._send_plan(update, named_tensors)
@@ -261,18 +268,19 @@ class WeightTransfer:
             yield from self._end_plan(update, ok)
         return update.result()
 
-    def update(self, version: int | None = None, pause_mode: str = "keep", dtype=None):
+    def update(self, version: int | None = None, pause_mode: str = "keep", dtype=None, recompute_kv: bool = False):
         """with client.weight_update(version=step) as u: u.send(chunk); u.send(chunk2) ...
         (async with ... and await u.send(...) with the asyncio client)
 
         One update in several pushes (e.g. layer by layer, to bound the trainer's memory): pause
         and start on entry, finish(version) and resume on exit (resume only, after an error).
         Every chunk is swapped in atomically on arrival; generation stays paused in between."""
-        return (self._async_update if self.is_async else self._sync_update)(version, pause_mode, dtype)
+        return (self._async_update if self.is_async else self._sync_update)(
+            version, _pause(pause_mode, recompute_kv), dtype)
 
     @contextlib.contextmanager
-    def _sync_update(self, version, pause_mode, dtype):
-        update = self.run(self._begin_plan(version, pause_mode, dtype))
+    def _sync_update(self, version, pause: dict, dtype):
+        update = self.run(self._begin_plan(version, pause, dtype))
         ok = False
         try:
             yield update
@@ -281,8 +289,8 @@ class WeightTransfer:
             self.run(self._end_plan(update, ok))
 
     @contextlib.asynccontextmanager
-    async def _async_update(self, version, pause_mode, dtype):
-        update = await self.run(self._begin_plan(version, pause_mode, dtype))
+    async def _async_update(self, version, pause: dict, dtype):
+        update = await self.run(self._begin_plan(version, pause, dtype))
         ok = False
         try:
             yield update
@@ -290,11 +298,11 @@ class WeightTransfer:
         finally:
             await self.run(self._end_plan(update, ok))
 
-    def _begin_plan(self, version, pause_mode, dtype) -> Plan:
+    def _begin_plan(self, version, pause: dict, dtype) -> Plan:
         if self.group is None:
             raise RuntimeError("no weight transfer group: call init_weight_transfer() first")
         update = WeightUpdate(self, self.group, dtype or self.dtype)
-        update.paused = yield lambda c: c.pause(mode=pause_mode)
+        update.paused = yield lambda c: c.pause(**pause)
         try:
             live = yield lambda c: c.weight_version()
             if version is not None and version <= live:  # refused before any byte moves
@@ -335,16 +343,17 @@ class WeightTransfer:
             log_push(self.client.wandb_run, "broadcast", time.perf_counter() - update.t0,
                      sum(s["send"]["num_bytes"] for s in update.stats), update.weight_version)
 
-    def push_shared(self, named_tensors: Iterable, version: int | None = None, pause_mode: str = "keep"):
+    def push_shared(self, named_tensors: Iterable, version: int | None = None, pause_mode: str = "keep",
+                    recompute_kv: bool = False):
         """For a trainer on the server's machine: pause -> share the tensors (CUDA IPC on a shared
         GPU, shared memory on CPU; in the engine's dtype) -> the engine copies them in -> resume.
         No transfer group needed."""
-        return self.run(self._shared_plan(named_tensors, version, pause_mode))
+        return self.run(self._shared_plan(named_tensors, version, _pause(pause_mode, recompute_kv)))
 
-    def _shared_plan(self, named_tensors, version, pause_mode) -> Plan:
+    def _shared_plan(self, named_tensors, version, pause: dict) -> Plan:
         from weight_sync import SharedWeights
 
-        paused = yield lambda c: c.pause(mode=pause_mode)
+        paused = yield lambda c: c.pause(**pause)
         try:
             with SharedWeights() as shared:
                 handles = shared.share(named_tensors)

@@ -3,7 +3,8 @@
     POST /pause?mode=abort|wait|keep&clear_cache=true&timeout_s=t
                                                          -> {"status": "paused", "aborted": n, "kept": n}
          (timeout_s: the pause lifts itself after t seconds unless resumed: a trainer that dies
-          while generation is paused does not hang the rollouts)
+          while generation is paused does not hang the rollouts; recompute_kv=true with keep:
+          weights pushed during the pause make the frozen requests recompute their KV)
     POST /resume                                         -> {"status": "resumed"}
     GET  /is_paused                                      -> {"is_paused": bool}
     POST /sleep?level=1|2&mode=abort|wait|keep           -> {"status": "sleeping", "level": n}
@@ -50,12 +51,12 @@ async def call(coro, param: str | None = None):
 
 @router.post("/pause")
 async def pause(request: Request, mode: PauseMode = Query("abort"), clear_cache: bool = Query(True),
-                timeout_s: float | None = Query(None, gt=0)):
+                timeout_s: float | None = Query(None, gt=0), recompute_kv: bool = Query(False)):
     state = get_state(request)
     t0 = time.monotonic()
     async with state.control_lock:
-        result = await call(state.engine.pause_generation(mode=mode, clear_cache=clear_cache, timeout_s=timeout_s),
-                            "mode")
+        result = await call(state.engine.pause_generation(mode=mode, clear_cache=clear_cache, timeout_s=timeout_s,
+                                                          recompute_kv=recompute_kv), "mode")
     state.metrics.pause_call_seconds.observe(time.monotonic() - t0)
     return {"status": "paused", "mode": mode, "aborted": result["aborted"], "kept": result["kept"]}
 

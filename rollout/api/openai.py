@@ -65,6 +65,41 @@ def completion_logprobs(c: CompletionOutput, tokens: _Tokens, offset: int) -> di
     return {"tokens": strs, "token_logprobs": list(c.logprobs), "top_logprobs": top, "text_offset": offsets}
 
 
+def prompt_logprobs_json(out: RequestOutput, tokens: _Tokens) -> dict:
+    """OpenAI's logprobs of the prompt tokens (echo): the first has none (no prefix); each
+    top_logprobs entry holds the actual token and the top-k alternatives."""
+    strs = [tokens.text(t) for t in out.prompt_token_ids]
+    top: list[dict | None] = [None]
+    for i in range(1, len(strs)):
+        d = {strs[i]: out.prompt_logprobs[i]}
+        if out.prompt_top_logprobs is not None and out.prompt_top_logprobs[i] is not None:
+            d.update({tokens.text(k): v for k, v in out.prompt_top_logprobs[i].items()})
+        top.append(d)
+    offsets, pos = [], 0
+    for s in strs:
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": strs, "token_logprobs": list(out.prompt_logprobs), "top_logprobs": top, "text_offset": offsets}
+
+
+def _echoed(out: RequestOutput, c: CompletionOutput, tokens: _Tokens, prompt_text: str, body) -> dict:
+    """A completion choice with the prompt echoed: its text and, with logprobs, the prompt's
+    per-token logprobs before the generated ones (max_tokens 0: the prompt's alone)."""
+    score_only = body.scores_prompt_only
+    ch = {"text": prompt_text if score_only else prompt_text + c.text, "logprobs": None}
+    if score_only:
+        ch.update(finish_reason="length", stop_reason=None)
+    if body.logprobs is None or out.prompt_logprobs is None:
+        return ch
+    lp = prompt_logprobs_json(out, tokens)
+    if not score_only and c.logprobs is not None:
+        gen = completion_logprobs(c, tokens, len(prompt_text))
+        for k in lp:
+            lp[k] = lp[k] + gen[k]
+    ch["logprobs"] = lp
+    return ch
+
+
 def chat_logprobs(c: CompletionOutput, tokens: _Tokens) -> dict | None:
     if c.logprobs is None:
         return None
@@ -107,6 +142,8 @@ def _choices(outs: list[RequestOutput], n: int, state: ServerState, chat: bool, 
             if chat:
                 ch["message"] = {"role": "assistant", "content": text}
                 ch["logprobs"] = chat_logprobs(c, tokens)
+            elif getattr(body, "echo", False):
+                ch.update(_echoed(out, c, tokens, prefix_text[p], body))
             else:
                 ch["text"] = text
                 ch["logprobs"] = completion_logprobs(c, tokens, len(prefix_text[p]))
@@ -128,8 +165,8 @@ async def _serve(request: Request, body, prompts: list, field: str, chat: bool):
     gens = [state.generate(p, params, rid, field) for p, rid in zip(ids, rids)]
     echo = [p if isinstance(p, str) else state.engine.tokenizer.decode(p) for p in prompts] \
         if getattr(body, "echo", False) else [""] * len(prompts)
-    if getattr(body, "echo", False) and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported", "echo")
+    if getattr(body, "echo", False) and body.stream and (body.logprobs is not None or body.max_tokens == 0):
+        raise APIError(400, "echo with logprobs or max_tokens 0 needs stream: false", "echo")
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
     headers = {"X-Request-Id": base}

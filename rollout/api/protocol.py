@@ -118,9 +118,20 @@ class CompletionRequest(_OpenAISampling):
         if self.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
 
+    @property
+    def scores_prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt's logprobs alone (how evaluation harnesses score
+        choices). The engine samples one token, which the answer leaves out."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self, output_kind: RequestOutputKind) -> SamplingParams:
         self.check_unsupported()
-        return make_sampling_params(dict(self.sampling_kwargs(), max_tokens=self.max_tokens, logprobs=self.logprobs,
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens 0 needs echo: true (scoring the prompt)", "max_tokens")
+        echo_logprobs = self.echo and self.logprobs is not None
+        return make_sampling_params(dict(self.sampling_kwargs(), max_tokens=1 if self.scores_prompt_only
+                                         else self.max_tokens, logprobs=self.logprobs,
+                                         prompt_logprobs=self.logprobs if echo_logprobs else None,
                                          output_kind=output_kind))
 
 

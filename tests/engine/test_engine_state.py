@@ -240,3 +240,47 @@ def test_weight_versions_increase_strictly(tiny_folder):
         assert out.weight_versions == [9, 9]
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("recompute_kv", [False, True])
+def test_keep_mode_kv_policies_against_a_trainer_recompute(core, tiny_folder, recompute_kv):
+    """New weights pushed while a request is frozen (pause keep): with recompute_kv its later
+    tokens' logprobs are what the new weights give for the whole sequence (a trainer's recompute,
+    transformers in float32); by default the old weights' KV is reused and they are not."""
+    from transformers import AutoModelForCausalLM
+
+    prompt, params = [1, 2, 3, 4, 5, 6], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+    core.add_request(EngineCoreRequest("r", prompt, params, None))
+    tokens, logprobs, versions = [], [], []
+
+    def collect(outputs):
+        for o in outputs:
+            tokens.extend(o.new_token_ids)
+            logprobs.extend(o.new_logprobs)
+            versions.extend([o.weight_version] * len(o.new_token_ids))
+
+    while len(tokens) < 4:
+        collect(core.step())
+    assert core.pause("keep", recompute_kv=recompute_kv)["kept"] == 1
+    hf = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "layers" in name and p.dim() == 2:
+                p.mul_(1.5)
+    core.stage_weights("tensors", [list(hf.state_dict().items())])
+    core.commit_weights(core.weight_version + 1)
+    core.resume()
+    for _ in range(100):
+        if not core.has_work():
+            break
+        collect(core.step())
+    assert len(tokens) == 10 and versions[0] == 0 and versions[-1] == 1
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + tokens])).logits[0].float()
+    ref = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    after = [i for i, v in enumerate(versions) if v == 1]
+    gap = max(abs(logprobs[i] - ref[i].item()) for i in after)
+    if recompute_kv:
+        assert gap < 1e-4, f"recomputed KV: {gap} nats from the trainer's recompute"
+    else:
+        assert gap > 1e-3, "reused KV matched a recompute under the new weights: the test cannot tell them apart"

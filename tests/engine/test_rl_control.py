@@ -396,3 +396,20 @@ def test_ipc_handles_are_checked_and_never_run_code(tmp_path):
     with pytest.raises(ValueError, match="may not name"):
         read_shared(evil, cpu)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_a_tied_lm_head_in_a_push_is_checked_and_skipped(default_model_path):
+    """A trainer's state_dict() of a tied model holds lm_head.weight (the embedding): accepted
+    when equal to the embedding it is tied to, refused (weights whole) when not."""
+    llm = LLM(dtype="float32", multiprocess=False, kv_cache_memory=64 << 20)
+    try:
+        base = dict(_base_state(default_model_path))
+        checksum = llm.weights_checksum()
+        embed = base["model.embed_tokens.weight"]
+        result = llm.update_weights_from_tensors([("model.embed_tokens.weight", embed), ("lm_head.weight", embed)])
+        assert result["num_tensors"] == 1 and llm.weights_checksum() == checksum
+        with pytest.raises(InvalidRequestError, match="ties them"):
+            llm.update_weights_from_tensors([("lm_head.weight", embed * 2)])
+        assert llm.weights_checksum() == checksum
+    finally:
+        llm.shutdown()

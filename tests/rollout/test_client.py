@@ -29,6 +29,7 @@ def test_async_client_matches_sync_client(server, client):
     assert [t for d in deltas for t in d.token_ids] == want.token_ids
     assert info["dtype"] == "float32" and paused is False and sleeping is False and world == 1
     assert client.models() == [info["model"]]
+    assert client.model_info()[0]["root"] == info["model_path"]
     assert client.health() is True
 
 

@@ -108,3 +108,33 @@ def test_generate_route_matches_openai_route(client, oai, model):
               for d in ds]
     assert [t for d in deltas for t in d.token_ids] == out.token_ids
     assert "".join(d.text for d in deltas) == text and deltas[-1].finish_reason == "length"
+
+
+def test_echo_logprobs_score_a_prompt_as_generate_does(oai, model, client):
+    """How evaluation harnesses score: echo + logprobs (+ max_tokens 0) returns each prompt
+    token's logprob, the same values as /generate's prompt_logprobs; the likelier answer wins."""
+    text = "Question: What is the capital of France?\nAnswer: Paris"
+    r = oai.completions.create(model=model, prompt=text, max_tokens=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == text and "".join(lp.tokens) == text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for i in range(1, len(lp.tokens)):  # the actual token is among the top entries
+        assert lp.top_logprobs[i][lp.tokens[i]] == lp.token_logprobs[i]
+        assert len(lp.top_logprobs[i]) in (2, 3)
+    ref = client.generate(text, {"max_tokens": 1, "prompt_logprobs": 0})[0]
+    assert len(ref.prompt_token_ids) == len(lp.tokens) and ref.prompt_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(ref.prompt_logprobs[1:], abs=1e-5)
+
+    def score(answer: str) -> float:
+        prefix = "Question: What is the capital of France?\nAnswer:"
+        out = oai.completions.create(model=model, prompt=prefix + answer, max_tokens=0, echo=True, logprobs=0)
+        lps = out.choices[0].logprobs
+        start = next(i for i, off in enumerate(lps.text_offset) if off >= len(prefix))
+        return sum(lps.token_logprobs[start:])
+
+    assert score(" Paris") > score(" London")
+    # echo with generation: the prompt's entries, then the generated ones
+    r = oai.completions.create(model=model, prompt=text, max_tokens=3, echo=True, logprobs=0, temperature=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ref.prompt_token_ids) + 3 and r.choices[0].text.startswith(text)

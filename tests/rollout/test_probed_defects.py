@@ -198,34 +198,12 @@ def test_api_key_rules(keys):
     asyncio.run(check())
 
 
-def test_long_prompts_do_not_freeze_the_server(server):
-    from tests.rollout.conftest import MAX_MODEL_LEN
-
+def test_a_prompt_longer_than_the_context_can_spell_is_refused_untokenized(server):
     with httpx.Client(base_url=server.url, headers=USER, timeout=60) as http:
         t0 = time.monotonic()  # longer than any max_model_len tokens can spell: refused untokenized
         r = http.post("/generate", json={"prompt": "x" * 900_000})
         assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
         assert time.monotonic() - t0 < 2
-    # prompts that must be tokenized to find out they are too long: tokenized beside the loop
-    text = "hello world, this is a test. " * 1300  # ~38k characters, ~10k tokens > MAX_MODEL_LEN
-    assert len(text) < 81 * MAX_MODEL_LEN
-    statuses, lags = [], []
-
-    def post():
-        statuses.append(httpx.post(server.url + "/generate", json={"prompt": text}, headers=USER, timeout=60)
-                        .status_code)
-
-    threads = [threading.Thread(target=post) for _ in range(24)]
-    for t in threads:
-        t.start()
-    while any(t.is_alive() for t in threads):
-        t0 = time.monotonic()
-        httpx.get(server.url + "/health", timeout=30)
-        lags.append(time.monotonic() - t0)
-    for t in threads:
-        t.join()
-    assert statuses == [400] * 24
-    assert max(lags) < 0.5, f"/health took {max(lags):.2f} s while long prompts were tokenized"
 
 
 def _ttft(client) -> tuple[float, float]:
