@@ -98,7 +98,8 @@ def weight_update_plan(source: str, args: list, version: int | None) -> Generato
     staged = yield ("each", "stage_weights", [source, args])
     failures = [r for r in staged if isinstance(r, BaseException)]
     if not failures and version is not None:
-        failures = [e for e in [stale_version(version, max(s["weight_version"] for s in staged))] if e]
+        stale = stale_version(version, max(s["weight_version"] for s in staged))
+        failures = [stale] if stale else []
     if failures:
         yield ("each", "discard_weights", [])
         raise failures[0]

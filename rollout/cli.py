@@ -58,7 +58,8 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--api-server-count", "-asc", type=int, default=1,
                    help="API-server processes sharing the listening socket, each a client of every replica")
     s.add_argument("--worker-extension-cls", default=None, help="module.Class mixed into the engine's workers")
-    s.add_argument("--api-key", default=None, help="Bearer key for every route but /health (env ROLLOUT_API_KEY); admin routes need "
+    s.add_argument("--api-key", default=None,
+                   help="Bearer key for every route but /health (env ROLLOUT_API_KEY); admin routes need "
                         "--admin-api-key once any key is set")
     s.add_argument("--admin-api-key", default=None,
                    help="Bearer key for control and weight routes, also accepted by the others "

@@ -129,7 +129,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if e.status_code == 404:
             return error_response(404, f"no route {request.method} {request.url.path}")
         if e.status_code == 405:  # Allow: the methods the route takes (RFC 9110)
-            allow = (e.headers or {}).get("Allow") or (e.headers or {}).get("allow", "")
+            allow = (e.headers or {}).get("Allow", "")
             return error_response(405, f"{request.method} is not allowed on {request.url.path} (allowed: {allow})",
                                   headers=e.headers)
         return error_response(e.status_code, str(e.detail), headers=e.headers)

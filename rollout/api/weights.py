@@ -106,15 +106,11 @@ async def finish_weight_update(request: Request, body: FinishWeightUpdateBody | 
         raise APIError(409, "no weight update in progress: POST /start_weight_update and /update_weights first")
     current = await call(state.engine.get_weight_version())
     if want is not None and want != current:
-        await _relabel(state, want, upd.version_before)
+        await call(state.engine.set_weight_version(want, upd.version_before), "weight_version")
         current = want
     state.weight_update = None
     state.metrics.observe_push("transfer", time.monotonic() - upd.started)
     return {"message": "Weight update finished", "weight_version": current}
-
-
-async def _relabel(state: ServerState, version: int, above: int) -> None:
-    await call(state.engine.set_weight_version(version, above), "weight_version")
 
 
 @router.post("/update_weights_from_disk")
