@@ -176,6 +176,10 @@ class AsyncLLM:
         if children and self.dead_error is None:
             asyncio.ensure_future(self.client.abort_requests_async(children))
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether the request is still live here (not finished, aborted or failed)."""
+        return request_id in self.output_processor.requests
+
     async def abort(self, request_id: str | Sequence[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             state = self.output_processor.requests.get(rid)

@@ -69,6 +69,9 @@ def _add_serve_parser(sub) -> None:
                    help="allow /collective_rpc to call this worker method (repeatable)")
     s.add_argument("--shutdown-grace-s", type=float, default=5.0,
                    help="on SIGINT/SIGTERM, seconds in-flight requests get before they are aborted")
+    s.add_argument("--session-timeout-s", type=float, default=600.0,
+                   help="close multi-turn sessions idle this long, freeing their KV (default 600)")
+    s.add_argument("--max-sessions", type=int, default=4096, help="open sessions beyond this get 429")
     s.add_argument("--stats-interval-s", type=float, default=1.0)
     s.add_argument("--wandb-project", default=None, help="log metrics to this W&B project (offline without a key)")
     s.add_argument("--wandb-run-name", default=None)
@@ -105,7 +108,8 @@ def _serve(args) -> int:
                               wandb_project=args.wandb_project, wandb_run_name=args.wandb_run_name,
                               wandb_interval_s=args.wandb_interval_s, log_level=args.log_level,
                               engine_kwargs=engine_kwargs, model=args.model, api_server_count=args.api_server_count,
-                              exit_on_engine_death=not args.stay_up_when_engine_dies)
+                              exit_on_engine_death=not args.stay_up_when_engine_dies,
+                              session_timeout_s=args.session_timeout_s, max_sessions=args.max_sessions)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -129,6 +129,27 @@ class _Endpoints:
                 "chat_template_kwargs": chat_template_kwargs, "tools": tools}
         return self._run(_Call("POST", "/generate", lambda b: _outputs(b, sp.get("n", 1))[0], json=body))
 
+    # ---- sessions (multi-turn; rollout/api/sessions.py) ------------------------------------------
+    def open_session(self, session_id: str | None = None, timeout_s: float | None = None) -> str:
+        """A new session's id (`session()` wraps the whole life of one)."""
+        return self._run(_Call("POST", "/open_session", lambda b: b["session_id"],
+                               json={"session_id": session_id, "timeout_s": timeout_s}))
+
+    def generate_turn(self, session_id: str, prompt: Prompt, sampling_params: dict | None = None):
+        """The session's next turn: `prompt` (token ids, or text as is) follows everything so far;
+        the answer is that turn's GenerateOutput (its prompt_token_ids: the turn's input)."""
+        body, _ = _prompt_body(prompt)
+        body = {k: v[0] for k, v in body.items()}
+        body.update(sampling_params=dict(sampling_params or {}), session_params={"id": session_id})
+        return self._run(_Call("POST", "/generate", lambda b: _outputs(b, 1)[0], json=body))
+
+    def close_session(self, session_id: str) -> dict:
+        """{"session_id", "num_tokens", "num_turns"} (+ "ended": why, if it had ended before)."""
+        return self._run(_Call("POST", "/close_session", json={"session_id": session_id}))
+
+    def list_sessions(self) -> list[dict]:
+        return self._run(_Call("GET", "/sessions", lambda b: b["sessions"], idempotent=True))
+
     def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None, **fields) -> list[int]:
         """The token ids the server runs for a text (as is) or a conversation (chat template)."""
         body = dict(fields, prompt=prompt, messages=messages)
@@ -379,6 +400,16 @@ class RolloutClient(_Transport, _Endpoints):
                 if line:
                     yield _delta(jsonlib.loads(line))
 
+    def session(self, session_id: str | None = None, timeout_s: float | None = None) -> Session:
+        """A multi-turn session (a context manager that closes it):
+
+            with client.session() as s:
+                out = s.generate(prompt_ids, {"max_tokens": 64, "temperature": 1.0, "logprobs": 0})
+                out = s.generate(tool_answer_ids, {"max_tokens": 64})
+                s.token_ids, s.generated  # the whole conversation, and which tokens the model wrote
+        """
+        return Session(self, self.open_session(session_id, timeout_s))
+
     @contextlib.contextmanager
     def paused(self, mode: str = "abort", clear_cache: bool = True):
         """with client.paused(): ...  (generation resumes on exit, also on error)"""
@@ -450,6 +481,10 @@ class AsyncRolloutClient(_Transport, _Endpoints):
                 if line:
                     yield _delta(jsonlib.loads(line))
 
+    async def session(self, session_id: str | None = None, timeout_s: float | None = None) -> AsyncSession:
+        """`async with await client.session() as s: out = await s.generate(ids, params)`."""
+        return AsyncSession(self, await self.open_session(session_id, timeout_s))
+
     @contextlib.asynccontextmanager
     async def paused(self, mode: str = "abort", clear_cache: bool = True):
         await self.pause(mode=mode, clear_cache=clear_cache)
@@ -474,3 +509,79 @@ def _delta(event: dict):
         e = event["error"]
         raise RolloutAPIError(e.get("code", 500), e.get("message", ""), e.get("type", "error"), e.get("param"))
     return event["prompt_index"], [GenerateOutput.from_json(event, c) for c in event["outputs"]]
+
+
+class _SessionRecord:
+    """A session's conversation as the client saw it: every token in order, which ones the model
+    generated, and their logprobs and weight versions (None / -1 for input tokens)."""
+
+    def __init__(self, client, session_id: str):
+        self.client, self.id = client, session_id
+        self.token_ids: list[int] = []
+        self.generated: list[bool] = []
+        self.logprobs: list[float | None] = []
+        self.weight_versions: list[int] = []
+        self.outputs: list[GenerateOutput] = []
+        self.closed = False
+
+    def _request(self, prompt, sampling_params):
+        if self.closed:
+            raise RuntimeError(f"session {self.id!r} is closed")
+        return self.client.generate_turn(self.id, prompt, sampling_params)
+
+    def _record(self, out: GenerateOutput) -> GenerateOutput:
+        n_in, n_out = len(out.prompt_token_ids), len(out.token_ids)
+        self.token_ids += out.prompt_token_ids + out.token_ids
+        self.generated += [False] * n_in + [True] * n_out
+        self.logprobs += [None] * n_in + (list(out.logprobs) if out.logprobs is not None else [None] * n_out)
+        self.weight_versions += [-1] * n_in + list(out.weight_versions)
+        self.outputs.append(out)
+        return out
+
+
+class Session(_SessionRecord):
+    """RolloutClient.session(): see there."""
+
+    def generate(self, prompt: Prompt, sampling_params: dict | None = None) -> GenerateOutput:
+        return self._record(self._request(prompt, sampling_params))
+
+    def close(self) -> dict | None:
+        if self.closed:
+            return None
+        self.closed = True
+        try:
+            return self.client.close_session(self.id)
+        except RolloutAPIError as e:
+            if e.status == 404:  # timed out or closed by the server already
+                return None
+            raise
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncSession(_SessionRecord):
+    """AsyncRolloutClient.session(): the same, awaited."""
+
+    async def generate(self, prompt: Prompt, sampling_params: dict | None = None) -> GenerateOutput:
+        return self._record(await self._request(prompt, sampling_params))
+
+    async def close(self) -> dict | None:
+        if self.closed:
+            return None
+        self.closed = True
+        try:
+            return await self.client.close_session(self.id)
+        except RolloutAPIError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -21,6 +21,8 @@ class ServerConfig:
     api_server_count: API-server processes sharing the listening socket (rollout/launcher.py).
     exit_on_engine_death: once no engine replica lives, log why and exit with status 1 (as vLLM
         does, so that an orchestrator restarts the server); False: stay up answering 503.
+    session_timeout_s: a session (rollout/api/sessions.py) idle this long is closed, its KV freed
+        (a session may ask for its own timeout); max_sessions: more open sessions get 429.
     """
 
     host: str = "127.0.0.1"
@@ -41,6 +43,8 @@ class ServerConfig:
     api_server_count: int = 1
     api_server_index: int = 0  # which of them this process is (set by the launcher)
     exit_on_engine_death: bool = True
+    session_timeout_s: float = 600.0
+    max_sessions: int = 4096
 
     def __post_init__(self):
         self.api_key = self.api_key or os.environ.get("ROLLOUT_API_KEY") or None
@@ -51,6 +55,8 @@ class ServerConfig:
             raise ValueError(f"api_server_count must be a positive int, got {self.api_server_count!r}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if not self.session_timeout_s > 0 or self.max_sessions < 1:
+            raise ValueError("session_timeout_s must be positive and max_sessions at least 1")
         for m in self.collective_rpc_methods:
             if not m.isidentifier() or m.startswith("_"):
                 raise ValueError(f"collective_rpc method {m!r} must be a public method name")

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.errors import EngineDeadError
-from rollout.api import control, generate, openai, weights
+from rollout.api import control, generate, openai, sessions, weights
 from rollout.api.errors import document_errors, error_body, install_error_handlers
 from rollout.api.state import ServerState, get_state
 from rollout.config import ServerConfig
@@ -159,7 +159,8 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         state = ServerState(engine, config)
         app.state.rollout = holder["state"] = state
-        tasks = [asyncio.ensure_future(state.metrics.poll(engine, config.stats_interval_s))]
+        tasks = [asyncio.ensure_future(state.metrics.poll(engine, config.stats_interval_s)),
+                 asyncio.ensure_future(state.sessions.expire_forever())]
         wandb_logger = None
         if config.wandb_project:
             wandb_logger = WandbLogger(config.wandb_project, config.wandb_run_name,
@@ -171,6 +172,7 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await state.sessions.close_all("the server shut down")
             if wandb_logger is not None:
                 await state.metrics.refresh(engine, timeout=5.0)  # the last point: the state at shutdown
                 await asyncio.to_thread(wandb_logger.finish)
@@ -204,7 +206,7 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
         await state.metrics.refresh(state.engine, timeout=5.0)
         return Response(state.metrics.prometheus_text(), media_type=CONTENT_TYPE_LATEST)
 
-    for module in (openai, generate, control, weights):
+    for module in (openai, generate, sessions, control, weights):
         app.include_router(module.router)
         if hasattr(module, "info_router"):
             app.include_router(module.info_router)
@@ -296,6 +298,7 @@ async def serve(config: ServerConfig, sock: socket.socket | None = None, connect
             if state is None:
                 return
             state.shutting_down.set()
+            await state.sessions.close_all("the server is shutting down")
             _log(f"shutting down: {len(state.in_flight)} request(s) in flight get {config.shutdown_grace_s:g} s")
             deadline = time.monotonic() + config.shutdown_grace_s
             while state.in_flight and time.monotonic() < deadline:

@@ -24,6 +24,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind
 from rollout.api.errors import APIError, engine_error
 from rollout.api.protocol import GenerateRequest, make_sampling_params
+from rollout.api.sessions import generate_turn
 from rollout.api.state import gather_all, get_state, until_disconnect
 from rollout.api.streaming import DONE, error_event, merge, ndjson, prime, sse
 
@@ -124,13 +125,23 @@ async def generate(body: GenerateRequest, request: Request):
     if body.messages is not None:
         prompts = [await render_chat(state, body.messages, body.add_generation_prompt,
                                      chat_template_kwargs=body.chat_template_kwargs, tools=body.tools)]
-    kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
+    # a session turn reads deltas until its chunk ends (the request itself never finishes)
+    kind = RequestOutputKind.DELTA if body.stream or body.session_params else RequestOutputKind.FINAL_ONLY
     try:
         params = make_sampling_params(dict(body.sampling_params.model_dump(), output_kind=kind))
     except InvalidRequestError as e:
         err = engine_error(e)
         raise APIError(400, str(e), f"sampling_params.{err.param}" if err.param else "sampling_params") from e
     ids = await tokenize_prompts(state, prompts, field, batch, params, "sampling_params.")
+    if body.session_params is not None:
+        if batch:
+            raise APIError(400, "a session turn takes one prompt, not a batch", field)
+        if body.request_id is not None:
+            raise APIError(400, "a session turn has no request_id of its own (the session is the request)",
+                           "request_id")
+        return await generate_turn(request, body.session_params.id, field, ids[0], params, body.stream,
+                                   sse if body.stream_format == "sse" else ndjson,
+                                   DONE if body.stream_format == "sse" else None)
     base = state.new_request_id(body.request_id, "gen")
     rids = [f"{base}-{i}" for i in range(len(ids))] if batch else [base]
     gens = [state.generate(p, params, rid, field) for p, rid in zip(ids, rids)]

@@ -199,6 +199,14 @@ class GenerateSamplingParams(_Strict):
     skip_special_tokens: bool = True
 
 
+class SessionParams(_Strict):
+    """/generate's `session_params` (SGLang's name): the session this prompt is the next turn of.
+    SGLang's branching fields (rid, offset, replace) have no counterpart: a session here is one
+    linear conversation."""
+
+    id: str
+
+
 class GenerateRequest(_Strict):
     """/generate: text prompts (`prompt`, as they are: no chat template, no BOS), token ids
     (`prompt_token_ids`), one or a batch, or one conversation (`messages`, rendered with the
@@ -214,6 +222,7 @@ class GenerateRequest(_Strict):
     stream: bool = False
     stream_format: Literal["ndjson", "sse"] = "ndjson"
     request_id: str | None = None
+    session_params: SessionParams | None = None  # a turn of a session (rollout/api/sessions.py)
 
     def prompts(self) -> tuple[list[str | list[int]], str, bool]:
         """(prompts, the field they came from, whether the request was a batch); `messages` are

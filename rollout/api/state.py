@@ -19,6 +19,7 @@ from fastapi import Request
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from rollout.api.errors import APIError, engine_error
+from rollout.api.sessions import Sessions
 from rollout.config import ServerConfig
 from rollout.metrics import ServerMetrics
 
@@ -43,6 +44,7 @@ class ServerState:
         self.weight_update: WeightUpdate | None = None
         self.shutting_down = asyncio.Event()
         self.control_lock = asyncio.Lock()  # pause/resume/sleep/wake/weight routes run one at a time
+        self.sessions = Sessions(self, config.session_timeout_s, config.max_sessions)
 
     @property
     def model_path(self) -> str:

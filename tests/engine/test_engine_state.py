@@ -284,3 +284,57 @@ def test_keep_mode_kv_policies_against_a_trainer_recompute(core, tiny_folder, re
         assert gap < 1e-4, f"recomputed KV: {gap} nats from the trainer's recompute"
     else:
         assert gap > 1e-3, "reused KV matched a recompute under the new weights: the test cannot tell them apart"
+
+
+@pytest.mark.parametrize("recompute_kv", [False, True])
+def test_an_idle_session_kv_policy_across_a_push(core, tiny_folder, recompute_kv):
+    """A streaming-input request between turns (an HTTP session awaiting its next turn) holds KV
+    the old weights computed. A push during a keep pause with recompute_kv makes its next turn
+    recompute everything under the new weights (logprobs equal a transformers recompute of the
+    whole conversation); without it the old KV is reused (they differ)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.protocol import StreamInput
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    turn1, turn2 = [1, 2, 3, 4, 5, 6], [7, 8, 9]
+    core.add_request(EngineCoreRequest("s", turn1, params, None, streaming=True))
+    tokens, logprobs, versions = [], [], []
+
+    def run_turn():
+        got = []
+        for _ in range(100):
+            for o in core.step():
+                tokens.extend(o.new_token_ids)
+                logprobs.extend(o.new_logprobs)
+                versions.extend([o.weight_version] * len(o.new_token_ids))
+                got.extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    assert o.resumable and not o.finished
+                    return got
+        raise AssertionError("the turn never ended")
+
+    out1 = run_turn()
+    assert len(out1) == 4 and "s" in core.scheduler.idle
+    core.pause("keep", recompute_kv=recompute_kv)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "layers" in name and p.dim() == 2:
+                p.mul_(1.5)
+    core.stage_weights("tensors", [list(hf.state_dict().items())])
+    core.commit_weights(core.weight_version + 1)
+    core.resume()
+    core.add_stream_input(StreamInput("s", turn2, None))
+    out2 = run_turn()
+    assert versions == [0] * 4 + [1] * 4
+    convo = turn1 + out1 + turn2 + out2
+    with torch.no_grad():
+        logits = hf(torch.tensor([convo])).logits[0].float()
+    start = len(turn1 + out1 + turn2)
+    ref = torch.log_softmax(logits, -1)[start - 1:-1].gather(1, torch.tensor(out2)[:, None])[:, 0]
+    gap = max(abs(a - b) for a, b in zip(logprobs[4:], ref.tolist()))
+    if recompute_kv:
+        assert gap < 1e-4, f"recomputed KV: {gap} nats from the trainer's recompute"
+    else:
+        assert gap > 1e-3, "reused KV matched a recompute under the new weights: the test cannot tell them apart"

@@ -1,0 +1,284 @@
+"""RL sessions over HTTP: multi-turn rollouts whose KV stays on the engine between turns.
+SGLang's route names (open a session, pass `session_params` to /generate, close it); each
+session is one streaming-input request of the engine (engine/streaming.py).
+
+    POST /open_session  {"session_id"?: str, "timeout_s"?: float}  -> {"session_id", "timeout_s"}
+    POST /generate      {"prompt_token_ids" | "prompt" | "messages", "sampling_params",
+                         "session_params": {"id": session_id}}     -> /generate's answer for the turn
+    POST /close_session {"session_id"}  -> {"session_id", "num_tokens", "num_turns"}
+    GET  /sessions      -> the open sessions
+
+A session's first turn sends the prompt; every later turn appends its tokens (a tool's answer,
+an observation, the next user message) after everything so far, the tokens the model generated
+included, and samples the next turn. The turns' concatenation is token-exact equal to one
+request over the whole conversation (greedy; tested against that). A turn's answer has the
+turn's own input as prompt_token_ids and its new tokens with logprobs and weight versions.
+
+The rules, each an explicit choice:
+- One turn at a time (a second one meanwhile: 409). n = 1; no stop strings (the engine keeps
+  every token it generated: a stop string would cut text the context still holds); stop on
+  token ids (stop_token_ids, EOS) instead. A turn that would overflow the context is a 400 and
+  leaves the session as it was.
+- A session idle for longer than its timeout_s (--session-timeout-s by default) is closed and
+  its KV freed; so is one whose turn's client went away mid-turn (the client lost tokens the
+  context holds), and every session at shutdown. A turn on a closed session: 404.
+- Pause mode keep or wait leaves sessions open (a turn sent while paused runs after resume);
+  mode abort and /abort_requests end them (their engine requests are aborted): 409 afterwards.
+- Weights: after a push an idle session's KV is the one the old weights computed (vLLM's keep;
+  the next turn's tokens carry the new version); push or pause with recompute_kv=true makes it
+  recompute under the new weights first. Sleep frees it; the next turn recomputes it.
+- Sessions live in the API server that opened them: with several API servers
+  (--api-server-count) a turn must reach the same process, so run sessions with one.
+"""
+import asyncio
+import time
+import uuid
+from typing import AsyncGenerator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import Field
+
+from engine.errors import InvalidRequestError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.streaming import StreamingInput, check_streaming_params
+from rollout.api.errors import APIError, engine_error
+from rollout.api.protocol import _Strict
+
+MAX_TIMEOUT_S = 24 * 3600.0
+router = APIRouter(tags=["generate"])
+
+
+class OpenSessionBody(_Strict):
+    session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
+
+
+class CloseSessionBody(_Strict):
+    session_id: str
+
+
+class Session:
+    def __init__(self, session_id: str, timeout_s: float):
+        self.id = session_id
+        self.request_id = f"session-{session_id}"
+        self.timeout_s = timeout_s
+        self.opened = self.last_used = time.monotonic()
+        self.inputs: asyncio.Queue[StreamingInput] = asyncio.Queue()
+        self.stream: AsyncGenerator[RequestOutput, None] | None = None  # the engine request, from turn 1 on
+        self.busy = False
+        self.num_tokens = 0  # the conversation so far: every turn's input and output
+        self.num_turns = 0
+        self.ended: str | None = None  # why it takes no more turns
+
+    async def _chunks(self):
+        while True:
+            yield await self.inputs.get()
+
+    def info(self) -> dict:
+        now = time.monotonic()
+        return {"session_id": self.id, "num_tokens": self.num_tokens, "num_turns": self.num_turns,
+                "busy": self.busy, "age_s": round(now - self.opened, 3),
+                "idle_s": 0.0 if self.busy else round(now - self.last_used, 3), "timeout_s": self.timeout_s}
+
+
+class Sessions:
+    """The open sessions of one API server (ServerState.sessions)."""
+
+    def __init__(self, state, default_timeout_s: float, max_sessions: int):
+        self.state = state
+        self.default_timeout_s = default_timeout_s
+        self.max_sessions = max_sessions
+        self.open: dict[str, Session] = {}
+
+    def create(self, session_id: str | None, timeout_s: float | None) -> Session:
+        self.state.check_can_generate()
+        sid = session_id or uuid.uuid4().hex
+        if sid in self.open:
+            raise APIError(409, f"session {sid!r} is already open", "session_id")
+        if len(self.open) >= self.max_sessions:
+            raise APIError(429, f"{len(self.open)} sessions are open, the limit (--max-sessions); close some",
+                           "session_id")
+        s = self.open[sid] = Session(sid, timeout_s or self.default_timeout_s)
+        return s
+
+    def get(self, session_id: str) -> Session:
+        s = self.open.get(session_id)
+        if s is None:
+            raise APIError(404, f"no open session {session_id!r} (never opened, closed, or timed out)",
+                           "session_params.id")
+        if s.stream is not None and s.ended is None and not self.state.engine.has_request(s.request_id):
+            s.ended = "its engine request was aborted (a pause in mode abort, /abort_requests)"
+        if s.ended is not None:
+            raise APIError(409, f"session {session_id!r} ended: {s.ended}; close it", "session_params.id")
+        return s
+
+    async def close(self, s: Session, reason: str = "closed") -> dict:
+        """End the session's engine request (its KV is freed) and forget it."""
+        self.open.pop(s.id, None)
+        s.ended = s.ended or reason
+        if s.stream is not None:
+            await s.stream.aclose()  # aborts the engine request unless it already ended
+            s.stream = None
+        return {"session_id": s.id, "num_tokens": s.num_tokens, "num_turns": s.num_turns}
+
+    async def close_all(self, reason: str) -> None:
+        for s in list(self.open.values()):
+            await self.close(s, reason)
+
+    async def expire_forever(self, every_s: float = 1.0) -> None:
+        """Close sessions idle for longer than their timeout."""
+        while True:
+            await asyncio.sleep(every_s)
+            now = time.monotonic()
+            for s in list(self.open.values()):
+                if not s.busy and now - s.last_used > s.timeout_s:
+                    await self.close(s, f"idle for more than {s.timeout_s:g} s")
+
+    # ---- one turn ---------------------------------------------------------------------------------
+    def check_turn(self, s: Session, ids: list[int], params: SamplingParams) -> None:
+        if s.busy:
+            raise APIError(409, f"session {s.id!r} is generating a turn; one turn at a time", "session_params.id")
+        try:
+            check_streaming_params(params)
+        except InvalidRequestError as e:
+            field = "n" if params.n != 1 else "stop" if params.stop else ""
+            raise APIError(400, f"in a session: {e}", "sampling_params." + field if field else "sampling_params") \
+                from e
+        limit = self.state.engine.max_model_len
+        if s.num_tokens + len(ids) >= limit:
+            raise APIError(400, f"the session holds {s.num_tokens} tokens; {len(ids)} more would reach the "
+                                f"context length ({limit} tokens, max_model_len)", "prompt")
+
+    async def turn(self, s: Session, ids: list[int], params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
+        """Send one turn's input and yield the turn's outputs (deltas) until it ends. If the
+        caller stops early (its client went away), the session ends: its context holds tokens
+        the client never saw."""
+        state = self.state
+        s.busy = True
+        done = False
+        arrival = time.monotonic()
+        num_new, first_token, reason = 0, None, None
+        state.in_flight[s.request_id] = arrival
+        state.metrics.request_started()
+        try:
+            s.inputs.put_nowait(StreamingInput(ids, params))
+            if s.stream is None:
+                s.stream = state.engine.generate(s._chunks(), params, s.request_id)
+            async for out in s.stream:
+                c = out.outputs[0]
+                num_new += len(c.token_ids)
+                if first_token is None and c.token_ids:
+                    first_token = time.monotonic()
+                if c.finish_reason is not None:
+                    done, reason = True, c.finish_reason
+                    if out.finished:  # ended for good: aborted (pause mode abort, /abort_requests)
+                        s.ended = f"its engine request ended ({c.finish_reason})"
+                yield out
+                if done:
+                    break
+            else:
+                s.ended = "its engine request ended"
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as e:
+            s.ended = f"its engine request failed: {e}"
+            raise engine_error(e, "prompt") from e
+        finally:
+            state.in_flight.pop(s.request_id, None)
+            state.metrics.request_ended()
+            s.busy = False
+            s.last_used = time.monotonic()
+            if done:
+                s.num_tokens += len(ids) + num_new
+                s.num_turns += 1
+                state.metrics.observe_request(arrival, first_token, len(ids), num_new, [reason])
+            elif s.ended is None:
+                s.ended = "a turn's client went away before the turn ended"
+            if s.ended is not None and s.id in self.open:
+                await self.close(s)
+
+
+def merge_turn(outs: list[RequestOutput], ids: list[int]) -> RequestOutput:
+    """The deltas of one turn as one output whose prompt is the turn's input."""
+    first = outs[0]
+    c = first.outputs[0]
+    for o in outs[1:]:
+        d = o.outputs[0]
+        c.text += d.text
+        c.token_ids += d.token_ids
+        c.weight_versions += d.weight_versions
+        if c.logprobs is not None and d.logprobs is not None:
+            c.logprobs += d.logprobs
+        if c.top_logprobs is not None and d.top_logprobs is not None:
+            c.top_logprobs += d.top_logprobs
+        c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+    first.prompt_token_ids = ids
+    first.finished = outs[-1].finished
+    return first
+
+
+async def generate_turn(request: Request, session_id: str, field: str, ids: list[int], params: SamplingParams,
+                        stream: bool, frame, done_frame: bytes | None):
+    """/generate with session_params: the turn's answer (or its stream of deltas)."""
+    from rollout.api.generate import request_output_json, usage_json
+    from rollout.api.state import get_state, until_disconnect
+
+    sessions = get_state(request).sessions
+    s = sessions.get(session_id)
+    if field == "messages" and s.num_turns:
+        raise APIError(400, "only a session's first turn may be 'messages' (a chat template renders a whole "
+                            "conversation); send later turns as prompt_token_ids", "messages")
+    sessions.check_turn(s, ids, params)
+    turn = sessions.turn(s, ids, params)
+    if not stream:
+        async def collect():
+            try:
+                return [o async for o in turn]
+            finally:
+                await turn.aclose()
+
+        out = merge_turn(await until_disconnect(request, collect()), ids)
+        return {"results": [request_output_json(out)], "usage": usage_json([out]),
+                "session": {"id": s.id, "num_tokens": s.num_tokens, "num_turns": s.num_turns}}
+
+    async def events():
+        try:
+            async for o in turn:
+                o.prompt_token_ids = ids
+                yield frame(dict(request_output_json(o), prompt_index=0))
+        finally:
+            await turn.aclose()
+        if done_frame is not None:
+            yield done_frame
+
+    return StreamingResponse(events(), media_type="text/event-stream" if done_frame else "application/x-ndjson",
+                             headers={"X-Session-Id": s.id})
+
+
+@router.post("/open_session")
+async def open_session(body: OpenSessionBody, request: Request):
+    """Open a session (the engine request starts with its first turn)."""
+    s = request.app.state.rollout.sessions.create(body.session_id, body.timeout_s)
+    return {"session_id": s.id, "timeout_s": s.timeout_s}
+
+
+@router.post("/close_session")
+async def close_session(body: CloseSessionBody, request: Request):
+    """Close a session and free its KV; closing one that already ended (timed out, aborted) says why."""
+    sessions = request.app.state.rollout.sessions
+    s = sessions.open.get(body.session_id)
+    if s is None:
+        raise APIError(404, f"no open session {body.session_id!r} (never opened, closed, or timed out)",
+                       "session_id")
+    if s.busy:
+        raise APIError(409, f"session {s.id!r} is generating a turn; close it when the turn has ended", "session_id")
+    ended = s.ended
+    result = await sessions.close(s)
+    return dict(result, ended=ended) if ended else result
+
+
+@router.get("/sessions")
+async def list_sessions(request: Request):
+    return {"sessions": [s.info() for s in request.app.state.rollout.sessions.open.values()]}
