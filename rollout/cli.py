@@ -2,6 +2,7 @@
 
     rollout generate "some prompt" [--model DIR] [--max-tokens N] [--temperature T] [--chat]
     rollout serve [MODEL] [--host 127.0.0.1] [--port 8000] [--dtype auto] [--api-key KEY] ...
+    rollout dashboard RUN_DIR... [--out DIR]   (server + trainer series of offline runs: PNG + HTML)
 """
 import argparse
 import re
@@ -24,7 +25,13 @@ def main(argv=None) -> int:
     g.add_argument("--dtype", default="auto")
     g.add_argument("--device", default="auto")
     _add_serve_parser(sub)
+    d = sub.add_parser("dashboard", help="draw the server's and the trainer's series of offline runs (PNG + HTML)")
+    d.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                   help="a recipe's run folder, a wandb/ folder, or an offline-run-* folder")
+    d.add_argument("--out", default=None, help="where to write dashboard.png / .html (default: the first RUN_DIR)")
     args = ap.parse_args(argv)
+    if args.command == "dashboard":
+        return _dashboard(args)
     if args.command == "generate":
         return _generate(args)
     if args.command == "serve":
@@ -114,6 +121,20 @@ def _serve(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return run_server(config)
+
+
+def _dashboard(args) -> int:
+    from pathlib import Path
+
+    from rollout.dashboard import render
+
+    try:
+        png, page = render(args.run_dirs, Path(args.out or args.run_dirs[0]))
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"[rollout] wrote {png} and {page}")
+    return 0
 
 
 def _generate(args) -> int:

@@ -165,6 +165,7 @@ class WeightUpdate:
         self.weight_version: int | None = None
         self.stats: list[dict] = []
         self.paused: dict = {}  # the pause's answer: how many requests it aborted and kept
+        self.paused_seconds: float | None = None  # how long generation stood still (the resume's answer)
         self.t0 = time.perf_counter()
 
     def send(self, named_tensors: Iterable):
@@ -178,7 +179,8 @@ class WeightUpdate:
         last = self.stats[-1] if self.stats else {}
         return {"weight_version": self.weight_version, "seconds": time.perf_counter() - self.t0,
                 "send": last.get("send"), "update": last.get("update"), "num_sends": self.num_sends,
-                "aborted": self.paused.get("aborted", 0), "kept": self.paused.get("kept", 0)}
+                "aborted": self.paused.get("aborted", 0), "kept": self.paused.get("kept", 0),
+                "paused_seconds": self.paused_seconds}
 
 
 class WeightTransfer:
@@ -338,7 +340,8 @@ class WeightTransfer:
             if ok and update.stats:
                 update.weight_version = yield lambda c: c.finish_weight_update(update.version)
         finally:
-            yield lambda c: c.resume()
+            resumed = yield lambda c: c.resume()
+            update.paused_seconds = (resumed or {}).get("paused_seconds")
         if update.stats:
             log_push(self.client.wandb_run, "broadcast", time.perf_counter() - update.t0,
                      sum(s["send"]["num_bytes"] for s in update.stats), update.weight_version)

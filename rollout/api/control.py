@@ -67,7 +67,7 @@ async def resume(request: Request):
     async with state.control_lock:
         result = await call(state.engine.resume_generation())
     state.metrics.observe_pause(result["paused_seconds"])
-    return {"status": "resumed"}
+    return {"status": "resumed", "paused_seconds": result["paused_seconds"]}
 
 
 @info_router.get("/is_paused")

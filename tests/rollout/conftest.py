@@ -4,7 +4,6 @@ API keys on, a small context and body limit so the limits are cheap to hit.
 
 Teardown sends SIGTERM and checks a clean exit: return code 0 and no engine-core child left.
 """
-import json
 import os
 import re
 import signal
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from rollout.client import RolloutClient
+from rollout.dashboard import read_wandb_run
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 API_KEY, ADMIN_KEY = "test-user-key", "test-admin-key"
@@ -68,16 +68,11 @@ def start_server(*extra: str) -> Server:
 
 
 def wandb_history(wandb_dir) -> list[dict]:
-    """The history rows of the one offline W&B run under `wandb_dir`, read back with wandb's own
-    transaction-log reader (`wandb leet inspect --json`)."""
+    """The history rows of the one offline W&B run under `wandb_dir` (read with wandb's own reader
+    of its transaction log, as `rollout dashboard` reads them)."""
     runs = list(Path(wandb_dir).glob("wandb/offline-run-*"))
     assert len(runs) == 1, f"expected one offline W&B run under {wandb_dir}: {runs}"
-    cli = Path(sys.executable).parent / "wandb"
-    out = subprocess.run([str(cli), "leet", "inspect", "--json", str(runs[0])], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    records = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
-    return [r["history"]["item"] for r in records if r.get("type") == "history"]
+    return read_wandb_run(runs[0])
 
 
 def children_of(pid: int) -> list[int]:

@@ -1,0 +1,1 @@
+"""Runnable RL examples that train through the rollout service (see README: Recipes)."""

@@ -1,0 +1,155 @@
+"""Synchronous GRPO through the rollout service: the default model (SmolLM2-135M-Instruct) learns
+2-digit addition answered as "Answer: N", rewarded by a regex and an integer comparison.
+
+    .venv/bin/python recipes/grpo_arithmetic.py                 # starts `rollout serve` itself
+    .venv/bin/python recipes/grpo_arithmetic.py --url http://127.0.0.1:8000 --steps 10
+
+Every step: PROMPTS problems x GROUP answers sampled through the client (token ids, logprobs and
+weight versions back), rewarded, the logprobs recomputed by the trainer's own float32 copy of the
+model (their gap to the rollout's is logged: the rollout and the trainer must agree), one GRPO
+update, then the new weights pushed over gloo (client.push_weights: pause in keep mode, broadcast,
+atomic swap, resume), version = the step. The run folder (runs/grpo_arithmetic-<time>/) gets
+history.jsonl, curves.png and the trainer's and the server's offline W&B runs;
+`rollout dashboard <run folder>` draws both.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from recipes.common import (RunLog, arithmetic_problem, arithmetic_reward, group_advantages, grpo_loss,  # noqa: E402
+                            load_policy, new_run_dir, rollout_server, token_logprobs)
+from rollout.client import RolloutClient  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--url", default=None, help="a running rollout server (default: start one)")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--prompts", type=int, default=8, help="problems per step")
+    ap.add_argument("--group", type=int, default=8, help="answers sampled per problem (GRPO's group)")
+    ap.add_argument("--max-tokens", type=int, default=10)
+    ap.add_argument("--lr", type=float, default=3e-5)
+    ap.add_argument("--kl-coef", type=float, default=0.0, help="> 0: a KL penalty to the initial policy")
+    ap.add_argument("--clip", type=float, default=0.2)
+    ap.add_argument("--eval-every", type=int, default=5, help="greedy reward on held-out problems every N steps")
+    ap.add_argument("--eval-problems", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run-root", default=None, help="where run folders go (default: runs/)")
+    return ap.parse_args(argv)
+
+
+def rollout_batch(client: RolloutClient, rng: random.Random, args, seed: int) -> dict:
+    """Sample, score and flatten one step's rollouts."""
+    problems = [arithmetic_problem(rng) for _ in range(args.prompts)]
+    prompts = [client.tokenize(messages=messages) for messages, _ in problems]
+    t0 = time.perf_counter()
+    outs = client.generate(prompts, {"n": args.group, "temperature": 1.0, "max_tokens": args.max_tokens,
+                                     "logprobs": 0, "seed": seed})
+    seconds = time.perf_counter() - t0
+    batch = {"seqs": [], "scored": [], "rewards": [], "lengths": [], "rollout_lp": [], "versions": []}
+    for (_, answer), prompt, samples in zip(problems, prompts, outs):
+        for o in samples:
+            batch["seqs"].append(prompt + o.token_ids)
+            batch["scored"].append([False] * len(prompt) + [True] * len(o.token_ids))
+            batch["rewards"].append(arithmetic_reward(o.text, answer))
+            batch["lengths"].append(len(o.token_ids))
+            batch["rollout_lp"] += o.logprobs
+            batch["versions"] += o.weight_versions
+    batch["seconds"] = seconds
+    return batch
+
+
+def evaluate(client: RolloutClient, problems: list[tuple[list[dict], int]]) -> dict:
+    """Greedy answers to a fixed set of held-out problems: the curve that says whether it learned."""
+    prompts = [client.tokenize(messages=messages) for messages, _ in problems]
+    outs = client.generate(prompts, {"temperature": 0.0, "max_tokens": 10})
+    rewards = [arithmetic_reward(o.text, answer) for o, (_, answer) in zip(outs, problems)]
+    return {"eval/reward": sum(rewards) / len(rewards), "eval/solved": sum(r == 1.0 for r in rewards) / len(rewards)}
+
+
+def train_step(model, opt, ref, batch: dict, args, prox_lp: torch.Tensor | None = None) -> tuple[float, object]:
+    """One GRPO update on a batch; returns (seconds, LossStats)."""
+    t0 = time.perf_counter()
+    adv_seq = group_advantages(batch["rewards"], args.group)
+    adv = torch.repeat_interleave(adv_seq, torch.tensor(batch["lengths"]))
+    rollout_lp = torch.tensor(batch["rollout_lp"])
+    ref_lp = None
+    if ref is not None:
+        with torch.no_grad():
+            ref_lp = token_logprobs(ref, batch["seqs"], batch["scored"])
+    new_lp = token_logprobs(model, batch["seqs"], batch["scored"])
+    loss, stats = grpo_loss(new_lp, rollout_lp, adv, ref_lp, prox_lp, clip=args.clip, kl_coef=args.kl_coef)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return time.perf_counter() - t0, stats
+
+
+def reward_row(batch: dict) -> dict:
+    r = torch.tensor(batch["rewards"])
+    return {"reward/mean": r.mean().item(), "reward/std": r.std().item(),
+            "reward/solved": (r == 1.0).float().mean().item(),
+            "rollout/seconds": batch["seconds"],
+            "rollout/tokens_per_s": sum(batch["lengths"]) / max(batch["seconds"], 1e-9)}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    run_dir = new_run_dir("grpo_arithmetic", args.run_root)
+    with rollout_server(args.url, run_dir, "--max-model-len", "512") as url, \
+            RolloutClient(url, timeout=600) as client:
+        client.wait_until_ready(300)
+        model_path = client.model_info()[0]["root"]
+        model = load_policy(model_path)
+        ref = load_policy(model_path).eval() if args.kl_coef > 0 else None
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        client.init_weight_transfer(backend="gloo")
+        version = client.weight_version()
+        log = RunLog(run_dir, run_dir.name, dict(vars(args), recipe="grpo_arithmetic", model=model_path))
+        print(f"[recipe] {run_dir}: {args.steps} steps of {args.prompts} x {args.group} rollouts", flush=True)
+        held_out = [arithmetic_problem(random.Random(f"eval-{i}")) for i in range(args.eval_problems)]
+        first_eval = evaluate(client, held_out)
+        log.log(0, first_eval)
+        print(f"[recipe] held-out greedy reward before training: {first_eval['eval/reward']:.3f}", flush=True)
+        t_start = time.perf_counter()
+        rows = []
+        for step in range(1, args.steps + 1):
+            batch = rollout_batch(client, rng, args, seed=args.seed * 100_003 + step)
+            train_s, stats = train_step(model, opt, ref, batch, args)
+            push = client.push_weights(model.named_parameters(), version=version + step)
+            row = dict(reward_row(batch), **{
+                "mismatch/mean": stats.mismatch_mean, "mismatch/max": stats.mismatch_max,
+                "ratio/std": stats.ratio_std, "ratio/max": stats.ratio_max, "kl": stats.kl,
+                "clipped": stats.clipped, "train/seconds": train_s, "push/seconds": push["seconds"],
+                "push/paused_seconds": push["paused_seconds"] or 0.0, "weight_version": push["weight_version"],
+                "staleness/mean": sum(push["weight_version"] - 1 - v for v in batch["versions"]) / len(
+                    batch["versions"]),
+                "staleness/max": max(push["weight_version"] - 1 - v for v in batch["versions"]),
+                "wall_seconds": time.perf_counter() - t_start})
+            if step % args.eval_every == 0 or step == args.steps:
+                row.update(evaluate(client, held_out))
+            rows.append(row)
+            log.log(step, row)
+            print(f"[recipe] step {step:3d}  reward {row['reward/mean']:.3f} (solved {row['reward/solved']:.2f})  "
+                  f"mismatch {stats.mismatch_mean:.1e}  rollout {batch['seconds']:.1f}s  train {train_s:.1f}s  "
+                  f"push {push['seconds']:.1f}s  v{push['weight_version']}"
+                  + (f"  held-out {row['eval/reward']:.3f}" if "eval/reward" in row else ""), flush=True)
+        client.close_weight_transfer()
+        png = log.finish()
+    print(f"[recipe] done in {time.perf_counter() - t_start:.0f} s: {png}", flush=True)
+    return {"run_dir": run_dir, "rows": rows, "start_version": version, "png": png, "first_eval": first_eval}
+
+
+if __name__ == "__main__":
+    main()

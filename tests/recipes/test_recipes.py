@@ -1,0 +1,80 @@
+"""The recipes, shortened, end to end: each starts its own `rollout serve` (the real default model,
+float32), trains through the public client, pushes weights over gloo every step, and writes its
+W&B offline runs and curves; `rollout dashboard` renders the real run.
+"""
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from recipes import grpo_arithmetic, grpo_async, multiturn_tool
+from tests.rollout.conftest import children_of
+
+pytestmark = pytest.mark.slow
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def check_left_nothing_running(threads_before: set) -> None:
+    assert children_of(os.getpid()) == [], "a recipe left a child process running"
+    extra = [t.name for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()
+             and not t.daemon]
+    assert not extra, f"a recipe left threads running: {extra}"
+
+
+def check_run_folder(run_dir: Path, steps: list[int]) -> None:
+    rows = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == steps
+    assert (run_dir / "curves.png").stat().st_size > 10_000
+    offline = sorted(run_dir.glob("wandb/offline-run-*"))
+    assert len(offline) == 2, f"expected the trainer's and the server's offline W&B runs: {offline}"
+
+
+def test_grpo_arithmetic_shortened(tmp_path):
+    threads = {t.ident for t in threading.enumerate()}
+    result = grpo_arithmetic.main(["--steps", "3", "--prompts", "4", "--group", "4", "--eval-problems", "32",
+                                   "--run-root", str(tmp_path)])
+    rows = result["rows"]
+    rewards = [r["reward/mean"] for r in rows]
+    assert len(set(rewards)) > 1, f"the sampled reward never moved: {rewards}"
+    # the held-out greedy reward after 3 updates differs from the one before: the pushes took
+    assert rows[-1]["eval/reward"] != result["first_eval"]["eval/reward"], (rows[-1], result["first_eval"])
+    for r in rows:  # the rollout's logprobs are what the trainer's float32 model computes
+        assert r["mismatch/mean"] < 1e-3, r
+        assert r["staleness/max"] == 0, "a synchronous step trained on tokens of an older version"
+    assert [r["weight_version"] for r in rows] == [result["start_version"] + s for s in (1, 2, 3)]
+    check_run_folder(result["run_dir"], [0, 1, 2, 3])  # step 0: the held-out reward before training
+    assert "eval/reward" in rows[-1]
+    check_left_nothing_running(threads)
+    # the dashboard draws the server's and the trainer's series of this real run together
+    out = subprocess.run([sys.executable, "-m", "rollout.cli", "dashboard", str(result["run_dir"])],
+                         capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    page = (result["run_dir"] / "dashboard.html").read_text()
+    for panel in ("generation throughput", "KV cache usage", "weight version", "push and pause seconds", "reward"):
+        assert panel in page, f"the dashboard lacks the {panel!r} panel"
+    assert "server " in page and "trainer" in page
+    assert (result["run_dir"] / "dashboard.png").stat().st_size > 20_000
+
+
+def test_grpo_async_shortened(tmp_path):
+    threads = {t.ident for t in threading.enumerate()}
+    result = grpo_async.main(["--steps", "3", "--prompts", "2", "--group", "4", "--run-root", str(tmp_path)])
+    rows = result["rows"]
+    assert len(rows) == 3 and all(r["mismatch/mean"] < 1e-3 for r in rows[:1])
+    assert all(r["staleness/max"] <= 2 for r in rows)
+    check_run_folder(result["run_dir"], [1, 2, 3])
+    check_left_nothing_running(threads)
+
+
+def test_multiturn_tool_shortened(tmp_path):
+    threads = {t.ident for t in threading.enumerate()}
+    result = multiturn_tool.main(["--steps", "2", "--prompts", "1", "--group", "4", "--run-root", str(tmp_path)])
+    rows = result["rows"]
+    assert len(rows) == 2 and all(r["mismatch/mean"] < 1e-3 for r in rows)
+    assert rows[0]["tool/masked_tokens"] > 0
+    check_run_folder(result["run_dir"], [1, 2])
+    check_left_nothing_running(threads)
