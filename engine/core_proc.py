@@ -162,11 +162,11 @@ class EngineCoreProc:
         while True:
             for sock, _ in poller.poll() if len(sockets) > 1 else [(sockets[0], None)]:
                 frames = sock.recv_multipart(copy=False)
-                kind = RequestType(bytes(frames[0].buffer))
                 try:
+                    kind = RequestType(bytes(frames[0].buffer))
                     self.input_queue.put((client[sock], kind, decoders[kind].decode(frames[1:])))
-                except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                    logger.error("dropping an undecodable %s message: %s", kind.name, e)
+                except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as e:  # includes unknown kinds
+                    logger.error("dropping an undecodable message (%s): %s", bytes(frames[0].buffer)[:16], e)
 
     def _output_thread(self) -> None:
         pushes = []

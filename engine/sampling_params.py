@@ -1,9 +1,15 @@
 """SamplingParams: what to generate and how, per request (vLLM's field names and defaults)."""
 import enum
+import math
 
 import msgspec
 
 from engine.errors import InvalidRequestError
+
+
+# what msgpack carries between the frontend and the engine core
+INT64_MIN, INT64_MAX, UINT64_MAX = -(1 << 63), (1 << 63) - 1, (1 << 64) - 1
+MAX_N = 1024  # samples per request (a request fans out into n sequences)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -44,33 +50,43 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
 
     def __post_init__(self):
+        """Every field is checked here (the engine API has no other validation): a wrong type or
+        value is an InvalidRequestError naming the field, and whatever passes fits the wire."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
-        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be an int >= 1, got {self.n!r}")
+        _check(_is_int(self.n, 1, MAX_N), "n", f"must be an int in [1, {MAX_N}], got {self.n!r}")
         _check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
-               f"must be >= 0, got {self.temperature!r}")
+               f"must be a finite number >= 0, got {self.temperature!r}")
         _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
-               f"must be an int >= 0 (0 or -1 = off), got {self.top_k!r}")
+        _check(_is_int(self.top_k, 0, INT64_MAX), "top_k", f"must be an int >= 0 (0 or -1 = off), got {self.top_k!r}")
         _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an int, got {self.seed!r}")
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-               "max_tokens", f"must be an int >= 1, got {self.max_tokens!r}")
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
-               f"must be an int >= 0, got {self.min_tokens!r}")
+        _check(self.seed is None or _is_int(self.seed, INT64_MIN, UINT64_MAX), "seed",
+               f"must be an int in [-2^63, 2^64), got {self.seed!r}")
+        _check(self.max_tokens is None or _is_int(self.max_tokens, 1, INT64_MAX), "max_tokens",
+               f"must be an int >= 1, got {self.max_tokens!r}")
+        _check(_is_int(self.min_tokens, 0, INT64_MAX), "min_tokens", f"must be an int >= 0, got {self.min_tokens!r}")
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        _check(self.stop is None or all(isinstance(s, str) and s for s in self.stop), "stop",
-               "must be a non-empty string or a list of them")
-        _check(self.stop_token_ids is None or all(isinstance(t, int) for t in self.stop_token_ids),
-               "stop_token_ids", "must be a list of ints")
+        _check(self.stop is None or (isinstance(self.stop, list) and all(isinstance(x, str) and x for x in self.stop)),
+               "stop", f"must be a non-empty string or a list of them, got {self.stop!r}")
+        _check(self.stop_token_ids is None or (isinstance(self.stop_token_ids, list) and all(
+            _is_int(t, 0, INT64_MAX) for t in self.stop_token_ids)), "stop_token_ids",
+               f"must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            _check(v is None or (isinstance(v, int) and 0 <= v <= 20), name, f"must be None or 0..20, got {v!r}")
+            _check(v is None or _is_int(v, 0, 20), name, f"must be None or 0..20, got {v!r}")
         _check(self.logprobs_mode in ("processed", "raw"), "logprobs_mode",
                f"must be 'processed' or 'raw', got {self.logprobs_mode!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "detokenize", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, f"must be a bool, got {getattr(self, name)!r}")
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            kinds = [k.name for k in RequestOutputKind]
+            raise InvalidRequestError(f"SamplingParams.output_kind must be one of {kinds}, got {self.output_kind!r}",
+                                      "output_kind") from None
         _check(self.n == 1 or self.temperature > 0, "n", "n > 1 needs temperature > 0 (greedy copies are identical)")
         if self.stop and not self.detokenize:
             raise InvalidRequestError("stop strings need detokenize=True", "stop")
@@ -84,7 +100,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 
 def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x, lo: int, hi: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
 
 
 def _check(ok: bool, field: str, problem: str) -> None:

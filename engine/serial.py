@@ -54,10 +54,20 @@ class MsgpackDecoder:
         self._frames = frames
         try:
             return self._decoder.decode(_buf(frames[0]))
+        except UnicodeDecodeError as e:  # msgspec lets a malformed string through as this
+            raise msgspec.DecodeError(f"invalid UTF-8 in a string: {e}") from None
         finally:
             self._frames = None
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
+        try:
+            return self._tensor(code, data)
+        except msgspec.DecodeError:
+            raise
+        except Exception as e:  # a malformed header or frame: the message is undecodable, like bad msgpack
+            raise msgspec.DecodeError(f"malformed tensor extension {code}: {type(e).__name__}: {e}") from None
+
+    def _tensor(self, code: int, data: memoryview) -> Any:
         dtype, shape, idx = msgspec.msgpack.decode(data)
         buf = _buf(self._frames[idx])
         if code == TENSOR_EXT:

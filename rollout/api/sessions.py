@@ -23,7 +23,8 @@ The rules, each an explicit choice:
   its KV freed; so is one whose turn's client went away mid-turn (the client lost tokens the
   context holds), and every session at shutdown. A turn on a closed session: 404.
 - Pause mode keep or wait leaves sessions open (a turn sent while paused runs after resume);
-  mode abort and /abort_requests end them (their engine requests are aborted): 409 afterwards.
+  mode abort ends them (their engine requests are aborted): 409 afterwards; /abort_requests
+  ends those in the middle of a turn.
 - Weights: after a push an idle session's KV is the one the old weights computed (vLLM's keep;
   the next turn's tokens carry the new version); push or pause with recompute_kv=true makes it
   recompute under the new weights first. Sleep frees it; the next turn recomputes it.

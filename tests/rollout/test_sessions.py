@@ -167,3 +167,16 @@ def test_async_client_sessions(server):
 
     for i, (ids, a, b) in enumerate(asyncio.run(main())):
         assert ids == [1, 2, 3 + i] + a.token_ids + [9, 9] + b.token_ids
+
+
+def test_a_session_across_sleep_and_wake(client):
+    """Sleep (mode keep) frees an idle session's KV; after the wake-up its next turn recomputes it
+    and still equals one request over the whole conversation."""
+    with client.session() as s:
+        first = s.generate([1, 2, 3, 4], GREEDY)
+        client.sleep(level=1, mode="keep")
+        assert client.is_sleeping()
+        client.wake_up()
+        second = s.generate([5, 6], GREEDY)
+        context = [1, 2, 3, 4] + first.token_ids + [5, 6]
+        assert second.token_ids == client.generate(context, GREEDY)[0].token_ids
