@@ -19,16 +19,16 @@ import argparse
 import asyncio
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+
+from rollout.subprocess_server import ServerProcess, start  # noqa: E402
 
 
 def questions() -> list[str]:
@@ -159,29 +159,15 @@ def run_engine(args) -> dict:
     return asyncio.run(main())
 
 
-def start_server(args, api_servers: int = 1) -> tuple[subprocess.Popen, str]:
-    script = os.path.join(os.path.dirname(sys.executable), "rollout")
-    cmd = ([script] if os.path.exists(script) else [sys.executable, "-m", "rollout.cli"]) + [
-        "serve", "--port", "0", "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
-        "--api-server-count", str(api_servers), "--data-parallel-size", str(args.data_parallel_size)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"))
-    found: dict = {}
-
-    def read():
-        for line in proc.stdout:
-            m = re.search(r"on (http://\S+)", line)
-            if m:
-                found["url"] = m.group(1)
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + 300
-    while "url" not in found:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            sys.exit("rollout serve did not start")
-        time.sleep(0.1)
-    return proc, found["url"]
+def start_server(args, api_servers: int = 1) -> ServerProcess:
+    log = tempfile.NamedTemporaryFile("w", prefix="bench-serve-", suffix=".log", delete=False)
+    log.close()
+    try:
+        return start("--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--api-server-count",
+                     str(api_servers), "--data-parallel-size", str(args.data_parallel_size), log_path=log.name,
+                     cwd=ROOT)
+    except RuntimeError as e:
+        sys.exit(str(e))
 
 
 def _ratio(a: float, b: float) -> str:
@@ -246,15 +232,15 @@ def main() -> None:
         return
     rows = []
     for k in [int(x) for x in args.api_server_counts.split(",")] if not args.url else [0]:
-        proc, url = (None, args.url) if args.url else start_server(args, k)
+        server = None if args.url else start_server(args, k)
+        url = args.url or server.url
         try:
             print(f"[serve-bench] http run against {url} ...", file=sys.stderr, flush=True)
             name = "http (rollout serve)" if k <= 1 else f"http, {k} API servers"
             rows.append((name, asyncio.run(run_http(url, args.api_key, questions(), args))))
         finally:
-            if proc is not None:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(60)
+            if server is not None:
+                server.stop()
     if not args.no_engine:
         print("[serve-bench] engine run (AsyncLLM in process) ...", file=sys.stderr, flush=True)
         cmd = [sys.executable, __file__, "--_engine-only"] + [a for a in sys.argv[1:] if a != "--_engine-only"]

@@ -104,6 +104,8 @@ class Worker:
             staged = {}
             for name, t in model.checkpoint_tensors(path):
                 model.check_weight(name, tuple(t.shape))
+                if not t.is_floating_point():  # a float checkpoint of another precision is cast; this is not one
+                    raise InvalidRequestError(f"{name} has dtype {t.dtype} in {path}: weights must be floating point")
                 staged[name] = t.to(model.hf_view(name).dtype)
         elif source == "tensors":
             staged = {}

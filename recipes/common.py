@@ -9,60 +9,31 @@ import json
 import os
 import random
 import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from rollout.subprocess_server import served
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---- the server ----------------------------------------------------------------------------------
 @contextlib.contextmanager
-def rollout_server(url: str | None, run_dir: Path, *extra: str, startup_timeout_s: float = 300.0):
+def rollout_server(url: str | None, run_dir: Path, *extra: str):
     """Yield the URL of a rollout server: `url` as given, or a `rollout serve` started here (float32,
     any free port, its W&B run offline beside the trainer's in run_dir) and stopped on exit."""
     if url:
         yield url
         return
-    cmd = [sys.executable, "-m", "rollout.cli", "serve", "--port", "0", "--dtype", "float32",
-           "--wandb-project", "rollout-recipes", "--wandb-run-name", f"{run_dir.name}-server",
-           "--wandb-interval-s", "2", *extra]
-    env = dict(os.environ, WANDB_DIR=str(run_dir), WANDB_SILENT="true", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
-    log = open(run_dir / "server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO_ROOT, env=env)
-    found: dict = {}
-
-    def read():
-        for line in proc.stdout:
-            m = re.search(r"on (http://\S+)", line)
-            if m:
-                found.setdefault("url", m.group(1))
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + startup_timeout_s
-    try:
-        while "url" not in found:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"rollout serve did not start; see {run_dir / 'server.log'}")
-            time.sleep(0.1)
-        print(f"[recipe] rollout server at {found['url']} (log: {run_dir / 'server.log'})", flush=True)
-        yield found["url"]
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
+    args = ["--dtype", "float32", "--wandb-project", "rollout-recipes", "--wandb-run-name", f"{run_dir.name}-server",
+            "--wandb-interval-s", "2", *extra]
+    with served(*args, log_path=run_dir / "server.log", cwd=REPO_ROOT,
+                env={"WANDB_DIR": str(run_dir), "WANDB_SILENT": "true"}) as server:
+        print(f"[recipe] rollout server at {server.url} (log: {server.log_path})", flush=True)
+        yield server.url
 
 
 def new_run_dir(recipe: str, root: str | None) -> Path:

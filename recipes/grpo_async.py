@@ -17,6 +17,7 @@ grpo_arithmetic's; what changes:
 from __future__ import annotations
 
 import argparse
+import os
 import queue
 import random
 import sys
@@ -107,7 +108,12 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     run_dir = new_run_dir("grpo_async", args.run_root)
-    with rollout_server(args.url, run_dir, "--max-model-len", "512") as url, \
+    # rollouts and training run at the same time: on a CPU they split the cores instead of both
+    # spinning threads on all of them (a server given by --url keeps its own setting)
+    cores = os.cpu_count() or 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, cores - cores // 2))
+    with rollout_server(args.url, run_dir, "--max-model-len", "512", "--num-threads", str(max(1, cores // 2))) as url, \
             RolloutClient(url, timeout=600) as client:
         client.wait_until_ready(300)
         model_path = client.model_info()[0]["root"]
@@ -155,6 +161,7 @@ def main(argv=None) -> dict:
             rollouts.join(120)
         client.close_weight_transfer()
         png = log.finish()
+    torch.set_num_threads(threads)
     print(f"[recipe] done in {time.perf_counter() - t_start:.0f} s: {png}", flush=True)
     result = {"run_dir": run_dir, "rows": rows, "png": png, "dropped": dropped}
     if sync is not None:

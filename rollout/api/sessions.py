@@ -32,6 +32,7 @@ The rules, each an explicit choice:
   (--api-server-count) a turn must reach the same process, so run sessions with one.
 """
 import asyncio
+import collections
 import time
 import uuid
 from typing import AsyncGenerator
@@ -48,6 +49,7 @@ from rollout.api.errors import APIError, engine_error
 from rollout.api.protocol import _Strict
 
 MAX_TIMEOUT_S = 24 * 3600.0
+MAX_CLOSED_REMEMBERED = 4096  # a turn on a recently closed session says why it was closed
 router = APIRouter(tags=["generate"])
 
 
@@ -92,12 +94,20 @@ class Sessions:
         self.default_timeout_s = default_timeout_s
         self.max_sessions = max_sessions
         self.open: dict[str, Session] = {}
+        self.closed: collections.OrderedDict[str, str] = collections.OrderedDict()  # recent ids -> why
+
+    def _missing(self, session_id: str, param: str) -> APIError:
+        why = self.closed.get(session_id)
+        if why is not None:
+            return APIError(404, f"session {session_id!r} was closed: {why}", param)
+        return APIError(404, f"no open session {session_id!r} (never opened, or closed long ago)", param)
 
     def create(self, session_id: str | None, timeout_s: float | None) -> Session:
         self.state.check_can_generate()
         sid = session_id or uuid.uuid4().hex
         if sid in self.open:
             raise APIError(409, f"session {sid!r} is already open", "session_id")
+        self.closed.pop(sid, None)
         if len(self.open) >= self.max_sessions:
             raise APIError(429, f"{len(self.open)} sessions are open, the limit (--max-sessions); close some",
                            "session_id")
@@ -107,8 +117,7 @@ class Sessions:
     def get(self, session_id: str) -> Session:
         s = self.open.get(session_id)
         if s is None:
-            raise APIError(404, f"no open session {session_id!r} (never opened, closed, or timed out)",
-                           "session_params.id")
+            raise self._missing(session_id, "session_params.id")
         if s.stream is not None and s.ended is None and not self.state.engine.has_request(s.request_id):
             s.ended = "its engine request was aborted (a pause in mode abort, /abort_requests)"
         if s.ended is not None:
@@ -119,6 +128,9 @@ class Sessions:
         """End the session's engine request (its KV is freed) and forget it."""
         self.open.pop(s.id, None)
         s.ended = s.ended or reason
+        self.closed[s.id] = s.ended
+        while len(self.closed) > MAX_CLOSED_REMEMBERED:
+            self.closed.popitem(last=False)
         if s.stream is not None:
             await s.stream.aclose()  # aborts the engine request unless it already ended
             s.stream = None
@@ -271,8 +283,7 @@ async def close_session(body: CloseSessionBody, request: Request):
     sessions = request.app.state.rollout.sessions
     s = sessions.open.get(body.session_id)
     if s is None:
-        raise APIError(404, f"no open session {body.session_id!r} (never opened, closed, or timed out)",
-                       "session_id")
+        raise sessions._missing(body.session_id, "session_id")
     if s.busy:
         raise APIError(409, f"session {s.id!r} is generating a turn; close it when the turn has ended", "session_id")
     ended = s.ended

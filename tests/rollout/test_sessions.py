@@ -113,7 +113,7 @@ def test_idle_sessions_time_out_and_disconnects_end_them(client, server):
     assert sid not in {x["session_id"] for x in client.list_sessions()}
     with pytest.raises(RolloutAPIError) as e:
         client.generate_turn(sid, [4], GREEDY)
-    assert e.value.status == 404
+    assert e.value.status == 404 and "idle for more than 0.5 s" in e.value.message
     # a turn whose client goes away ends the session (the context holds tokens the client never saw)
     sid = client.open_session()
     with pytest.raises(httpx.ReadTimeout):
