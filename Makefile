@@ -3,7 +3,9 @@ PY      := .venv/bin/python
 PROMPT  ?= What is the capital of France?
 STAMP   := .venv/.installed
 
-.PHONY: venv test test-all test-slow serve generate bench clean
+RECIPES := grpo_arithmetic grpo_async multiturn_tool
+
+.PHONY: venv test test-all test-slow serve generate bench clean $(RECIPES)
 
 venv: $(STAMP)
 
@@ -31,6 +33,10 @@ serve: $(STAMP)
 
 generate: $(STAMP)
 	HF_HUB_OFFLINE=1 .venv/bin/rollout generate "$(PROMPT)"
+
+# the RL recipes (recipes/*.py): `make grpo_arithmetic`, `make grpo_async ARGS=--compare-sync`
+$(RECIPES): $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) recipes/$@.py $(ARGS)
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/throughput.py

@@ -13,6 +13,8 @@ A batch request's prompts get ids "<request_id>-<i>". With "stream": true every 
 or SSE with "stream_format": "sse", ending in `data: [DONE]`) is one result's delta plus
 "prompt_index"; the last line of each result has "finished": true. `logprobs[i]` is the
 sampled token's logprob under the distribution it was drawn from (see SamplingParams).
+With "session_params": {"id": ...} the prompt is the next turn of an open session
+(rollout/api/sessions.py).
 """
 import asyncio
 
