@@ -18,10 +18,15 @@ pytestmark = pytest.mark.slow
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def check_left_nothing_running(threads_before: set) -> None:
-    assert children_of(os.getpid()) == [], "a recipe left a child process running"
-    extra = [t.name for t in threading.enumerate() if t.ident not in threads_before and t.is_alive()
-             and not t.daemon]
+def running() -> tuple[set, set]:
+    """This process's children and threads (earlier tests may have left their own behind)."""
+    return set(children_of(os.getpid())), {t.ident for t in threading.enumerate()}
+
+
+def check_left_nothing_running(before: tuple[set, set]) -> None:
+    children, threads = before
+    assert set(children_of(os.getpid())) <= children, "a recipe left a child process running"
+    extra = [t.name for t in threading.enumerate() if t.ident not in threads and t.is_alive() and not t.daemon]
     assert not extra, f"a recipe left threads running: {extra}"
 
 
@@ -34,7 +39,7 @@ def check_run_folder(run_dir: Path, steps: list[int]) -> None:
 
 
 def test_grpo_arithmetic_shortened(tmp_path):
-    threads = {t.ident for t in threading.enumerate()}
+    before = running()
     result = grpo_arithmetic.main(["--steps", "3", "--prompts", "4", "--group", "4", "--eval-problems", "32",
                                    "--run-root", str(tmp_path)])
     rows = result["rows"]
@@ -48,7 +53,7 @@ def test_grpo_arithmetic_shortened(tmp_path):
     assert [r["weight_version"] for r in rows] == [result["start_version"] + s for s in (1, 2, 3)]
     check_run_folder(result["run_dir"], [0, 1, 2, 3])  # step 0: the held-out reward before training
     assert "eval/reward" in rows[-1]
-    check_left_nothing_running(threads)
+    check_left_nothing_running(before)
     # the dashboard draws the server's and the trainer's series of this real run together
     out = subprocess.run([sys.executable, "-m", "rollout.cli", "dashboard", str(result["run_dir"])],
                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
@@ -61,20 +66,20 @@ def test_grpo_arithmetic_shortened(tmp_path):
 
 
 def test_grpo_async_shortened(tmp_path):
-    threads = {t.ident for t in threading.enumerate()}
+    before = running()
     result = grpo_async.main(["--steps", "3", "--prompts", "2", "--group", "4", "--run-root", str(tmp_path)])
     rows = result["rows"]
     assert len(rows) == 3 and all(r["mismatch/mean"] < 1e-3 for r in rows[:1])
     assert all(r["staleness/max"] <= 2 for r in rows)
     check_run_folder(result["run_dir"], [1, 2, 3])
-    check_left_nothing_running(threads)
+    check_left_nothing_running(before)
 
 
 def test_multiturn_tool_shortened(tmp_path):
-    threads = {t.ident for t in threading.enumerate()}
+    before = running()
     result = multiturn_tool.main(["--steps", "2", "--prompts", "1", "--group", "4", "--run-root", str(tmp_path)])
     rows = result["rows"]
     assert len(rows) == 2 and all(r["mismatch/mean"] < 1e-3 for r in rows)
     assert rows[0]["tool/masked_tokens"] > 0
     check_run_folder(result["run_dir"], [1, 2])
-    check_left_nothing_running(threads)
+    check_left_nothing_running(before)
