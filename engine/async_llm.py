@@ -49,7 +49,7 @@ class RequestOutputCollector:
         if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) \
                 and not any(c.finish_reason for c in last.outputs):
             if self.kind == RequestOutputKind.DELTA:
-                _merge_delta(last, item)
+                merge_delta(last, item)
             else:
                 self.items[-1] = item
         else:
@@ -66,7 +66,8 @@ class RequestOutputCollector:
         return item
 
 
-def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+def merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    """Append a DELTA output's new tokens (and text, logprobs, versions) to an earlier one."""
     for a, b in zip(into.outputs, new.outputs):
         a.text += b.text
         a.token_ids += b.token_ids

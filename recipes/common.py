@@ -73,6 +73,18 @@ def load_policy(path: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
+def start_trainer(client, lr: float, kl_coef: float = 0.0):
+    """The trainer's side of a recipe: its float32 copy of the served model, a frozen reference
+    copy when a KL term needs one, AdamW, and the weight-transfer group (this process is rank
+    0). Returns (model, ref, optimizer, the live weight version, the model folder)."""
+    model_path = client.model_info()[0]["root"]
+    model = load_policy(model_path)
+    ref = load_policy(model_path).eval() if kl_coef > 0 else None
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    client.init_weight_transfer(backend="gloo")
+    return model, ref, opt, client.weight_version(), model_path
+
+
 def token_logprobs(model, sequences: list[list[int]], scored: list[list[bool]]) -> torch.Tensor:
     """The logprob of every scored token (flattened, in order) given everything before it.
     Sequences that share a prefix (a GRPO group: one prompt, several answers) are scored as

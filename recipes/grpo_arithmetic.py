@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from recipes.common import (RunLog, arithmetic_problem, arithmetic_reward, group_advantages, grpo_loss,  # noqa: E402
-                            load_policy, new_run_dir, rollout_server, token_logprobs)
+                            new_run_dir, rollout_server, start_trainer, token_logprobs)
 from rollout.client import RolloutClient  # noqa: E402
 
 
@@ -110,12 +110,7 @@ def main(argv=None) -> dict:
     with rollout_server(args.url, run_dir, "--max-model-len", "512") as url, \
             RolloutClient(url, timeout=600) as client:
         client.wait_until_ready(300)
-        model_path = client.model_info()[0]["root"]
-        model = load_policy(model_path)
-        ref = load_policy(model_path).eval() if args.kl_coef > 0 else None
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-        client.init_weight_transfer(backend="gloo")
-        version = client.weight_version()
+        model, ref, opt, version, model_path = start_trainer(client, args.lr, args.kl_coef)
         log = RunLog(run_dir, run_dir.name, dict(vars(args), recipe="grpo_arithmetic", model=model_path))
         print(f"[recipe] {run_dir}: {args.steps} steps of {args.prompts} x {args.group} rollouts", flush=True)
         held_out = [arithmetic_problem(random.Random(f"eval-{i}")) for i in range(args.eval_problems)]

@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recipes.common import (RunLog, arithmetic_reward, group_advantages, grpo_loss, load_policy,  # noqa: E402
-                            new_run_dir, rollout_server, token_logprobs)
+from recipes.common import (RunLog, arithmetic_reward, group_advantages, grpo_loss, new_run_dir,  # noqa: E402
+                            rollout_server, start_trainer, token_logprobs)
 from rollout.client import AsyncRolloutClient, RolloutClient  # noqa: E402
 
 SYSTEM = "You can use a calculator: write CALL followed by the product, then give the answer."
@@ -110,12 +110,8 @@ def main(argv=None) -> dict:
     with rollout_server(args.url, run_dir, "--max-model-len", "512") as url, \
             RolloutClient(url, timeout=600) as client:
         client.wait_until_ready(300)
-        model_path = client.model_info()[0]["root"]
-        model = load_policy(model_path)
+        model, _, opt, version, model_path = start_trainer(client, args.lr)
         eos = model.config.eos_token_id
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-        client.init_weight_transfer(backend="gloo")
-        version = client.weight_version()
         log = RunLog(run_dir, run_dir.name, dict(vars(args), recipe="multiturn_tool", model=model_path))
         t_start = time.perf_counter()
         rows = []

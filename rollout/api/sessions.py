@@ -41,6 +41,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Field
 
+from engine.async_llm import merge_delta
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -216,19 +217,9 @@ class Sessions:
 def merge_turn(outs: list[RequestOutput], ids: list[int]) -> RequestOutput:
     """The deltas of one turn as one output whose prompt is the turn's input."""
     first = outs[0]
-    c = first.outputs[0]
     for o in outs[1:]:
-        d = o.outputs[0]
-        c.text += d.text
-        c.token_ids += d.token_ids
-        c.weight_versions += d.weight_versions
-        if c.logprobs is not None and d.logprobs is not None:
-            c.logprobs += d.logprobs
-        if c.top_logprobs is not None and d.top_logprobs is not None:
-            c.top_logprobs += d.top_logprobs
-        c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+        merge_delta(first, o)
     first.prompt_token_ids = ids
-    first.finished = outs[-1].finished
     return first
 
 
