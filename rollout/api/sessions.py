@@ -97,7 +97,7 @@ class Sessions:
         self.open: dict[str, Session] = {}
         self.closed: collections.OrderedDict[str, str] = collections.OrderedDict()  # recent ids -> why
 
-    def _missing(self, session_id: str, param: str) -> APIError:
+    def missing(self, session_id: str, param: str) -> APIError:
         why = self.closed.get(session_id)
         if why is not None:
             return APIError(404, f"session {session_id!r} was closed: {why}", param)
@@ -118,7 +118,7 @@ class Sessions:
     def get(self, session_id: str) -> Session:
         s = self.open.get(session_id)
         if s is None:
-            raise self._missing(session_id, "session_params.id")
+            raise self.missing(session_id, "session_params.id")
         if s.stream is not None and s.ended is None and not self.state.engine.has_request(s.request_id):
             s.ended = "its engine request was aborted (a pause in mode abort, /abort_requests)"
         if s.ended is not None:
@@ -274,7 +274,7 @@ async def close_session(body: CloseSessionBody, request: Request):
     sessions = request.app.state.rollout.sessions
     s = sessions.open.get(body.session_id)
     if s is None:
-        raise sessions._missing(body.session_id, "session_id")
+        raise sessions.missing(body.session_id, "session_id")
     if s.busy:
         raise APIError(409, f"session {s.id!r} is generating a turn; close it when the turn has ended", "session_id")
     ended = s.ended

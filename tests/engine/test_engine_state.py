@@ -242,12 +242,26 @@ def test_weight_versions_increase_strictly(tiny_folder):
         llm.shutdown()
 
 
+def push_scaled_weights(core: EngineCore, folder: str):
+    """New weights (every layer matrix x 1.5) pushed into the core; returns them as a transformers
+    model, the trainer's recompute."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "layers" in name and p.dim() == 2:
+                p.mul_(1.5)
+    core.stage_weights("tensors", [list(hf.state_dict().items())])
+    core.commit_weights(core.weight_version + 1)
+    return hf
+
+
 @pytest.mark.parametrize("recompute_kv", [False, True])
 def test_keep_mode_kv_policies_against_a_trainer_recompute(core, tiny_folder, recompute_kv):
     """New weights pushed while a request is frozen (pause keep): with recompute_kv its later
     tokens' logprobs are what the new weights give for the whole sequence (a trainer's recompute,
     transformers in float32); by default the old weights' KV is reused and they are not."""
-    from transformers import AutoModelForCausalLM
 
     prompt, params = [1, 2, 3, 4, 5, 6], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
     core.add_request(EngineCoreRequest("r", prompt, params, None))
@@ -262,13 +276,7 @@ def test_keep_mode_kv_policies_against_a_trainer_recompute(core, tiny_folder, re
     while len(tokens) < 4:
         collect(core.step())
     assert core.pause("keep", recompute_kv=recompute_kv)["kept"] == 1
-    hf = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "layers" in name and p.dim() == 2:
-                p.mul_(1.5)
-    core.stage_weights("tensors", [list(hf.state_dict().items())])
-    core.commit_weights(core.weight_version + 1)
+    hf = push_scaled_weights(core, tiny_folder)
     core.resume()
     for _ in range(100):
         if not core.has_work():
@@ -292,7 +300,6 @@ def test_an_idle_session_kv_policy_across_a_push(core, tiny_folder, recompute_kv
     the old weights computed. A push during a keep pause with recompute_kv makes its next turn
     recompute everything under the new weights (logprobs equal a transformers recompute of the
     whole conversation); without it the old KV is reused (they differ)."""
-    from transformers import AutoModelForCausalLM
 
     from engine.protocol import StreamInput
 
@@ -317,13 +324,7 @@ def test_an_idle_session_kv_policy_across_a_push(core, tiny_folder, recompute_kv
     out1 = run_turn()
     assert len(out1) == 4 and "s" in core.scheduler.idle
     core.pause("keep", recompute_kv=recompute_kv)
-    hf = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "layers" in name and p.dim() == 2:
-                p.mul_(1.5)
-    core.stage_weights("tensors", [list(hf.state_dict().items())])
-    core.commit_weights(core.weight_version + 1)
+    hf = push_scaled_weights(core, tiny_folder)
     core.resume()
     core.add_stream_input(StreamInput("s", turn2, None))
     out2 = run_turn()

@@ -18,23 +18,12 @@ from rollout.client import RolloutClient
 from rollout.client_weights import _update_info
 from tests.engine.perturb import perturbed_state
 from weight_sync import WeightSender
-from weight_sync.protocol import _pack, plan_buckets
+from tests.weight_sync.partial_push import send_some_buckets
 
 BUCKET_BYTES = 64 << 20
 
 
-def send_until(sender: WeightSender, named: list, where: str) -> str:
-    """WeightSender.send's first steps (header, verdict) and the buckets before `where`."""
-    tensors, header = sender._collect(named, None)
-    sender._send_header(header)
-    sender.group.all_reduce_max(0)
-    buckets = [b for b in plan_buckets(header) if b.nbytes]
-    count = {"first": 0, "middle": len(buckets) // 2, "last": len(buckets) - 1}[where]
-    for b in buckets[:count]:
-        buf = torch.empty(b.nbytes, dtype=torch.uint8)
-        _pack(tensors, b, buf)
-        sender.group.broadcast(buf)
-    return f"sent {count} of {len(buckets)} buckets"
+STOP_BEFORE = {"first": lambda n: 0, "middle": lambda n: n // 2, "last": lambda n: n - 1}
 
 
 def main(url: str, key: str, how: str, where: str, model_dir: str) -> None:
@@ -46,7 +35,9 @@ def main(url: str, key: str, how: str, where: str, model_dir: str) -> None:
     caller = RolloutClient(url, admin_api_key=key, api_key=key, timeout=120)
     threading.Thread(target=lambda: _post_update(caller, _update_info(named, torch.float32, None)),
                      daemon=True).start()
-    print(send_until(WeightSender(client.weights.group, bucket_bytes=BUCKET_BYTES), named, where), flush=True)
+    sent, total = send_some_buckets(WeightSender(client.weights.group, bucket_bytes=BUCKET_BYTES), named,
+                                    STOP_BEFORE[where])
+    print(f"sent {sent} of {total} buckets", flush=True)
     if how == "exit":
         os._exit(1)
     time.sleep(600)

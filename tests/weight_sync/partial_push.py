@@ -5,13 +5,21 @@ from weight_sync import WeightSender
 from weight_sync.protocol import _pack, plan_buckets
 
 
-def send_first_bucket_only(sender: WeightSender, named_tensors) -> None:
-    """Start a push as WeightSender.send does (header, verdict, first bucket) and stop there; the
-    caller then dies or hangs, leaving the receivers waiting for the other buckets."""
+def send_some_buckets(sender: WeightSender, named_tensors, how_many) -> tuple[int, int]:
+    """Start a push as WeightSender.send does (header, verdict) and send the first
+    `how_many(number of buckets)` buckets, then stop; the caller then dies or hangs, leaving the
+    receivers waiting for the rest. Returns (buckets sent, buckets in the push)."""
     tensors, header = sender._collect(named_tensors, None)
     sender._send_header(header)
     sender.group.all_reduce_max(0)
-    first = plan_buckets(header)[0]
-    buf = torch.empty(first.nbytes, dtype=torch.uint8)
-    _pack(tensors, first, buf)
-    sender.group.broadcast(buf)
+    buckets = [b for b in plan_buckets(header) if b.nbytes]
+    count = how_many(len(buckets))
+    for b in buckets[:count]:
+        buf = torch.empty(b.nbytes, dtype=torch.uint8)
+        _pack(tensors, b, buf)
+        sender.group.broadcast(buf)
+    return count, len(buckets)
+
+
+def send_first_bucket_only(sender: WeightSender, named_tensors) -> None:
+    send_some_buckets(sender, named_tensors, lambda n: 1)
