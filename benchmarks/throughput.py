@@ -9,7 +9,8 @@ so repeated prompts are not served from the cache.
 
 Engines: hf = transformers generate (left-padded batch); ours = LLM with the engine core in
 process; ours_mp = LLM through the engine-core process (the default); ours_dp2 = LLM with two
-engine-core replicas (data parallelism; the cores split between them); async = AsyncLLM, one
+engine-core replicas (data parallelism; the cores split between them); ours_bi = ours in
+batch-invariant mode (float32 only: fixed-order matmuls and per-token attention); async = AsyncLLM, one
 concurrent generate() per prompt, DELTA outputs, which also reports the frontend's median
 per-token latency (engine core queued the token -> the caller's async-for received it).
 
@@ -41,12 +42,13 @@ def workload():
 ENGINE_KW = dict(enable_prefix_caching=False, max_num_seqs=256, max_num_batched_tokens=4096)
 
 
-def run_ours(dtype, batches, reps, multiprocess=False, data_parallel_size=1):
+def run_ours(dtype, batches, reps, multiprocess=False, data_parallel_size=1, batch_invariant=False):
     from engine import LLM, SamplingParams
 
     w = workload()
     t = time.perf_counter()
-    llm = LLM(dtype=dtype, multiprocess=multiprocess, data_parallel_size=data_parallel_size, **ENGINE_KW)
+    llm = LLM(dtype=dtype, multiprocess=multiprocess, data_parallel_size=data_parallel_size,
+              batch_invariant=batch_invariant, **ENGINE_KW)
     load_s = time.perf_counter() - t
 
     def run(prompts, sample, n):
@@ -69,6 +71,11 @@ def run_ours_mp(dtype, batches, reps):
 def run_ours_dp2(dtype, batches, reps):
     """Two engine-core replicas, the cores split between them (one thread each here)."""
     return run_ours(dtype, batches, reps, multiprocess=True, data_parallel_size=2)
+
+
+def run_ours_bi(dtype, batches, reps):
+    """Batch-invariant mode (float32 only): what bit-identical logprobs across batches cost."""
+    return run_ours(dtype, batches, reps, batch_invariant=True)
 
 
 def run_async(dtype, batches, reps):
@@ -165,7 +172,8 @@ def _log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-ENGINES = {"hf": run_hf, "ours": run_ours, "ours_mp": run_ours_mp, "ours_dp2": run_ours_dp2, "async": run_async}
+ENGINES = {"hf": run_hf, "ours": run_ours, "ours_mp": run_ours_mp, "ours_dp2": run_ours_dp2, "ours_bi": run_ours_bi,
+           "async": run_async}
 
 
 def main():
@@ -185,6 +193,8 @@ def main():
     results = {}
     for dtype in args.dtypes.split(","):
         for engine in args.engines.split(","):
+            if engine == "ours_bi" and dtype != "float32":
+                continue  # batch-invariant mode runs float32 only
             _log(f"[bench] {engine} {dtype} ...")
             cmd = [sys.executable, __file__, "--worker", engine, dtype, "--batches", args.batches,
                    "--reps", str(args.reps)]

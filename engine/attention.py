@@ -45,6 +45,21 @@ def prefill_mask(ctx_len: int, q_len: int, sliding_window: int | None, device) -
     return mask
 
 
+def per_token_decode_rows(md: AttentionMetadata, runs: list[tuple[list[int], int, int]], device) -> None:
+    """Batch-invariant attention: make every token of the step a decode row of its own (query at
+    position p over keys 0..p of its sequence, all already in the cache), so a token's attention
+    is the decode kernel's fixed-order sum whether its sequence was prefilled in one chunk, in
+    several, or decoded, alone or in any batch. runs: (block_ids, first position, number of
+    tokens) of each sequence's tokens, in row order."""
+    width = max(len(b) for b, _, _ in runs)
+    table = torch.tensor([b + [0] * (width - len(b)) for b, _, _ in runs], dtype=torch.int32)
+    counts = torch.tensor([n for _, _, n in runs])
+    md.decode_block_table = table.repeat_interleave(counts, dim=0).to(device)
+    md.decode_seq_lens = torch.cat([torch.arange(s + 1, s + n + 1, dtype=torch.int32) for _, s, n in runs]).to(device)
+    md.num_decodes = int(counts.sum())
+    md.prefills = []
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               md: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
     """q: (T, num_heads, head_dim); k, v: (T, num_kv_heads, head_dim), already in the cache.

@@ -103,6 +103,9 @@ class EngineConfig:
         its own cores: N replicas never oversubscribe the machine).
     data_parallel_size: engine-core replicas, each with its own scheduler, KV cache and worker;
         data_parallel_backend: "mp" (local processes) or "ray" (Ray actors, any node of a cluster).
+    batch_invariant: a token's logits and logprobs do not depend on the rest of the batch (fixed
+        reduction orders; float32 on CPU; see engine/batch_invariant.py for the guarantee and
+        the recompute a trainer runs to get the same bits). dtype "auto" becomes float32.
     """
 
     model: str | None = None
@@ -122,6 +125,7 @@ class EngineConfig:
     data_parallel_size: int = 1
     data_parallel_backend: str = "mp"
     data_parallel_rank: int = 0  # set per replica by the process / actor manager
+    batch_invariant: bool = False
     model_config: ModelConfig = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -142,10 +146,14 @@ class EngineConfig:
             raise ValueError("device='cuda' but CUDA is not available")
         if self.device not in ("cpu",) and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype == "auto" and self.batch_invariant:
+            self.dtype = "float32"
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device != "cpu" or _cpu_has_fast_bf16() else "float32"
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.batch_invariant and (self.device != "cpu" or self.dtype != "float32"):
+            raise ValueError(f"batch_invariant runs float32 on CPU (got device={self.device!r}, dtype={self.dtype!r})")
         limit = self.model_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = limit

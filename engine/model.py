@@ -25,18 +25,22 @@ from weight_sync.checkpoint import load_safetensors_folder
 
 
 class Linear:
-    """y = x @ weight.T (+ bias), optionally through a oneDNN-prepacked copy of the weight."""
+    """y = x @ weight.T (+ bias), optionally through a oneDNN-prepacked copy of the weight, or
+    (batch-invariant mode) through a kernel whose every output is one fixed-order dot product."""
 
-    __slots__ = ("weight", "bias", "packed")
+    __slots__ = ("weight", "bias", "packed", "invariant")
 
     def __init__(self, out_features: int, in_features: int, bias: bool, dtype, device):
         self.weight = torch.zeros(out_features, in_features, dtype=dtype, device=device)
         self.bias = torch.zeros(out_features, dtype=dtype, device=device) if bias else None
         self.packed = None
+        self.invariant = None  # kernels' invariant_linear(x, weight, bias) in batch-invariant mode
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.invariant is not None:
+            return self.invariant(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def pack(self, enable: bool) -> None:
@@ -67,7 +71,8 @@ class LayerOps:
 
 
 class LlamaModel:
-    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int):
+    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
+                 batch_invariant: bool = False):
         self.mc, self.dtype, self.device = mc, dtype, device
         H, D, I = mc.hidden_size, mc.head_dim, mc.intermediate_size
         self.q_size, self.kv_size = mc.num_heads * D, mc.num_kv_heads * D
@@ -94,7 +99,24 @@ class LlamaModel:
         inv_freq, attention_factor = rope_inv_freq(D, mc.rope_theta, mc.rope_scaling)
         self.cos_sin = rope_cos_sin_cache(inv_freq, attention_factor, max_len).to(device)  # (L, 2, D/2) fp32
         self.ops = LayerOps(device, dtype, D)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            self._use_invariant_kernels()
         self._hf = self._hf_name_map()
+
+    def _use_invariant_kernels(self) -> None:
+        """Batch-invariant mode (see engine/batch_invariant.py): the fixed-order matmul for every
+        projection; the per-row C++ ops (norms, rotary, activation) and the paged attention
+        kernel are invariant as they are, and the runner sends every token through the latter."""
+        ext = cpu_ext.ops_for(self.device, self.dtype)
+        if ext is None or self.dtype != torch.float32 or self.ops.decode_attention is None:
+            raise UnsupportedModelError(
+                "batch-invariant mode needs float32 on CPU, the C++ CPU kernels (a compiler; see the "
+                "'kernels' log) and a head_dim that is a multiple of 16, at most 512")
+        for layer in self.layers:
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                lin.invariant = ext.invariant_linear
+        self.lm_head.invariant = ext.invariant_linear
 
     # ---- weights, by Hugging Face names -------------------------------------------------
     def _hf_name_map(self) -> dict[str, tuple[torch.Tensor, int, int]]:
@@ -215,6 +237,7 @@ class LlamaModel:
         ops = self.ops
         add_norm, rope, silu = ops.add_norm, ops.rope_and_cache, ops.silu_and_mul
         decode = ops.decode_attention if md.num_decodes == T else None  # the whole step is decodes
+        assert decode is not None or not self.batch_invariant, "batch-invariant steps are all decode rows"
         table, lens = md.decode_block_table, md.decode_seq_lens
         h = F.embedding(input_ids, self.embed)  # (T, H)
         residual = None

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillChunk, prefill_mask
+from engine.attention import AttentionMetadata, PrefillChunk, per_token_decode_rows, prefill_mask
 from engine.config import EngineConfig
 from engine.model import LlamaModel
 from engine.sampling_params import SamplingParams
 from engine.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
-from kernels.sampling import SamplingMetadata, sample
+from kernels.sampling import SamplingMetadata, log_softmax, sample
 
 GiB = 1 << 30
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 * GiB
@@ -56,7 +56,8 @@ class ModelRunner:
             from kernels import cpu_ext
 
             cpu_ext.load()  # build the C++ kernels now (once per machine), not in the first request
-        self.model: LlamaModel | None = LlamaModel(mc, self.dtype, self.device, config.max_model_len)
+        self.model: LlamaModel | None = LlamaModel(mc, self.dtype, self.device, config.max_model_len,
+                                                   config.batch_invariant)
         self.model.load_weights(config.model)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)  # unseeded requests
         self.requests: dict[str, CachedRequestState] = {}
@@ -176,6 +177,8 @@ class ModelRunner:
                                             block_ids=bt.to(dev) if s else None,
                                             mask=prefill_mask(s, n, window, dev)))
         md.slot_mapping = torch.cat(slot_parts).to(dev) if len(slot_parts) > 1 else slot_parts[0].to(dev)
+        if self.config.batch_invariant:
+            per_token_decode_rows(md, [(r.block_ids, r.start, len(r.token_ids)) for r in decodes + prefills], dev)
         inputs.input_ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         inputs.positions = torch.tensor(positions, dtype=torch.int64, device=dev)
         return inputs
@@ -191,7 +194,8 @@ class ModelRunner:
     def compute_prompt_logprobs(self, logits: torch.Tensor, prompt_rows, out: ModelRunnerOutput) -> None:
         for rid, first, pos in prompt_rows:
             state = self.requests[rid]
-            rows = logits[first:first + len(pos)].float().log_softmax(dim=-1)  # raw logits: p predicts p+1
+            # raw logits: p predicts p+1
+            rows = log_softmax(logits[first:first + len(pos)].float(), self.config.batch_invariant)
             targets = torch.tensor(state.prompt_token_ids[pos.start + 1:pos.stop + 1], dtype=torch.int64,
                                    device=rows.device)
             lps = rows.gather(1, targets[:, None]).squeeze(1).tolist()
@@ -224,7 +228,8 @@ class ModelRunner:
     def _sampling_metadata(self, samplers: list[ScheduledRequest],
                            states: list[CachedRequestState]) -> SamplingMetadata:
         ps = [s.params for s in states]
-        md = SamplingMetadata(num_rows=len(ps), all_greedy=all(p.temperature == 0 for p in ps))
+        md = SamplingMetadata(num_rows=len(ps), all_greedy=all(p.temperature == 0 for p in ps),
+                              batch_invariant=self.config.batch_invariant)
         dev = self.device
         if not md.all_greedy:
             md.temperature = torch.tensor([p.temperature or 1.0 for p in ps], dtype=torch.float32, device=dev)

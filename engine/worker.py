@@ -202,7 +202,7 @@ class Worker:
         if "weights" in tags:
             if runner.model is None:  # level 2: fresh (zero) tensors; a push or reload must fill them
                 runner.model = LlamaModel(self.config.model_config, runner.dtype, runner.device,
-                                          self.config.max_model_len)
+                                          self.config.max_model_len, self.config.batch_invariant)
             elif self._offloaded:
                 for t, host in self._offloaded:
                     t.data = host.to(t.device)

@@ -32,6 +32,7 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None  # None: no row wants logprobs
     raw_logprobs: torch.Tensor | None = None  # (N,) bool rows that want raw-logit logprobs
     banned_tokens: dict[int, list[int]] = field(default_factory=dict)  # row -> ids (min_tokens)
+    batch_invariant: bool = False  # logsumexp in one fixed order per row (see logsumexp)
 
 
 @dataclass
@@ -61,10 +62,26 @@ def greedy(logits: torch.Tensor, with_logprobs: bool) -> tuple[torch.Tensor, tor
     return greedy_ref(logits, with_logprobs)
 
 
+def logsumexp(x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """(N, V) float32 -> (N, 1). invariant: the C++ op that sums each row on one thread in one
+    fixed order (torch's reduction splits a lone row across threads, so its bits depend on N)."""
+    if invariant:
+        return cpu_ext.ops_for(x.device, x.dtype).logsumexp_rows(x)[:, None]
+    return torch.logsumexp(x, dim=-1, keepdim=True)
+
+
+def log_softmax(x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """(N, V) float32 log-softmax; invariant as in logsumexp."""
+    return x - logsumexp(x, True) if invariant else x.log_softmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, md: SamplingMetadata, generator: torch.Generator | None = None) -> SamplerOutput:
     """logits: (N, V) float32 or the model's dtype (converted to float32 unless the batch is plain
     greedy), modified in place by banned tokens. Returns sampled ids + logprobs."""
-    if md.all_greedy and not md.banned_tokens and not md.max_num_logprobs:  # no top-k logprobs
+    # (greedy_logprobs' -log(sum) may differ in the last bit from gather - logsumexp below, which
+    # every batch-invariant row that wants logprobs must get, whatever its batch)
+    invariant_logprobs = md.batch_invariant and md.max_num_logprobs is not None
+    if md.all_greedy and not md.banned_tokens and not md.max_num_logprobs and not invariant_logprobs:
         ids, lps = greedy(logits, md.max_num_logprobs is not None)
         return SamplerOutput(token_ids=ids, logprobs=lps)
     logits = logits.float()
@@ -86,7 +103,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata, generator: torch.Generato
         src = processed
         if md.raw_logprobs is not None:
             src = torch.where(md.raw_logprobs[:, None], logits, processed)
-        lse = torch.logsumexp(src, dim=-1, keepdim=True)  # (N, 1)
+        lse = logsumexp(src, md.batch_invariant)  # (N, 1)
         out.logprobs = (src.gather(1, token_ids[:, None]) - lse).squeeze(1)
         if md.max_num_logprobs > 0:
             vals, out.top_ids = src.topk(md.max_num_logprobs, dim=-1)

@@ -11,6 +11,10 @@ update, then the new weights pushed over gloo (client.push_weights: pause in kee
 atomic swap, resume), version = the step. The run folder (runs/grpo_arithmetic-<time>/) gets
 history.jsonl, curves.png and the trainer's and the server's offline W&B runs;
 `rollout dashboard <run folder>` draws both.
+
+--batch-invariant serves in batch-invariant mode and recomputes every step's rollout logprobs with
+engine.batch_invariant.InvariantScorer on the trainer's weights: `exact/mismatch_max` must be 0.0
+(the sampler's logprobs are the trainer's pi_old bit for bit, whatever the batching).
 """
 from __future__ import annotations
 
@@ -43,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--eval-problems", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-root", default=None, help="where run folders go (default: runs/)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="serve batch-invariant and check the rollout logprobs bit for bit against the trainer's "
+                         "InvariantScorer recompute (exact/mismatch_max)")
     return ap.parse_args(argv)
 
 
@@ -94,6 +101,16 @@ def train_step(model, opt, ref, batch: dict, args, prox_lp: torch.Tensor | None 
     return time.perf_counter() - t0, stats
 
 
+def exact_mismatch(scorer, model, batch: dict) -> dict:
+    """The rollout's logprobs against the batch-invariant recompute on the weights that sampled
+    them (the trainer's, pushed last step): 0.0 unless something is broken."""
+    scorer.load_state_dict(model.state_dict())
+    lps = scorer.token_logprobs(batch["seqs"])
+    exact = torch.cat([lp[torch.tensor(mask[1:])] for lp, mask in zip(lps, batch["scored"])])
+    gap = (exact - torch.tensor(batch["rollout_lp"])).abs()
+    return {"exact/mismatch_max": gap.max().item(), "exact/tokens_differing": int((gap > 0).sum())}
+
+
 def reward_row(batch: dict) -> dict:
     r = torch.tensor(batch["rewards"])
     return {"reward/mean": r.mean().item(), "reward/std": r.std().item(),
@@ -107,10 +124,15 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     run_dir = new_run_dir("grpo_arithmetic", args.run_root)
-    with rollout_server(args.url, run_dir, "--max-model-len", "512") as url, \
-            RolloutClient(url, timeout=600) as client:
+    serve_args = ["--max-model-len", "512"] + (["--batch-invariant"] if args.batch_invariant else [])
+    with rollout_server(args.url, run_dir, *serve_args) as url, RolloutClient(url, timeout=600) as client:
         client.wait_until_ready(300)
         model, ref, opt, version, model_path = start_trainer(client, args.lr, args.kl_coef)
+        scorer = None
+        if args.batch_invariant:
+            from engine.batch_invariant import InvariantScorer
+
+            scorer = InvariantScorer(model_path, max_model_len=512)
         log = RunLog(run_dir, run_dir.name, dict(vars(args), recipe="grpo_arithmetic", model=model_path))
         print(f"[recipe] {run_dir}: {args.steps} steps of {args.prompts} x {args.group} rollouts", flush=True)
         held_out = [arithmetic_problem(random.Random(f"eval-{i}")) for i in range(args.eval_problems)]
@@ -121,6 +143,7 @@ def main(argv=None) -> dict:
         rows = []
         for step in range(1, args.steps + 1):
             batch = rollout_batch(client, rng, args, seed=args.seed * 100_003 + step)
+            exact = exact_mismatch(scorer, model, batch) if scorer is not None else {}
             train_s, stats = train_step(model, opt, ref, batch, args)
             push = client.push_weights(model.named_parameters(), version=version + step)
             row = dict(reward_row(batch), **{
@@ -131,7 +154,7 @@ def main(argv=None) -> dict:
                 "staleness/mean": sum(push["weight_version"] - 1 - v for v in batch["versions"]) / len(
                     batch["versions"]),
                 "staleness/max": max(push["weight_version"] - 1 - v for v in batch["versions"]),
-                "wall_seconds": time.perf_counter() - t_start})
+                "wall_seconds": time.perf_counter() - t_start}, **exact)
             if step % args.eval_every == 0 or step == args.steps:
                 row.update(evaluate(client, held_out))
             rows.append(row)
@@ -139,7 +162,8 @@ def main(argv=None) -> dict:
             print(f"[recipe] step {step:3d}  reward {row['reward/mean']:.3f} (solved {row['reward/solved']:.2f})  "
                   f"mismatch {stats.mismatch_mean:.1e}  rollout {batch['seconds']:.1f}s  train {train_s:.1f}s  "
                   f"push {push['seconds']:.1f}s  v{push['weight_version']}"
-                  + (f"  held-out {row['eval/reward']:.3f}" if "eval/reward" in row else ""), flush=True)
+                  + (f"  held-out {row['eval/reward']:.3f}" if "eval/reward" in row else "")
+                  + (f"  exact mismatch {exact['exact/mismatch_max']:.1e}" if exact else ""), flush=True)
         client.close_weight_transfer()
         png = log.finish()
     print(f"[recipe] done in {time.perf_counter() - t_start:.0f} s: {png}", flush=True)

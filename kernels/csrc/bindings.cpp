@@ -33,4 +33,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(logits (N, V)) -> (first argmax per row (N,) int64, its log-softmax (N,) float32; "
         "left unset unless with_logprobs)",
         py::arg("logits"), py::arg("with_logprobs") = true);
+  m.def("logsumexp_rows", &logsumexp_rows,
+        "(x (N, V)) -> (N,) float32 logsumexp of each row, one fixed order per row "
+        "(batch-invariant)", py::arg("x"));
+  m.def("invariant_linear", &rollout_invariant::invariant_linear,
+        "x (M, K) @ weight (N, K).T + bias, float32; each output one fixed-order dot product "
+        "(batch-invariant)", py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
 }

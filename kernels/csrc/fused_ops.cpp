@@ -8,6 +8,7 @@
 //                  q_norm=None, k_norm=None, eps=1e-6) -> (q, k)
 //   rope_and_cache_qk(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> (q, k)
 //   greedy_logprobs(logits (N, V), with_logprobs) -> (argmax ids (N,), their log-softmax (N,))
+//   logsumexp_rows(x (N, V)) -> (N,)                    (batch-invariant: one fixed order per row)
 //
 // Rounding points follow the torch ops of Hugging Face's Llama (see kernels/norm.py,
 // kernels/activation.py, kernels/rotary.py for the reference formulas): a bf16 result is rounded
@@ -651,12 +652,15 @@ std::tuple<at::Tensor, at::Tensor> rope_and_cache_qk(
 // (max, then sum + index) instead of torch's argmax + float cast + logsumexp + gather. A row of
 // only -inf gives index 0 and a NaN logprob, like torch.
 template <typename T>
+inline vfloat row_at(const T* x, int64_t n, int64_t c) {  // the vector at c, lanes past n -inf
+  const vint lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return c + L <= n ? load(x + c) : (lane < int32_t(n - c) ? load_n(x + c, n - c) : splat(-__builtin_inff()));
+}
+
+template <typename T>
 void greedy_row(const T* x, int64_t n, bool with_logprob, int64_t& id, float& logprob) {
   const vfloat neg_inf = splat(-__builtin_inff());
-  vint lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  auto at = [&](int64_t c) {  // the vector at c, lanes past the row's end -inf
-    return c + L <= n ? load(x + c) : (lane < int32_t(n - c) ? load_n(x + c, n - c) : neg_inf);
-  };
+  auto at = [&](int64_t c) { return row_at(x, n, c); };
   vfloat mv = neg_inf;
   vint nan = {};
   for (int64_t c = 0; c < n; c += L) {
@@ -710,6 +714,46 @@ std::tuple<at::Tensor, at::Tensor> greedy_logprobs(const at::Tensor& logits, boo
     });
   });
   return {ids, lps};
+}
+
+// ---- batch-invariant log-softmax -------------------------------------------------------------
+// Per row: max + log(sum_i exp(x_i - max)), each row by one thread in one fixed order (torch's
+// reductions split a lone row across threads, so a row's logsumexp depends on the batch). A row
+// with a NaN gives NaN, one of only -inf gives -inf, one with +inf gives +inf (as torch).
+template <typename T>
+float logsumexp_row(const T* x, int64_t n) {
+  vfloat mv = splat(-__builtin_inff());
+  vint nan = {};
+  for (int64_t c = 0; c < n; c += L) {
+    const vfloat v = row_at(x, n, c);
+    nan |= (v != v);
+    mv = v > mv ? v : mv;
+  }
+  for (int64_t i = 0; i < L; ++i)
+    if (nan[i]) return __builtin_nanf("");
+  const float m = reduce(mv, maximum);
+  if (m == -__builtin_inff() || m == __builtin_inff()) return m;
+  vfloat sum = {};
+  for (int64_t c = 0; c < n; c += L) sum += sleef_expf(row_at(x, n, c) - m);
+  return m + std::log(reduce(sum, plus));
+}
+
+at::Tensor logsumexp_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 && dtype_ok(x.scalar_type()) &&
+                  x.size(1) > 0,
+              "logsumexp_rows: x must be a CPU (N, V) float32/bfloat16 tensor with a contiguous "
+              "last dim");
+  const int64_t N = x.size(0), V = x.size(1), stride = x.stride(0);
+  at::Tensor out = new_tensor({N}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  dispatch_dtype(x.scalar_type(), "logsumexp_rows", [&](auto tag) {
+    using T_ = decltype(tag);
+    const T_* p = x.data_ptr<T_>();
+    for_rows(N, V * 4, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) o[r] = logsumexp_row(p + r * stride, V);
+    });
+  });
+  return out;
 }
 
 }  // namespace rollout_fused

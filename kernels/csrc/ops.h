@@ -32,4 +32,11 @@ std::tuple<at::Tensor, at::Tensor> rope_and_cache_qk(
     const at::Tensor& cos_sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& slot_mapping);
 std::tuple<at::Tensor, at::Tensor> greedy_logprobs(const at::Tensor& logits, bool with_logprobs);
+at::Tensor logsumexp_rows(const at::Tensor& x);
 }  // namespace rollout_fused
+
+// invariant_ops.cpp
+namespace rollout_invariant {
+at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias);
+}  // namespace rollout_invariant

@@ -52,17 +52,6 @@ inline void store(c10::BFloat16* p, vfloat v) {  // f32 -> bf16 rounding like c1
   *reinterpret_cast<vhalf_mem*>(p) = __builtin_convertvector(bits, vhalf);
 }
 
-template <typename Op>
-inline float reduce(vfloat v, Op op) {  // horizontal reduction, log2(L) halving steps
-  auto a = op(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
-              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
-  auto b = op(__builtin_shufflevector(a, a, 0, 1, 2, 3), __builtin_shufflevector(a, a, 4, 5, 6, 7));
-  auto c = op(__builtin_shufflevector(b, b, 0, 1), __builtin_shufflevector(b, b, 2, 3));
-  return op(c[0], c[1]);
-}
-const auto plus = [](auto a, auto b) { return a + b; };
-const auto maximum = [](auto a, auto b) { return a > b ? a : b; };
-
 // Lane t of the result = sum of the lanes of v[t], t < 16: 16 horizontal sums as one
 // transposing tree (each level pairs up vectors and halves the lanes per token).
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)

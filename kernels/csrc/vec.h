@@ -21,4 +21,17 @@ inline vfloat splat(float x) { return vfloat{} + x; }
 inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat_mem*>(p); }
 inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat_mem*>(p) = v; }
 
+// Horizontal reduction of one vector by a fixed tree (lanes i and i + 8, then i and i + 4, ...):
+// the same order wherever it is called, which the batch-invariant ops rely on.
+template <typename Op>
+inline float reduce(vfloat v, Op op) {  // horizontal reduction, log2(L) halving steps
+  auto a = op(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+  auto b = op(__builtin_shufflevector(a, a, 0, 1, 2, 3), __builtin_shufflevector(a, a, 4, 5, 6, 7));
+  auto c = op(__builtin_shufflevector(b, b, 0, 1), __builtin_shufflevector(b, b, 2, 3));
+  return op(c[0], c[1]);
+}
+const auto plus = [](auto a, auto b) { return a + b; };
+const auto maximum = [](auto a, auto b) { return a > b ? a : b; };
+
 }  // namespace rollout_vec

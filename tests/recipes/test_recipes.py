@@ -40,8 +40,9 @@ def check_run_folder(run_dir: Path, steps: list[int]) -> None:
 
 def test_grpo_arithmetic_shortened(tmp_path):
     before = running()
+    # batch-invariant serving: the trainer's InvariantScorer recompute equals the rollout bit for bit
     result = grpo_arithmetic.main(["--steps", "3", "--prompts", "4", "--group", "4", "--eval-problems", "32",
-                                   "--run-root", str(tmp_path)])
+                                   "--run-root", str(tmp_path), "--batch-invariant"])
     rows = result["rows"]
     rewards = [r["reward/mean"] for r in rows]
     assert len(set(rewards)) > 1, f"the sampled reward never moved: {rewards}"
@@ -49,6 +50,7 @@ def test_grpo_arithmetic_shortened(tmp_path):
     assert rows[-1]["eval/reward"] != result["first_eval"]["eval/reward"], (rows[-1], result["first_eval"])
     for r in rows:  # the rollout's logprobs are what the trainer's float32 model computes
         assert r["mismatch/mean"] < 1e-3, r
+        assert r["exact/mismatch_max"] == 0.0 and r["exact/tokens_differing"] == 0, r
         assert r["staleness/max"] == 0, "a synchronous step trained on tokens of an older version"
     assert [r["weight_version"] for r in rows] == [result["start_version"] + s for s in (1, 2, 3)]
     check_run_folder(result["run_dir"], [0, 1, 2, 3])  # step 0: the held-out reward before training
