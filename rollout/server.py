@@ -261,7 +261,12 @@ def listen(config: ServerConfig) -> socket.socket:
              "closed; pass --admin-api-key to use them")
     if config.admin_api_key is not None and config.api_key is None:
         _log("note: --admin-api-key without --api-key: generation takes the admin key too")
-    return socket.create_server((config.host, config.port), reuse_port=False)
+    sock = socket.create_server((config.host, config.port), reuse_port=False)
+    # asyncio sets TCP_NODELAY on an accepted connection only when the socket's proto says TCP, and
+    # create_server leaves it 0: with Nagle on, each response's second write (the body after the
+    # headers, every SSE chunk after the first) waited for the client's delayed ACK, ~40 ms per
+    # request on a keep-alive connection. The same file descriptor, re-wrapped with proto TCP:
+    return socket.socket(sock.family, sock.type, socket.IPPROTO_TCP, fileno=sock.detach())
 
 
 def url_of(sock: socket.socket) -> str:

@@ -259,3 +259,33 @@ def test_chat_messages_through_generate_and_the_tokenizer_routes(client, server)
         assert r.status_code == 400 and r.json()["error"]["param"] == "tokens[1]"
         r = http.post("/generate", json={"prompt": "a", "messages": messages})
         assert r.status_code == 400 and "exactly one" in r.json()["error"]["message"]
+
+
+def test_accepted_connections_have_nagle_off():
+    """The listening socket says TCP, so asyncio turns Nagle off on every accepted connection:
+    with Nagle on, a response's second write (the body after the headers, each SSE chunk after
+    the first) waited for the client's delayed ACK, and every keep-alive request took ~44 ms
+    (found probing /health under load)."""
+    import socket
+
+    from rollout.server import listen
+
+    sock = listen(ServerConfig(host="127.0.0.1", port=0))
+    assert sock.proto == socket.IPPROTO_TCP
+
+    async def accepted_nodelay() -> int:
+        got = asyncio.get_running_loop().create_future()
+
+        def on_connect(reader, writer):
+            got.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        try:
+            return await asyncio.wait_for(got, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) != 0
