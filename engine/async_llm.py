@@ -323,6 +323,14 @@ class AsyncLLM:
     async def get_stats(self) -> dict:
         return await self._call("get_stats")
 
+    async def start_profile(self) -> bool:
+        """Start a torch-profiler trace of the engine core (needs profiler_dir; engine/profiler.py)."""
+        return await self._call("start_profile")
+
+    async def stop_profile(self) -> list[str]:
+        """Stop it and write the trace: the paths written, one per engine-core replica."""
+        return await self._call("stop_profile")
+
     async def collective_rpc(self, method: str, args: Sequence[Any] = (), kwargs: dict | None = None,
                              timeout: float | None = None) -> list[Any]:
         """Call a public worker method (or worker-extension method) on every worker."""

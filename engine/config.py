@@ -106,6 +106,8 @@ class EngineConfig:
     batch_invariant: a token's logits and logprobs do not depend on the rest of the batch (fixed
         reduction orders; float32 on CPU; see engine/batch_invariant.py for the guarantee and
         the recompute a trainer runs to get the same bits). dtype "auto" becomes float32.
+    profiler_dir: where start_profile() / stop_profile() write torch-profiler traces of the engine
+        core (engine/profiler.py); None = profiling off (the calls are refused).
     """
 
     model: str | None = None
@@ -126,6 +128,7 @@ class EngineConfig:
     data_parallel_backend: str = "mp"
     data_parallel_rank: int = 0  # set per replica by the process / actor manager
     batch_invariant: bool = False
+    profiler_dir: str | None = None
     model_config: ModelConfig = field(init=False, repr=False)
 
     def __post_init__(self):

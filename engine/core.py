@@ -35,6 +35,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineStateError, InvalidRequestError
 from engine.executor import InprocExecutor
 from engine.kv_cache import KVCacheManager
+from engine.profiler import StepProfiler, phase
 from engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, StreamInput
 from engine.request import Request
 from engine.scheduler import PauseState, Scheduler
@@ -115,6 +116,7 @@ class EngineCore:
         self.asleep: set[str] = set()  # parts freed by sleep: "weights", "kv_cache"
         self.needs_weights = False  # a level-2 sleep dropped the weights: a push or reload refills them
         self._pending_outputs: list[EngineCoreOutput] = []  # produced outside step() (aborts, stream input)
+        self.profiler = StepProfiler(config.profiler_dir, config.data_parallel_rank, config.device)
 
     @property
     def num_blocks(self) -> int:
@@ -190,9 +192,11 @@ class EngineCore:
         outputs = self.take_pending_outputs()
         if not (self._can_run() and self.scheduler.can_step()):
             return outputs
-        scheduler_output = self.scheduler.schedule()
+        with phase("schedule"):
+            scheduler_output = self.scheduler.schedule()
         result = self.executor.execute_model(scheduler_output)
-        outputs += self.scheduler.update_from_output(scheduler_output, result, self.weight_version)
+        with phase("outputs"):
+            outputs += self.scheduler.update_from_output(scheduler_output, result, self.weight_version)
         self.num_generated_tokens += len(result.sampled)
         return outputs
 
@@ -428,6 +432,13 @@ class EngineCore:
                     paused_seconds=0.0 if self.paused_since is None else time.monotonic() - self.paused_since,
                     is_sleeping=self.is_sleeping(),
                     peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+    def start_profile(self) -> bool:
+        return self.profiler.start()
+
+    def stop_profile(self) -> list[str]:
+        """Write the trace; returns its path (engine/profiler.py)."""
+        return self.profiler.stop()
 
     def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None) -> list[Any]:
         """Run a public worker method on every worker; one result per worker."""

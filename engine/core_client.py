@@ -52,7 +52,7 @@ def combine(method: str, results: list) -> Any:
         return combine_stats(results)
     if len(results) == 1:
         return results[0]
-    if method in ("collective_rpc", "init_weight_transfer"):  # one entry per worker of every replica
+    if method in ("collective_rpc", "init_weight_transfer", "stop_profile"):  # one entry per worker / replica
         return [r for rs in results for r in rs]
     if method == "pause":
         return dict(results[0], aborted=sum(r["aborted"] for r in results), kept=sum(r["kept"] for r in results))

@@ -115,6 +115,14 @@ class LLM:
     def get_stats(self) -> dict:
         return self.client.call_utility("get_stats")
 
+    def start_profile(self) -> bool:
+        """Start a torch-profiler trace of the engine core (needs profiler_dir; engine/profiler.py)."""
+        return self.client.call_utility("start_profile")
+
+    def stop_profile(self) -> list[str]:
+        """Stop it and write the trace: the paths written, one per engine-core replica."""
+        return self.client.call_utility("stop_profile")
+
     def collective_rpc(self, method: str, args: Sequence[Any] = (), kwargs: dict | None = None,
                        timeout: float | None = None) -> list[Any]:
         """Call a worker method (or a worker-extension method) on every worker."""

@@ -14,6 +14,7 @@ import torch
 from engine.attention import AttentionMetadata, PrefillChunk, per_token_decode_rows, prefill_mask
 from engine.config import EngineConfig
 from engine.model import LlamaModel
+from engine.profiler import phase
 from engine.sampling_params import SamplingParams
 from engine.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from kernels.sampling import SamplingMetadata, log_softmax, sample
@@ -102,17 +103,21 @@ class ModelRunner:
         if not so.scheduled:
             return out
         assert self.kv_cache is not None and self.weights_valid, "executing while asleep"
-        inputs = self.prepare_inputs(so)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
-        if len(inputs.logit_rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(inputs.logit_rows, dtype=torch.int64, device=self.device)]
-        logits = self.model.compute_logits(hidden)  # (len(logit_rows), V) in the model's dtype
-        if inputs.prompt_rows:
-            self.compute_prompt_logprobs(logits, inputs.prompt_rows, out)
-        if inputs.samplers:
-            if len(inputs.sample_rows) < logits.shape[0]:
-                logits = logits[torch.tensor(inputs.sample_rows, dtype=torch.int64)]
-            self.sample(logits, inputs.samplers, out)
+        with phase("prepare_inputs"):
+            inputs = self.prepare_inputs(so)
+        with phase("forward"):
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+        with phase("compute_logits"):
+            if len(inputs.logit_rows) < hidden.shape[0]:
+                hidden = hidden[torch.tensor(inputs.logit_rows, dtype=torch.int64, device=self.device)]
+            logits = self.model.compute_logits(hidden)  # (len(logit_rows), V) in the model's dtype
+        with phase("sample"):
+            if inputs.prompt_rows:
+                self.compute_prompt_logprobs(logits, inputs.prompt_rows, out)
+            if inputs.samplers:
+                if len(inputs.sample_rows) < logits.shape[0]:
+                    logits = logits[torch.tensor(inputs.sample_rows, dtype=torch.int64)]
+                self.sample(logits, inputs.samplers, out)
         return out
 
     def update_states(self, so: SchedulerOutput) -> None:

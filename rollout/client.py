@@ -228,6 +228,14 @@ class _Endpoints:
     def reset_encoder_cache(self):
         return self._run(_Call("POST", "/reset_encoder_cache", admin=True))
 
+    def start_profile(self):
+        """Start a torch-profiler trace of the engine core(s) (a server run with --profiler-dir)."""
+        return self._run(_Call("POST", "/start_profile", admin=True))
+
+    def stop_profile(self):
+        """Stop it; returns the trace files written (server-side paths, one per engine-core replica)."""
+        return self._run(_Call("POST", "/stop_profile", lambda b: b["traces"], admin=True))
+
     def abort_requests(self, request_ids: list[str] | None = None):
         """Abort these requests (all in flight when None); returns how many were aborted."""
         return self._run(_Call("POST", "/abort_requests", lambda b: b["aborted"],

@@ -11,6 +11,9 @@
     POST /wake_up?tags=weights&tags=kv_cache             -> {"status": "awake"|"sleeping"}
     GET  /is_sleeping                                    -> {"is_sleeping": bool}
     POST /reset_prefix_cache, /reset_encoder_cache       -> {"success": true}
+    POST /start_profile                                  -> {"status": "profiling"}
+    POST /stop_profile                                   -> {"status": "stopped", "traces": [paths]}
+         (torch-profiler traces of the engine core; 409 unless served with --profiler-dir)
     POST /abort_requests {"request_ids": [...]}          -> {"status": "aborted", "aborted": n}
          (no ids: every request in flight)
     POST /collective_rpc {"method", "args", "kwargs", "timeout"} -> {"results": [one per worker]}
@@ -106,6 +109,18 @@ async def is_sleeping(request: Request):
 async def reset_prefix_cache(request: Request, reset_running_requests: bool = Query(False),
                              reset_external: bool = Query(False)):
     return {"success": bool(await call(get_state(request).engine.reset_prefix_cache()))}
+
+
+@router.post("/start_profile")
+async def start_profile(request: Request):
+    """A torch-profiler trace of the engine core(s) until /stop_profile (needs --profiler-dir)."""
+    await call(get_state(request).engine.start_profile())
+    return {"status": "profiling"}
+
+
+@router.post("/stop_profile")
+async def stop_profile(request: Request):
+    return {"status": "stopped", "traces": await call(get_state(request).engine.stop_profile())}
 
 
 @router.post("/reset_encoder_cache")

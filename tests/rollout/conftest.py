@@ -19,6 +19,7 @@ API_KEY, ADMIN_KEY = "test-user-key", "test-admin-key"
 MAX_MODEL_LEN = 512
 MAX_BODY_BYTES = 1 << 20
 STARTUP_TIMEOUT_S = 240
+PROFILER_DIR = tempfile.mkdtemp(prefix="rollout-traces-")  # the session server's --profiler-dir
 
 
 def start_server(*extra: str) -> ServerProcess:
@@ -26,7 +27,7 @@ def start_server(*extra: str) -> ServerProcess:
     log.close()
     return start("--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
                  "--admin-api-key", ADMIN_KEY, "--max-body-bytes", str(MAX_BODY_BYTES), "--shutdown-grace-s", "2",
-                 *extra, log_path=log.name, cwd=REPO_ROOT, timeout_s=STARTUP_TIMEOUT_S)
+                 "--profiler-dir", PROFILER_DIR, *extra, log_path=log.name, cwd=REPO_ROOT, timeout_s=STARTUP_TIMEOUT_S)
 
 
 def wandb_history(wandb_dir) -> list[dict]:

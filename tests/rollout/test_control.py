@@ -157,3 +157,22 @@ def test_metrics_parse_and_move(client):
     assert sample("rollout_generation_tokens_total") >= tokens0 + SHORT["max_tokens"]
     assert sample("rollout_requests_finished_total", finish_reason="length") == finished0 + 1
     assert sample("rollout_http_requests_total", route="/generate", status="200") == http0 + 1
+
+
+def test_start_and_stop_profile(client):
+    """/start_profile ... /stop_profile writes a torch-profiler trace of the engine core under the
+    server's --profiler-dir, with the step's phases labelled; a second stop is a 409."""
+    import json
+
+    from tests.rollout.conftest import PROFILER_DIR
+
+    client.start_profile()
+    client.generate(PROMPT, SHORT)
+    traces = client.stop_profile()
+    assert len(traces) == 1 and traces[0].startswith(PROFILER_DIR)
+    names = {e.get("name") for e in json.loads(open(traces[0]).read())["traceEvents"]}
+    assert {"schedule", "forward", "sample", "outputs"} <= names
+    with pytest.raises(RolloutAPIError) as e:
+        client.stop_profile()
+    assert e.value.status == 409
+    assert len(client.generate(PROMPT, SHORT)[0].token_ids) == 6
