@@ -14,6 +14,7 @@ paused are held there until resume; the control methods here only ask it.
 """
 import asyncio
 import collections
+import logging
 import uuid
 from typing import Any, AsyncGenerator, Iterable, Sequence
 
@@ -23,6 +24,7 @@ from engine.config import EngineConfig
 from engine.default_model import resolve_model
 from engine.core_client import AsyncMPClient, EngineConnection
 from engine.errors import EngineDeadError, InvalidRequestError
+from engine.metrics import StatsLogger, engine_metrics
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.processor import Processor, PromptType, load_tokenizer
@@ -92,6 +94,8 @@ class AsyncLLM:
         self.processor = Processor(self.config, self.tokenizer, self.client.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._output_handler: asyncio.Task | None = None
+        self._stats_task: asyncio.Task | None = None
+        self._stats_logger = StatsLogger()
         self.dead_error: EngineDeadError | None = None
 
     @property
@@ -199,6 +203,16 @@ class AsyncLLM:
             raise self.dead_error
         if self._output_handler is None or self._output_handler.done():
             self._output_handler = asyncio.get_running_loop().create_task(self._handle_outputs())
+        if self.config.log_stats_interval_s and (self._stats_task is None or self._stats_task.done()):
+            self._stats_task = asyncio.get_running_loop().create_task(self._log_stats_forever())
+
+    async def _log_stats_forever(self) -> None:
+        while self.dead_error is None:
+            await asyncio.sleep(self.config.log_stats_interval_s)
+            try:
+                await self.do_log_stats()
+            except Exception as e:  # noqa: BLE001 - a stats line must never take the engine down
+                logging.getLogger("engine").debug("do_log_stats failed: %s", e)
 
     async def _handle_outputs(self) -> None:
         op = self.output_processor
@@ -323,6 +337,18 @@ class AsyncLLM:
     async def get_stats(self) -> dict:
         return await self._call("get_stats")
 
+    async def get_metrics(self) -> list:
+        """The engine's series as Python objects (engine.metrics: Counter, Gauge, Histogram): the
+        engine core's counters and state, and the requests this frontend saw finish."""
+        return engine_metrics(await self.get_stats()) + self.output_processor.stats.metrics()
+
+    async def do_log_stats(self) -> str:
+        """Log (logger "engine", INFO) and return one line: token rates since the last call,
+        running / waiting requests, KV usage, prefix hit rate, weight version."""
+        line = self._stats_logger.line(await self.get_stats())
+        logging.getLogger("engine").info(line)
+        return line
+
     async def start_profile(self) -> bool:
         """Start a torch-profiler trace of the engine core (needs profiler_dir; engine/profiler.py)."""
         return await self._call("start_profile")
@@ -347,6 +373,7 @@ class AsyncLLM:
         return self.dead_error is not None or self.client.dead_reason is not None
 
     def shutdown(self) -> None:
-        if self._output_handler is not None:
-            self._output_handler.cancel()
+        for task in (self._output_handler, self._stats_task):
+            if task is not None:
+                task.cancel()
         self.client.shutdown()

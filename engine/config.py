@@ -106,6 +106,8 @@ class EngineConfig:
     batch_invariant: a token's logits and logprobs do not depend on the rest of the batch (fixed
         reduction orders; float32 on CPU; see engine/batch_invariant.py for the guarantee and
         the recompute a trainer runs to get the same bits). dtype "auto" becomes float32.
+    log_stats_interval_s: LLM / AsyncLLM log do_log_stats()'s line (logger "engine", INFO) this often
+        while they run; None = only when called.
     profiler_dir: where start_profile() / stop_profile() write torch-profiler traces of the engine
         core (engine/profiler.py); None = profiling off (the calls are refused).
     """
@@ -129,6 +131,7 @@ class EngineConfig:
     data_parallel_rank: int = 0  # set per replica by the process / actor manager
     batch_invariant: bool = False
     profiler_dir: str | None = None
+    log_stats_interval_s: float | None = None
     model_config: ModelConfig = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -167,6 +170,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.log_stats_interval_s is not None and not self.log_stats_interval_s > 0:
+            raise ValueError(f"log_stats_interval_s must be > 0 seconds, got {self.log_stats_interval_s}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:

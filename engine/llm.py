@@ -8,6 +8,8 @@ By default the engine core runs in a child process (as behind AsyncLLM); `multip
 keeps it in this process, for tests and debugging.
 """
 import itertools
+import logging
+import time
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -17,6 +19,7 @@ from engine.config import EngineConfig
 from engine.default_model import resolve_model
 from engine.core_client import InprocClient, SyncMPClient
 from engine.errors import InvalidRequestError
+from engine.metrics import StatsLogger, engine_metrics
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.processor import Processor, PromptType, load_tokenizer
@@ -36,6 +39,8 @@ class LLM:
         self.processor = Processor(self.config, self.tokenizer, self.client.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._stats_logger = StatsLogger()
+        self._next_log = time.monotonic() + (self.config.log_stats_interval_s or 0)
 
     def generate(self, prompts: PromptType | Sequence[PromptType], sampling_params: ParamsArg = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -84,6 +89,9 @@ class LLM:
         bar = tqdm(total=len(request_ids), desc="generate", unit="req", dynamic_ncols=True) if show_progress else None
         try:
             while len(done) < len(request_ids):
+                if self.config.log_stats_interval_s and time.monotonic() >= self._next_log:
+                    self._next_log = time.monotonic() + self.config.log_stats_interval_s
+                    self.do_log_stats()
                 ready, to_abort = self.output_processor.process_outputs(self.client.get_output().outputs)
                 if to_abort:
                     self.client.abort_requests(to_abort)
@@ -114,6 +122,18 @@ class LLM:
 
     def get_stats(self) -> dict:
         return self.client.call_utility("get_stats")
+
+    def get_metrics(self) -> list:
+        """The engine's series as Python objects (engine.metrics: Counter, Gauge, Histogram): the
+        engine core's counters and state, and the requests this LLM saw finish."""
+        return engine_metrics(self.get_stats()) + self.output_processor.stats.metrics()
+
+    def do_log_stats(self) -> str:
+        """Log (logger "engine", INFO) and return one line: token rates since the last call,
+        running / waiting requests, KV usage, prefix hit rate, weight version."""
+        line = self._stats_logger.line(self.get_stats())
+        logging.getLogger("engine").info(line)
+        return line
 
     def start_profile(self) -> bool:
         """Start a torch-profiler trace of the engine core (needs profiler_dir; engine/profiler.py)."""

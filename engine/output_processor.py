@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from tokenizers.decoders import DecodeStream
 
 from engine.errors import InvalidRequestError, remote_error
+from engine.metrics import FrontendStats
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol import EngineCoreOutput, FinishReason
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -66,6 +67,7 @@ class RequestState:
     num_cached_tokens: int = 0
     first_token_time: float | None = None  # time.monotonic() when its first token arrived here
     queue: object = None  # the AsyncLLM's per-request queue (None offline)
+    arrival_time: float = field(default_factory=time.monotonic)
 
     @property
     def finished(self) -> bool:
@@ -77,6 +79,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}  # caller's request id -> state
         self.child_to_parent: dict[str, str] = {}
+        self.stats = FrontendStats()  # finished requests, for get_metrics()
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, child_ids: list[str], queue=None) -> RequestState:
@@ -130,7 +133,13 @@ class OutputProcessor:
                 results.append((state, out))
             if state.finished:
                 del self.requests[state.request_id]
+                self._observe(state)
         return results, to_abort
+
+    def _observe(self, state: RequestState) -> None:
+        self.stats.observe(state.arrival_time, state.first_token_time, len(state.prompt_token_ids),
+                           sum(len(s.token_ids) for s in state.seqs),
+                           [s.finish_reason or str(FinishReason.ABORT) for s in state.seqs])
 
     def _append(self, seq: SequenceState, o: EngineCoreOutput) -> bool:
         """Add one step's tokens; True if a stop string ended the sequence here."""
@@ -202,6 +211,7 @@ class OutputProcessor:
         state = self.requests.pop(request_id, None)
         if state is None:
             return []
+        self._observe(state)
         for cid in state.children:
             self.child_to_parent.pop(cid, None)
         return list(state.children)

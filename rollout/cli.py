@@ -54,6 +54,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     s.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--log-stats-interval-s", type=float, default=None,
+                   help="log one engine stats line this often (throughput, queue, KV usage, prefix hits; "
+                        "shown with --log-level info)")
     s.add_argument("--profiler-dir", default=None,
                    help="enables /start_profile and /stop_profile: torch-profiler traces of the engine core go here")
     s.add_argument("--batch-invariant", action="store_true",
@@ -111,7 +114,7 @@ def _serve(args) -> int:
                          num_threads=args.num_threads, worker_extension_cls=args.worker_extension_cls,
                          data_parallel_size=args.data_parallel_size,
                          data_parallel_backend=args.data_parallel_backend, batch_invariant=args.batch_invariant,
-                         profiler_dir=args.profiler_dir)
+                         profiler_dir=args.profiler_dir, log_stats_interval_s=args.log_stats_interval_s)
     try:
         config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                               api_key=args.api_key, admin_api_key=args.admin_api_key,
