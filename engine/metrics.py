@@ -128,6 +128,6 @@ class StatsLogger:
         self.last = (now, gen, pre)
         state = " paused" if stats.get("is_paused") else ""
         state += " sleeping" if stats.get("is_sleeping") else ""
+        kv, hits = 100 * stats.get("kv_usage", 0.0), 100 * stats.get("prefix_hit_rate", 0.0)
         return (f"engine stats: {rates} | running {stats.get('num_running', 0)}, waiting {stats.get('num_waiting', 0)}"
-                f" | KV {100 * stats.get('kv_usage', 0.0):.1f}% | prefix hits {100 * stats.get('prefix_hit_rate', 0.0):.1f}%"
-                f" | weights v{stats.get('weight_version', 0)}{state}")
+                f" | KV {kv:.1f}% | prefix hits {hits:.1f}% | weights v{stats.get('weight_version', 0)}{state}")
