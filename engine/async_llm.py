@@ -26,7 +26,7 @@ from engine.core_client import AsyncMPClient, EngineConnection
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.metrics import StatsLogger, engine_metrics
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
+from engine.outputs import PoolingOutput, RequestOutput
 from engine.processor import Processor, PromptType, load_tokenizer
 from engine.protocol import EngineCoreRequest, StreamInput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -196,6 +196,18 @@ class AsyncLLM:
                 state.queue.put(self.output_processor.make_output(state))  # honours DELTA
             if children:
                 await self.client.abort_requests_async(children)
+
+    async def encode(self, prompt: PromptType, pooling: str = "last", request_id: str | None = None,
+                     normalize: bool = False) -> AsyncGenerator[PoolingOutput, None]:
+        """Yields one PoolingOutput (as vLLM's encode, an async generator): see LLM.encode."""
+        params = SamplingParams(pooling=pooling, max_tokens=1, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        async for out in self.generate(prompt, params, request_id):
+            yield PoolingOutput.of(out, normalize)
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """("generate", "embed") for a causal LM, ("classify",) for a sequence classifier."""
+        return self.processor.supported_tasks()
 
     # ---- the output handler ---------------------------------------------------------------------
     def _start_output_handler(self) -> None:

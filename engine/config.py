@@ -9,7 +9,9 @@ import torch
 
 from engine.errors import UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
+# causal LMs (generate, embed) and sequence classifiers (classify: reward models)
+SUPPORTED_ARCHITECTURES = tuple(f"{f}For{kind}" for kind in ("CausalLM", "SequenceClassification") for f in FAMILIES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GiB = 1 << 30
 
@@ -36,6 +38,8 @@ class ModelConfig:
     eos_token_ids: list[int]
     bos_token_id: int | None
     torch_dtype: str
+    num_labels: int = 0  # a sequence classifier's outputs (its `score` head); 0 for a causal LM
+    id2label: dict[int, str] = field(default_factory=dict)  # a classifier's label names
 
     @classmethod
     def from_folder(cls, path: str) -> "ModelConfig":
@@ -54,10 +58,12 @@ class ModelConfig:
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         window = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        family = arch.split("For")[0]
+        if family in ("Qwen2", "Qwen3") and not cfg.get("use_sliding_window", False):
             window = None
-        if arch == "Qwen3ForCausalLM" and not cfg.get("use_sliding_window", False):
-            window = None
+        num_labels = 0
+        if arch.endswith("ForSequenceClassification"):
+            num_labels = int(cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2)
         eos = _eos_ids(folder, cfg)
         return cls(
             path=str(folder), architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=hidden,
@@ -67,9 +73,10 @@ class ModelConfig:
             rope_theta=float(theta), rope_scaling=None if rope_type == "default" else dict(rope, rope_type=rope_type),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM", sliding_window=window, eos_token_ids=eos,
+            qkv_bias=family == "Qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=family == "Qwen3", sliding_window=window, eos_token_ids=eos,
             bos_token_id=cfg.get("bos_token_id"), torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            num_labels=num_labels, id2label={int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()},
         )
 
 

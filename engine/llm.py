@@ -21,7 +21,7 @@ from engine.core_client import InprocClient, SyncMPClient
 from engine.errors import InvalidRequestError
 from engine.metrics import StatsLogger, engine_metrics
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
+from engine.outputs import PoolingOutput, RequestOutput
 from engine.processor import Processor, PromptType, load_tokenizer
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -75,6 +75,18 @@ class LLM:
         except BaseException:
             self._abort(request_ids)
             raise
+
+    def encode(self, prompts: PromptType | Sequence[PromptType], pooling: str = "last", normalize: bool = False,
+               use_tqdm: bool = True) -> list[PoolingOutput]:
+        """One PoolingOutput per prompt: the final hidden state at the last prompt token
+        (pooling="last") or averaged over the prompt ("mean"), L2-normalized if asked; on a
+        sequence classifier (a reward model), its head's label logits of that vector."""
+        params = SamplingParams(pooling=pooling, max_tokens=1, detokenize=False)
+        return [PoolingOutput.of(o, normalize) for o in self.generate(prompts, params, use_tqdm)]
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """("generate", "embed") for a causal LM, ("classify",) for a sequence classifier."""
+        return self.processor.supported_tasks()
 
     def chat(self, conversations, sampling_params: ParamsArg = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate replies for one conversation (a list of message dicts) or a list of them,

@@ -93,8 +93,10 @@ class LlamaModel:
             layer.down = Linear(H, I, False, dtype, device)
             self.layers.append(layer)
         self.norm = vec(H)
-        self.lm_head = Linear(mc.vocab_size, H, False, dtype, device)
-        if mc.tie_word_embeddings:
+        # a causal LM's vocabulary head, or a sequence classifier's label head (`score`)
+        self.lm_head = None if mc.num_labels else Linear(mc.vocab_size, H, False, dtype, device)
+        self.score = Linear(mc.num_labels, H, False, dtype, device) if mc.num_labels else None
+        if self.lm_head is not None and mc.tie_word_embeddings:
             self.lm_head.weight = self.embed
         inv_freq, attention_factor = rope_inv_freq(D, mc.rope_theta, mc.rope_scaling)
         self.cos_sin = rope_cos_sin_cache(inv_freq, attention_factor, max_len).to(device)  # (L, 2, D/2) fp32
@@ -113,10 +115,12 @@ class LlamaModel:
             raise UnsupportedModelError(
                 "batch-invariant mode needs float32 on CPU, the C++ CPU kernels (a compiler; see the "
                 "'kernels' log) and a head_dim that is a multiple of 16, at most 512")
-        for layer in self.layers:
-            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                lin.invariant = ext.invariant_linear
-        self.lm_head.invariant = ext.invariant_linear
+        for lin in self._linears():
+            lin.invariant = ext.invariant_linear
+
+    def _linears(self) -> list[Linear]:
+        heads = [h for h in (self.lm_head, self.score) if h is not None]
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + heads
 
     # ---- weights, by Hugging Face names -------------------------------------------------
     def _hf_name_map(self) -> dict[str, tuple[torch.Tensor, int, int]]:
@@ -124,7 +128,9 @@ class LlamaModel:
         q, kv, inter = self.q_size, self.kv_size, self.mc.intermediate_size
         m = {"model.embed_tokens.weight": (self.embed, 0, self.embed.shape[0]),
              "model.norm.weight": (self.norm, 0, self.norm.shape[0])}
-        if not self.mc.tie_word_embeddings:
+        if self.score is not None:
+            m["score.weight"] = (self.score.weight, 0, self.mc.num_labels)
+        elif not self.mc.tie_word_embeddings:
             m["lm_head.weight"] = (self.lm_head.weight, 0, self.mc.vocab_size)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
@@ -159,14 +165,14 @@ class LlamaModel:
         """What a push may carry: the model's tensors, and for tied embeddings the copy of
         lm_head.weight that a trainer's state_dict() holds (see untie_pushed)."""
         accepted = self.expected_weights()
-        if self.mc.tie_word_embeddings:
+        if self.mc.tie_word_embeddings and self.lm_head is not None:
             accepted["lm_head.weight"] = accepted["model.embed_tokens.weight"]
         return accepted
 
     def untie_pushed(self, staged: dict[str, torch.Tensor]) -> None:
         """Drop a pushed lm_head.weight of a tied model (as vLLM does) after checking it equals
         the embedding it is tied to (the pushed one, else the live one)."""
-        head = staged.pop("lm_head.weight", None) if self.mc.tie_word_embeddings else None
+        head = staged.pop("lm_head.weight", None) if self.mc.tie_word_embeddings and self.lm_head is not None else None
         if head is None:
             return
         embed = staged.get("model.embed_tokens.weight", self.hf_view("model.embed_tokens.weight"))
@@ -177,7 +183,7 @@ class LlamaModel:
     def check_weight(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> None:
         """Refuse (InvalidRequestError) a tensor this model has no place for: unknown name, wrong
         shape, or (when given) a dtype other than the model's."""
-        if name == "lm_head.weight" and self.mc.tie_word_embeddings:  # the tied copy: see untie_pushed
+        if name == "lm_head.weight" and self.mc.tie_word_embeddings and self.lm_head is not None:  # see untie_pushed
             name = "model.embed_tokens.weight"
         if name not in self._hf:
             raise InvalidRequestError(f"unknown parameter {name!r} (this model has no such tensor)")
@@ -191,7 +197,7 @@ class LlamaModel:
         """The tensors of a safetensors checkpoint (folder, shards + index, or one file) that this
         model keeps: a tied checkpoint's copy of lm_head and rotary caches are skipped. The one
         reader for start-up and for updates from disk."""
-        tied_head = self.mc.tie_word_embeddings
+        tied_head = self.mc.tie_word_embeddings or self.score is not None  # (a classifier has no LM head)
         for name, t in load_safetensors_folder(path):
             if name not in self._hf and ((name == "lm_head.weight" and tied_head) or "rotary_emb" in name):
                 continue
@@ -212,18 +218,14 @@ class LlamaModel:
         self.repack()
 
     def drop_packed(self) -> None:
-        for layer in self.layers:
-            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                lin.packed = None
-        self.lm_head.packed = None
+        for lin in self._linears():
+            lin.packed = None
 
     def repack(self) -> None:
         """Refresh the prepacked matmul weights from the plain tensors (after any weight write)."""
         enable = self.device.type == "cpu" and self.dtype == torch.bfloat16 and _mkldnn_bf16_ok()
-        for layer in self.layers:
-            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                lin.pack(enable)
-        self.lm_head.pack(enable)
+        for lin in self._linears():
+            lin.pack(enable)
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
@@ -255,6 +257,10 @@ class LlamaModel:
             x, residual = add_norm(h, residual, layer.post_norm, eps)
             h = layer.down(silu(layer.gate_up(x)))
         return add_norm(h, residual, self.norm, eps)[0]
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) pooled states -> (N, num_labels) label logits (a sequence classifier's head)."""
+        return self.score(pooled)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) in the model's dtype (the sampler reads bf16 as it is when

@@ -31,6 +31,7 @@ class CachedRequestState:
     generator: torch.Generator | None  # seeded requests draw from their own generator
     prompt_token_ids: list[int] | None = None  # only with prompt_logprobs (the targets)
     num_prompt_logprobs: int = 0  # prompt positions done (a recompute after preemption skips them)
+    pool_sum: torch.Tensor | None = None  # mean pooling: float32 sum of the hidden states so far
 
 
 @dataclass
@@ -44,6 +45,7 @@ class StepInputs:
     samplers: list[ScheduledRequest] = field(default_factory=list)  # rows that sample, in logit order
     sample_rows: list[int] = field(default_factory=list)  # their index into logit_rows
     prompt_rows: list[tuple[str, int, range]] = field(default_factory=list)  # (id, first logit row, positions)
+    pool_rows: list[tuple[ScheduledRequest, int]] = field(default_factory=list)  # encode requests: (chunk, first row)
 
 
 class ModelRunner:
@@ -107,6 +109,11 @@ class ModelRunner:
             inputs = self.prepare_inputs(so)
         with phase("forward"):
             hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+        if inputs.pool_rows:
+            with phase("pool"):
+                self.pool(hidden, inputs.pool_rows, out)
+        if not inputs.logit_rows:
+            return out
         with phase("compute_logits"):
             if len(inputs.logit_rows) < hidden.shape[0]:
                 hidden = hidden[torch.tensor(inputs.logit_rows, dtype=torch.int64, device=self.device)]
@@ -146,7 +153,11 @@ class ModelRunner:
         inputs = StepInputs(None, None, AttentionMetadata(slot_mapping=None, num_decodes=len(decodes)), logit_rows)
 
         def want_logits(sr: ScheduledRequest, row: int, n: int) -> None:
-            """Rows [row, row + n) hold sr's tokens: ask for prompt logprobs and the sample."""
+            """Rows [row, row + n) hold sr's tokens: ask for prompt logprobs and the sample (an
+            encode request: its rows' hidden states)."""
+            if self.requests[sr.request_id].params.pooling is not None:
+                inputs.pool_rows.append((sr, row))
+                return
             pos = self._prompt_logprob_positions(sr)
             if pos:
                 inputs.prompt_rows.append((sr.request_id, len(logit_rows), pos))
@@ -187,6 +198,26 @@ class ModelRunner:
         inputs.input_ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         inputs.positions = torch.tensor(positions, dtype=torch.int64, device=dev)
         return inputs
+
+    def pool(self, hidden: torch.Tensor, pool_rows: list[tuple[ScheduledRequest, int]], out: ModelRunnerOutput) -> None:
+        """Encode requests: add this chunk's final hidden states to the request's pool; once the
+        prompt is done, its last token's state or the mean (a classifier: the head's logits)."""
+        for sr, row in pool_rows:
+            state = self.requests[sr.request_id]
+            rows = hidden[row:row + len(sr.token_ids)]
+            if state.params.pooling == "mean":
+                if sr.start == 0:  # (again after a preemption: the request is recomputed)
+                    state.pool_sum = torch.zeros(rows.shape[1], dtype=torch.float32, device=rows.device)
+                state.pool_sum += rows.float().sum(dim=0)
+            if not sr.sample:
+                continue
+            if state.params.pooling == "mean":
+                vec = (state.pool_sum / (sr.start + len(sr.token_ids))).to(rows.dtype)
+            else:
+                vec = rows[-1]
+            if self.model.score is not None:
+                vec = self.model.classify(vec[None])[0]
+            out.pooled[sr.request_id] = vec.float().tolist()
 
     def _prompt_logprob_positions(self, sr: ScheduledRequest) -> range:
         """Positions p of this chunk whose logits give prompt token p + 1's logprob, not done before."""

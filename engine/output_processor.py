@@ -68,6 +68,7 @@ class RequestState:
     first_token_time: float | None = None  # time.monotonic() when its first token arrived here
     queue: object = None  # the AsyncLLM's per-request queue (None offline)
     arrival_time: float = field(default_factory=time.monotonic)
+    pooled: list[float] | None = None  # an encode request's result
 
     @property
     def finished(self) -> bool:
@@ -116,6 +117,8 @@ class OutputProcessor:
                 state.prompt_logprobs = o.prompt_logprobs
                 if o.prompt_top_logprobs is not None:
                     state.prompt_top_logprobs = [None if t is None else dict(t) for t in o.prompt_top_logprobs]
+            if o.pooled is not None:
+                state.pooled = o.pooled
             if o.new_token_ids:
                 state.num_cached_tokens = max(state.num_cached_tokens, o.num_cached_tokens)
                 if state.first_token_time is None:
@@ -192,7 +195,8 @@ class OutputProcessor:
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
                              prompt_logprobs=state.prompt_logprobs, prompt_top_logprobs=state.prompt_top_logprobs,
-                             num_cached_tokens=state.num_cached_tokens, first_token_time=state.first_token_time)
+                             num_cached_tokens=state.num_cached_tokens, first_token_time=state.first_token_time,
+                             pooled=state.pooled)
 
     @staticmethod
     def _delta(seq: SequenceState) -> CompletionOutput:

@@ -1,6 +1,8 @@
 """What the engine hands back to its callers (mirrors vLLM's RequestOutput / CompletionOutput)."""
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class CompletionOutput:
@@ -38,3 +40,22 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     core_timestamp: float = 0.0  # time.monotonic() when the engine core produced the newest token
     first_token_time: float | None = None  # time.monotonic() when the first token reached the frontend
+    pooled: list[float] | None = None  # an encode request's vector (SamplingParams.pooling)
+
+
+@dataclass
+class PoolingOutput:
+    """The result of encoding one prompt (LLM.encode / AsyncLLM.encode): the final hidden state
+    pooled over the prompt (last token or mean), or a classifier's label logits."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    data: torch.Tensor  # (hidden,) or (num_labels,) float32
+    finished: bool = True
+
+    @classmethod
+    def of(cls, out: RequestOutput, normalize: bool = False) -> "PoolingOutput":
+        data = torch.tensor(out.pooled, dtype=torch.float32)
+        if normalize:
+            data = torch.nn.functional.normalize(data, dim=0)
+        return cls(out.request_id, out.prompt_token_ids, data)

@@ -25,11 +25,20 @@ class Processor:
         # cannot fit in the context, and is refused before the tokenizer spends time on it
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = max(longest, 1) * max_model_len
+        self.classifier = config.model_config.num_labels > 0
+
+    def supported_tasks(self) -> tuple[str, ...]:
+        """What the loaded model serves: a causal LM generates and embeds (pooled hidden states),
+        a sequence classifier (a reward model) classifies."""
+        return ("classify",) if self.classifier else ("generate", "embed")
 
     def process(self, prompt: PromptType, params: SamplingParams | None) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids); raises InvalidRequestError."""
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if self.classifier and (params is None or params.pooling is None):
+            raise InvalidRequestError("this model is a sequence classifier: it serves encode / classify, not "
+                                      "generation", "model")
         text, ids = self.tokenize(prompt)
         self.check_token_ids(ids)
         return text, ids

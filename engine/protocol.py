@@ -70,6 +70,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     resumable: bool = False  # a streaming-input chunk ended, the request waits for more input
     error: str | None = None  # the core refused this request (bad input found there)
     error_type: str | None = None  # InvalidRequestError or a subclass
+    pooled: list[float] | None = None  # an encode request's result (it ends with it)
 
     @property
     def finished(self) -> bool:

@@ -28,6 +28,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     the raw logits); "raw" = log-softmax of the model's raw logits.
     prompt_logprobs: None or k >= 0; the raw log-softmax of each prompt token given its prefix.
     max_tokens: None = until the context is full.
+    pooling: None = generate; "last" / "mean" = encode (LLM.encode): nothing is generated, the
+    request returns its final hidden state at the last prompt token, or averaged over the prompt
+    (a classifier model: its head's label logits of that vector).
     """
 
     n: int = 1
@@ -48,6 +51,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     detokenize: bool = True
     skip_special_tokens: bool = True
+    pooling: str | None = None
 
     def __post_init__(self):
         """Every field is checked here (the engine API has no other validation): a wrong type or
@@ -88,6 +92,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise InvalidRequestError(f"SamplingParams.output_kind must be one of {kinds}, got {self.output_kind!r}",
                                       "output_kind") from None
         _check(self.n == 1 or self.temperature > 0, "n", "n > 1 needs temperature > 0 (greedy copies are identical)")
+        _check(self.pooling in (None, "last", "mean"), "pooling",
+               f"must be None, 'last' or 'mean', got {self.pooling!r}")
+        _check(self.pooling is None or (self.n == 1 and self.logprobs is None and self.prompt_logprobs is None),
+               "pooling", "an encode request (pooling) takes n=1 and no logprobs")
         if self.stop and not self.detokenize:
             raise InvalidRequestError("stop strings need detokenize=True", "stop")
 

@@ -123,8 +123,10 @@ class Scheduler:
             return out  # admit nothing while memory is short
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if req.num_computed_tokens == 0:
+            if req.num_computed_tokens == 0 and req.params.pooling != "mean":
                 computed, num_hit = self.kv.get_computed_blocks(req)
+            elif req.num_computed_tokens == 0:  # mean pooling needs every prompt token's hidden state
+                computed, num_hit = [], 0
             else:  # a streaming request's next chunk: it kept its blocks
                 computed, num_hit = [], req.num_computed_tokens
             n = min(req.num_tokens - num_hit, budget)
@@ -167,6 +169,13 @@ class Scheduler:
                 req.prompt_logprobs.extend(lps)
                 if top is not None:
                     req.prompt_top_logprobs.extend(top)
+            if rid in result.pooled:  # an encode request: done, nothing generated
+                req.finish_reason = FinishReason.STOP
+                o = self._output(req, [], weight_version)
+                o.pooled = result.pooled[rid]
+                outputs.append(o)
+                self._finish(req, FinishReason.STOP)
+                continue
             token = result.sampled.get(rid)
             if token is None:
                 continue  # a prefill chunk that did not reach the end

@@ -55,3 +55,4 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     logprobs: dict[str, float] = {}
     top_logprobs: dict[str, list[tuple[int, float]]] = {}
     prompt_logprobs: dict[str, tuple[list[float], list[list[tuple[int, float]]] | None]] = {}
+    pooled: dict[str, list[float]] = {}  # encode requests whose prompt is done: the pooled vector

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.errors import EngineDeadError
-from rollout.api import control, generate, openai, sessions, weights
+from rollout.api import control, generate, openai, pooling, sessions, weights
 from rollout.api.errors import document_errors, error_body, install_error_handlers
 from rollout.api.state import ServerState, get_state
 from rollout.config import ServerConfig
@@ -206,7 +206,7 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
         await state.metrics.refresh(state.engine, timeout=5.0)
         return Response(state.metrics.prometheus_text(), media_type=CONTENT_TYPE_LATEST)
 
-    for module in (openai, generate, sessions, control, weights):
+    for module in (openai, generate, pooling, sessions, control, weights):
         app.include_router(module.router)
         if hasattr(module, "info_router"):
             app.include_router(module.info_router)

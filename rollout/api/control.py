@@ -187,4 +187,5 @@ async def server_info(request: Request):
             "weight_version": await call(state.engine.get_weight_version()),
             "is_paused": await call(state.engine.is_paused()), "is_sleeping": await call(state.engine.is_sleeping()),
             "requests_in_flight": len(state.in_flight), "data_parallel_size": cfg.data_parallel_size,
-            "api_server": state.config.api_server_index, "api_server_count": state.config.api_server_count}
+            "api_server": state.config.api_server_index, "api_server_count": state.config.api_server_count,
+            "supported_tasks": list(state.engine.get_supported_tasks())}

@@ -114,7 +114,7 @@ def chat_logprobs(c: CompletionOutput, tokens: _Tokens) -> dict | None:
     return {"content": content}
 
 
-def _check_model(state: ServerState, model: str | None) -> None:
+def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model not in (state.model_name, state.model_path):
         raise APIError(404, f"the model {model!r} does not exist (this server serves {state.model_name!r})",
                        "model", type="model_not_found")
@@ -157,7 +157,7 @@ def _choices(outs: list[RequestOutput], n: int, state: ServerState, chat: bool, 
 async def _serve(request: Request, body, prompts: list, field: str, chat: bool):
     state = get_state(request)
     state.check_can_generate()
-    _check_model(state, body.model)
+    check_model(state, body.model)
     params = _params(body, body.stream)
     ids = await tokenize_prompts(state, prompts, field, len(prompts) > 1, params)
     base = _request_id(state, request, body, "chatcmpl" if chat else "cmpl")
@@ -242,7 +242,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
     """{"count", "max_model_len", "tokens"[, "token_strs"]}: the ids the engine would run (a
     text prompt as is, messages through the chat template)."""
     state = get_state(request)
-    _check_model(state, body.model)
+    check_model(state, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
     text = body.prompt if body.messages is None else await render_chat(
@@ -259,7 +259,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request):
     state = get_state(request)
-    _check_model(state, body.model)
+    check_model(state, body.model)
     vocab = state.engine.processor.vocab_size
     bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocab), None)
     if bad is not None:

@@ -250,16 +250,16 @@ def make_sampling_params(kw: dict) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-def normalize_prompts(prompt: PromptInput) -> list[str | list[int]]:
+def normalize_prompts(prompt: PromptInput, field: str = "prompt") -> list[str | list[int]]:
     """OpenAI's prompt forms: a string, token ids, or a list of either -> a list of prompts."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise APIError(400, "prompt is empty", "prompt")
+        raise APIError(400, f"{field} is empty", field)
     if all(isinstance(t, int) for t in prompt):
         return [list(prompt)]
     if any(isinstance(t, int) for t in prompt):
-        raise APIError(400, "prompt mixes token ids and prompts", "prompt")
+        raise APIError(400, f"{field} mixes token ids and prompts", field)
     return list(prompt)
 
 
@@ -355,3 +355,28 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     tokens: list[int]
     model: str | None = None
+
+
+class _PoolingInput(_Strict):
+    model: str | None = None
+    input: PromptInput
+    pooling: Literal["last", "mean"] = "last"  # ours: the final hidden state at the last token, or the mean
+    request_id: str | None = None
+    user: str | None = None
+
+
+class EmbeddingRequest(_PoolingInput):
+    """OpenAI's /v1/embeddings (+ vLLM's `normalize`; `dimensions` is refused: no Matryoshka)."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    normalize: bool = True
+
+
+class PoolingRequest(_PoolingInput):
+    """vLLM's /pooling: the raw pooled vector (a classifier's label logits: a reward model's score)."""
+
+
+class ClassificationRequest(_PoolingInput):
+    """vLLM's /classify: label probabilities of a sequence classifier."""
+
