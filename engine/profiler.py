@@ -5,7 +5,7 @@
 
 A trace covers the engine-core process (where the scheduler, the worker and the model run) from
 start to stop, CPU ops (and CUDA kernels on a GPU), with each step's phases as labelled ranges:
-schedule, prepare_inputs, forward, compute_logits, sample, outputs. Files are Chrome traces
+schedule, prepare_inputs, forward, compute_logits, sample, outputs (and pool, for encode requests). Files are Chrome traces
 named *.pt.trace.json: chrome://tracing and Perfetto open them, and TensorBoard's profiler plugin
 reads the folder. One file per engine-core replica (dp<rank>).
 
