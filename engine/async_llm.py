@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.default_model import resolve_model
 from engine.core_client import AsyncMPClient, EngineConnection
 from engine.errors import EngineDeadError, InvalidRequestError
+from engine.lora import LoRARequest
 from engine.metrics import StatsLogger, engine_metrics
 from engine.output_processor import OutputProcessor
 from engine.outputs import PoolingOutput, RequestOutput
@@ -104,21 +105,27 @@ class AsyncLLM:
 
     # ---- generation ---------------------------------------------------------------------------
     async def generate(self, prompt: PromptType | AsyncGenerator, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       request_id: str | None = None, lora_request: LoRARequest | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Stream RequestOutputs for one request (cumulative, delta or final-only, per
-        sampling_params.output_kind). Closing the generator or cancelling the task aborts it."""
+        sampling_params.output_kind). Closing the generator or cancelling the task aborts it.
+        lora_request: run with this LoRA adapter (loaded on first use; needs enable_lora)."""
         self._start_output_handler()
         params = sampling_params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.output_processor.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if hasattr(prompt, "__aiter__"):
+            if lora_request is not None:
+                raise InvalidRequestError("LoRA adapters with streaming input are not supported", "lora_request")
             async for out in self._generate_streaming(prompt, params, request_id):
                 yield out
             return
         text, ids = self.processor.process(prompt, params)
+        if lora_request is not None:
+            await self.add_lora(lora_request)
         collector = RequestOutputCollector(params.output_kind)
-        reqs = self.processor.core_requests(request_id, ids, params)
+        reqs = self.processor.core_requests(request_id, ids, params, lora_request.lora_int_id if lora_request else 0)
         self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in reqs], queue=collector)
         finished = False
         try:
@@ -348,6 +355,22 @@ class AsyncLLM:
 
     async def get_stats(self) -> dict:
         return await self._call("get_stats")
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a PEFT LoRA adapter (engine/lora.py; needs enable_lora); False if already loaded.
+        generate(..., lora_request=) loads it on first use."""
+        r = lora_request
+        return await self._call("add_lora", r.lora_name, r.lora_int_id, r.lora_path)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._call("remove_lora", lora_id)
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        """Never evict this adapter (max_loras counts it)."""
+        return await self._call("pin_lora", lora_id)
+
+    async def list_loras(self) -> list[int]:
+        return await self._call("list_loras")
 
     async def get_metrics(self) -> list:
         """The engine's series as Python objects (engine.metrics: Counter, Gauge, Histogram): the

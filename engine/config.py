@@ -113,6 +113,8 @@ class EngineConfig:
     batch_invariant: a token's logits and logprobs do not depend on the rest of the batch (fixed
         reduction orders; float32 on CPU; see engine/batch_invariant.py for the guarantee and
         the recompute a trainer runs to get the same bits). dtype "auto" becomes float32.
+    enable_lora: LoRA adapters (engine/lora.py: add_lora, per-request lora_request); at most
+        max_loras resident (the least recently used unpinned one is evicted), ranks <= max_lora_rank.
     log_stats_interval_s: LLM / AsyncLLM log do_log_stats()'s line (logger "engine", INFO) this often
         while they run; None = only when called.
     profiler_dir: where start_profile() / stop_profile() write torch-profiler traces of the engine
@@ -139,6 +141,9 @@ class EngineConfig:
     batch_invariant: bool = False
     profiler_dir: str | None = None
     log_stats_interval_s: float | None = None
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
     model_config: ModelConfig = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -172,7 +177,7 @@ class EngineConfig:
             self.max_model_len = limit
         if not 1 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {self.max_model_len}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -117,6 +117,7 @@ class EngineCore:
         self.needs_weights = False  # a level-2 sleep dropped the weights: a push or reload refills them
         self._pending_outputs: list[EngineCoreOutput] = []  # produced outside step() (aborts, stream input)
         self.profiler = StepProfiler(config.profiler_dir, config.data_parallel_rank, config.device)
+        self.lora_paths: dict[int, str] = {}  # every LoRA id ever loaded -> its folder
 
     @property
     def num_blocks(self) -> int:
@@ -128,6 +129,8 @@ class EngineCore:
         self._check_prompt(request.prompt_token_ids, request.request_id)
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", "request_id")
+        if request.lora_id and request.lora_id not in self.list_loras():
+            raise InvalidRequestError(f"LoRA adapter {request.lora_id} is not loaded (add_lora first)", "lora_request")
         self.scheduler.add_request(Request(request))
 
     def add_stream_input(self, chunk: StreamInput) -> None:
@@ -432,6 +435,29 @@ class EngineCore:
                     paused_seconds=0.0 if self.paused_since is None else time.monotonic() - self.paused_since,
                     is_sleeping=self.is_sleeping(),
                     peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+    # ---- LoRA adapters (engine/lora.py; the worker's runner holds them) ----------------------
+    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> bool:
+        """Load a PEFT adapter under this id (False if it is already loaded)."""
+        if not isinstance(lora_int_id, int) or isinstance(lora_int_id, bool) or lora_int_id < 1:
+            raise InvalidRequestError(f"lora_int_id must be an int >= 1, got {lora_int_id!r}", "lora_int_id")
+        in_use = sorted({r.lora_id for r in self.scheduler.requests.values() if r.lora_id})
+        loaded = self.executor.collective_rpc("add_lora", [lora_name, lora_int_id, lora_path, in_use])[0]
+        if self.lora_paths.get(lora_int_id, lora_path) != lora_path:  # the id names other weights now
+            self.kv.reset_prefix_cache()  # (cached blocks are keyed by adapter id)
+        self.lora_paths[lora_int_id] = lora_path
+        return loaded
+
+    def remove_lora(self, lora_id: int) -> bool:
+        if any(r.lora_id == lora_id for r in self.scheduler.requests.values()):
+            raise EngineStateError(f"LoRA adapter {lora_id} is in use by requests in the engine")
+        return self.executor.collective_rpc("remove_lora", [lora_id])[0]
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.executor.collective_rpc("pin_lora", [lora_id])[0]
+
+    def list_loras(self) -> list[int]:
+        return self.executor.collective_rpc("list_loras")[0]
 
     def start_profile(self) -> bool:
         return self.profiler.start()

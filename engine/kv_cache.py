@@ -84,7 +84,9 @@ class KVCacheManager:
         toks = req.all_token_ids
         while len(h) < num_full_blocks:
             i = len(h)
-            h.append(hash((h[-1] if h else None, tuple(toks[i * bs:(i + 1) * bs]))))
+            # a LoRA adapter changes the KV of every token: its id seeds the chain
+            parent = h[-1] if h else (("lora", req.lora_id) if req.lora_id else None)
+            h.append(hash((parent, tuple(toks[i * bs:(i + 1) * bs]))))
         return h
 
     def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:

@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.default_model import resolve_model
 from engine.core_client import InprocClient, SyncMPClient
 from engine.errors import InvalidRequestError
+from engine.lora import LoRARequest
 from engine.metrics import StatsLogger, engine_metrics
 from engine.output_processor import OutputProcessor
 from engine.outputs import PoolingOutput, RequestOutput
@@ -43,7 +44,8 @@ class LLM:
         self._next_log = time.monotonic() + (self.config.log_stats_interval_s or 0)
 
     def generate(self, prompts: PromptType | Sequence[PromptType], sampling_params: ParamsArg = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Prompts: strings, token-id lists, or dicts
         with 'prompt' / 'prompt_token_ids'. Raises InvalidRequestError (a ValueError) before
         running anything if any prompt or parameter is bad."""
@@ -61,11 +63,16 @@ class LLM:
             if len(params) != len(prompts):
                 raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
         processed = [self.processor.process(p, sp) for p, sp in zip(prompts, params)]
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(loras)} LoRA requests", "lora_request")
+        for lora in {lr for lr in loras if lr is not None}:
+            self.add_lora(lora)
         request_ids, groups = [], []
         try:
-            for (text, token_ids), sp in zip(processed, params):
+            for (text, token_ids), sp, lora in zip(processed, params, loras):
                 rid = str(next(self._ids))
-                reqs = self.processor.core_requests(rid, token_ids, sp)
+                reqs = self.processor.core_requests(rid, token_ids, sp, lora.lora_int_id if lora else 0)
                 final_only = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 self.output_processor.add_request(rid, text, token_ids, final_only, [r.request_id for r in reqs])
                 request_ids.append(rid)
@@ -134,6 +141,22 @@ class LLM:
 
     def get_stats(self) -> dict:
         return self.client.call_utility("get_stats")
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a PEFT LoRA adapter (engine/lora.py; needs enable_lora); False if already loaded.
+        generate(..., lora_request=) loads it on first use."""
+        r = lora_request
+        return self.client.call_utility("add_lora", r.lora_name, r.lora_int_id, r.lora_path)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.client.call_utility("remove_lora", lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Never evict this adapter (max_loras counts it)."""
+        return self.client.call_utility("pin_lora", lora_id)
+
+    def list_loras(self) -> list[int]:
+        return self.client.call_utility("list_loras")
 
     def get_metrics(self) -> list:
         """The engine's series as Python objects (engine.metrics: Counter, Gauge, Histogram): the

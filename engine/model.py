@@ -229,8 +229,9 @@ class LlamaModel:
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """input_ids, positions: (T,). Returns the final-normed hidden states (T, hidden)."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora=None) -> torch.Tensor:
+        """input_ids, positions: (T,). Returns the final-normed hidden states (T, hidden).
+        lora: the step's engine.lora.LoRABatch (adds each token's adapter delta to the projections)."""
         mc = self.mc
         T = input_ids.shape[0]
         q_size, kv_size, D, eps = self.q_size, self.kv_size, mc.head_dim, mc.rms_norm_eps
@@ -243,9 +244,11 @@ class LlamaModel:
         table, lens = md.decode_block_table, md.decode_seq_lens
         h = F.embedding(input_ids, self.embed)  # (T, H)
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x, residual = add_norm(h, residual, layer.input_norm, eps)
             qkv = layer.qkv(x)  # (T, q_size + 2 * kv_size)
+            if lora is not None:
+                lora.apply(i, "qkv", x, qkv)
             # (Qwen3: per-head RMSNorm of q and k first), rotate q and k, write k and v: one call
             q, k = rope(qkv, positions, cos_sin, k_cache, v_cache, slots, Hq, Hkv, D, layer.q_norm, layer.k_norm, eps)
             if decode is not None:
@@ -254,8 +257,16 @@ class LlamaModel:
                 v = qkv[:, q_size + kv_size:].view(T, Hkv, D)
                 a = attention(q, k, v, k_cache, v_cache, md, scale, window)
             h = layer.o(a)  # (T, H)
+            if lora is not None:
+                lora.apply(i, "o", a, h)
             x, residual = add_norm(h, residual, layer.post_norm, eps)
-            h = layer.down(silu(layer.gate_up(x)))
+            gate_up = layer.gate_up(x)
+            if lora is not None:
+                lora.apply(i, "gate_up", x, gate_up)
+            act = silu(gate_up)
+            h = layer.down(act)
+            if lora is not None:
+                lora.apply(i, "down", act, h)
         return add_norm(h, residual, self.norm, eps)[0]
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,8 @@ import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk, per_token_decode_rows, prefill_mask
 from engine.config import EngineConfig
+from engine.errors import EngineStateError
+from engine.lora import Adapter, LoRABatch, LoRARequest, load_adapter
 from engine.model import LlamaModel
 from engine.profiler import phase
 from engine.sampling_params import SamplingParams
@@ -32,6 +34,7 @@ class CachedRequestState:
     prompt_token_ids: list[int] | None = None  # only with prompt_logprobs (the targets)
     num_prompt_logprobs: int = 0  # prompt positions done (a recompute after preemption skips them)
     pool_sum: torch.Tensor | None = None  # mean pooling: float32 sum of the hidden states so far
+    lora_id: int = 0  # its LoRA adapter (0: the base model)
 
 
 @dataclass
@@ -46,6 +49,7 @@ class StepInputs:
     sample_rows: list[int] = field(default_factory=list)  # their index into logit_rows
     prompt_rows: list[tuple[str, int, range]] = field(default_factory=list)  # (id, first logit row, positions)
     pool_rows: list[tuple[ScheduledRequest, int]] = field(default_factory=list)  # encode requests: (chunk, first row)
+    lora: LoRABatch | None = None  # the adapters of the step's tokens (None: all on the base model)
 
 
 class ModelRunner:
@@ -68,6 +72,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.weights_valid = True  # False after a level-2 sleep until a full push or reload
+        self.loras: dict[int, Adapter] = {}  # resident LoRA adapters by id, least recently used first
+        self.pinned_loras: set[int] = set()
 
     # ---- KV cache -----------------------------------------------------------------------
     def kv_cache_bytes(self) -> int:
@@ -108,7 +114,7 @@ class ModelRunner:
         with phase("prepare_inputs"):
             inputs = self.prepare_inputs(so)
         with phase("forward"):
-            hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, inputs.lora)
         if inputs.pool_rows:
             with phase("pool"):
                 self.pool(hidden, inputs.pool_rows, out)
@@ -139,8 +145,8 @@ class ModelRunner:
         p = nr.sampling_params
         generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
         if old is not None:  # new params for the next streaming chunk: the prompt's progress stays
-            return CachedRequestState(p, generator, old.prompt_token_ids, old.num_prompt_logprobs)
-        return CachedRequestState(p, generator, nr.prompt_token_ids)
+            return CachedRequestState(p, generator, old.prompt_token_ids, old.num_prompt_logprobs, lora_id=nr.lora_id)
+        return CachedRequestState(p, generator, nr.prompt_token_ids, lora_id=nr.lora_id)
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         bs, dev = self.block_size, self.device
@@ -193,11 +199,61 @@ class ModelRunner:
                                             block_ids=bt.to(dev) if s else None,
                                             mask=prefill_mask(s, n, window, dev)))
         md.slot_mapping = torch.cat(slot_parts).to(dev) if len(slot_parts) > 1 else slot_parts[0].to(dev)
+        if self.loras:
+            inputs.lora = self._lora_batch(decodes + prefills)
         if self.config.batch_invariant:
             per_token_decode_rows(md, [(r.block_ids, r.start, len(r.token_ids)) for r in decodes + prefills], dev)
         inputs.input_ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         inputs.positions = torch.tensor(positions, dtype=torch.int64, device=dev)
         return inputs
+
+    # ---- LoRA adapters ------------------------------------------------------------------
+    def _lora_batch(self, rows_in_order: list[ScheduledRequest]) -> LoRABatch | None:
+        """Which rows of the step run with which adapter (requests are laid out in this order)."""
+        by_id: dict[int, list[int]] = {}
+        row = 0
+        for sr in rows_in_order:
+            n = len(sr.token_ids)
+            lora_id = self.requests[sr.request_id].lora_id
+            if lora_id:
+                by_id.setdefault(lora_id, []).extend(range(row, row + n))
+            row += n
+        if not by_id:
+            return None
+        for lora_id in by_id:  # recently used
+            self.loras[lora_id] = self.loras.pop(lora_id)
+        return LoRABatch([(self.loras[i], torch.tensor(rows, device=self.device)) for i, rows in by_id.items()])
+
+    def add_lora(self, request: LoRARequest, in_use: list[int]) -> bool:
+        """Load a PEFT adapter (checked first: a bad one changes nothing); False if already loaded.
+        Beyond max_loras the least recently used adapter that is neither pinned nor in use (by any
+        request the scheduler holds: `in_use`) goes."""
+        c = self.config
+        if not c.enable_lora:
+            raise EngineStateError("LoRA is off: start the engine with enable_lora=True (--enable-lora)")
+        if request.lora_int_id in self.loras:
+            return False
+        adapter = load_adapter(request, c.model_config, c.max_lora_rank, self.dtype, self.device)
+        if len(self.loras) >= c.max_loras:
+            victim = next((i for i in self.loras if i not in self.pinned_loras and i not in in_use), None)
+            if victim is None:
+                raise EngineStateError(f"all {c.max_loras} LoRA slots (max_loras) hold pinned or in-use adapters")
+            del self.loras[victim]
+        self.loras[request.lora_int_id] = adapter
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        self.pinned_loras.discard(lora_id)
+        return self.loras.pop(lora_id, None) is not None
+
+    def pin_lora(self, lora_id: int) -> bool:
+        if lora_id not in self.loras:
+            raise EngineStateError(f"LoRA adapter {lora_id} is not loaded")
+        self.pinned_loras.add(lora_id)
+        return True
+
+    def list_loras(self) -> list[int]:
+        return sorted(self.loras)
 
     def pool(self, hidden: torch.Tensor, pool_rows: list[tuple[ScheduledRequest, int]], out: ModelRunnerOutput) -> None:
         """Encode requests: add this chunk's final hidden states to the request's pool; once the

@@ -43,14 +43,15 @@ class Processor:
         self.check_token_ids(ids)
         return text, ids
 
-    def core_requests(self, request_id: str, token_ids: list[int], params: SamplingParams) -> list[EngineCoreRequest]:
+    def core_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                      lora_id: int = 0) -> list[EngineCoreRequest]:
         """What the engine core runs for one request: itself, or its n children ("<id>-<i>", each
         n=1, seeded seed+i) sharing the prompt's blocks."""
         if params.n == 1:
-            return [EngineCoreRequest(request_id, token_ids, params, self.eos_token_id)]
+            return [EngineCoreRequest(request_id, token_ids, params, self.eos_token_id, lora_id=lora_id)]
         return [EngineCoreRequest(f"{request_id}-{i}", token_ids,
                                   params.clone(n=1, seed=None if params.seed is None else params.seed + i),
-                                  self.eos_token_id) for i in range(params.n)]
+                                  self.eos_token_id, lora_id=lora_id) for i in range(params.n)]
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -35,6 +35,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     streaming: bool = False  # more input chunks may follow (StreamInput), until one says final
+    lora_id: int = 0  # the LoRA adapter (add_lora's lora_int_id) it runs with; 0 = the base model
 
 
 class StreamInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -22,6 +22,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     request_id: str
     sampling_params: SamplingParams
     prompt_token_ids: list[int] | None = None  # only with prompt_logprobs: the targets
+    lora_id: int = 0  # its LoRA adapter (0: none)
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -16,6 +16,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import EngineStateError, InvalidRequestError
+from engine.lora import LoRARequest
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
@@ -41,6 +42,19 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    # ---- LoRA adapters (the runner holds them) ----------------------------------------------
+    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str, in_use: list[int]) -> bool:
+        return self.model_runner.add_lora(LoRARequest(lora_name, lora_int_id, lora_path), in_use)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.model_runner.remove_lora(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.model_runner.pin_lora(lora_id)
+
+    def list_loras(self) -> list[int]:
+        return self.model_runner.list_loras()
 
     # ---- introspection --------------------------------------------------------------------
     def get_rank(self) -> int:
