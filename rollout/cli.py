@@ -54,6 +54,11 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     s.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders)")
+    s.add_argument("--max-loras", type=int, default=4, help="LoRA adapters resident at once (LRU eviction)")
+    s.add_argument("--max-lora-rank", type=int, default=16)
+    s.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters loaded at start, served under these model names (implies --enable-lora)")
     s.add_argument("--log-stats-interval-s", type=float, default=None,
                    help="log one engine stats line this often (throughput, queue, KV usage, prefix hits; "
                         "shown with --log-level info)")
@@ -94,6 +99,13 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
+def _name_path(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise SystemExit(f"--lora-modules takes NAME=PATH, got {text!r}")
+    return name, path
+
+
 def _bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*", text)
     if not m:
@@ -114,7 +126,9 @@ def _serve(args) -> int:
                          num_threads=args.num_threads, worker_extension_cls=args.worker_extension_cls,
                          data_parallel_size=args.data_parallel_size,
                          data_parallel_backend=args.data_parallel_backend, batch_invariant=args.batch_invariant,
-                         profiler_dir=args.profiler_dir, log_stats_interval_s=args.log_stats_interval_s)
+                         profiler_dir=args.profiler_dir, log_stats_interval_s=args.log_stats_interval_s,
+                         enable_lora=args.enable_lora or bool(args.lora_modules), max_loras=args.max_loras,
+                         max_lora_rank=args.max_lora_rank)
     try:
         config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                               api_key=args.api_key, admin_api_key=args.admin_api_key,
@@ -125,7 +139,8 @@ def _serve(args) -> int:
                               wandb_interval_s=args.wandb_interval_s, log_level=args.log_level,
                               engine_kwargs=engine_kwargs, model=args.model, api_server_count=args.api_server_count,
                               exit_on_engine_death=not args.stay_up_when_engine_dies,
-                              session_timeout_s=args.session_timeout_s, max_sessions=args.max_sessions)
+                              session_timeout_s=args.session_timeout_s, max_sessions=args.max_sessions,
+                              lora_modules=tuple(_name_path(m) for m in args.lora_modules))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

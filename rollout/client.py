@@ -112,12 +112,15 @@ class _Endpoints:
 
     # ---- generation -------------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: dict | None = None,
-                 request_id: str | None = None):
+                 request_id: str | None = None, model: str | None = None):
         """A list with one entry per prompt, in order (also for a single prompt): a GenerateOutput,
-        or with n > 1 the list of its n samples."""
+        or with n > 1 the list of its n samples. model: a loaded LoRA adapter's name (default: the
+        served model)."""
         body, _ = _prompt_body(prompts)
         sp = dict(sampling_params or {})
         body.update(sampling_params=sp, request_id=request_id)
+        if model is not None:
+            body["model"] = model
         return self._run(_Call("POST", "/generate", lambda b: _outputs(b, sp.get("n", 1)), json=body))
 
     def generate_chat(self, messages: list[dict], sampling_params: dict | None = None, request_id: str | None = None,
@@ -227,6 +230,15 @@ class _Endpoints:
 
     def reset_encoder_cache(self):
         return self._run(_Call("POST", "/reset_encoder_cache", admin=True))
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, load_inplace: bool = False):
+        """Load a PEFT LoRA adapter (a folder on the server's machine); requests then pass
+        lora_name as their model (generate(..., model=lora_name))."""
+        return self._run(_Call("POST", "/v1/load_lora_adapter", admin=True, raw=True,
+                               json={"lora_name": lora_name, "lora_path": lora_path, "load_inplace": load_inplace}))
+
+    def unload_lora_adapter(self, lora_name: str):
+        return self._run(_Call("POST", "/v1/unload_lora_adapter", admin=True, raw=True, json={"lora_name": lora_name}))
 
     def start_profile(self):
         """Start a torch-profiler trace of the engine core(s) (a server run with --profiler-dir)."""

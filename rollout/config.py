@@ -23,6 +23,7 @@ class ServerConfig:
         does, so that an orchestrator restarts the server); False: stay up answering 503.
     session_timeout_s: a session (rollout/api/sessions.py) idle this long is closed, its KV freed
         (a session may ask for its own timeout); max_sessions: more open sessions get 429.
+    lora_modules: LoRA adapters (name, PEFT folder) loaded at start, served as models of those names.
     """
 
     host: str = "127.0.0.1"
@@ -45,6 +46,7 @@ class ServerConfig:
     exit_on_engine_death: bool = True
     session_timeout_s: float = 600.0
     max_sessions: int = 4096
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) LoRA adapters loaded at start
 
     def __post_init__(self):
         self.api_key = self.api_key or os.environ.get("ROLLOUT_API_KEY") or None

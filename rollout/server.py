@@ -159,6 +159,10 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         state = ServerState(engine, config)
         app.state.rollout = holder["state"] = state
+        for name, path in config.lora_modules:  # (a bad adapter stops the start-up with its error)
+            lora = state.new_lora(name, path)
+            await engine.add_lora(lora)
+            state.loras[name] = lora
         tasks = [asyncio.ensure_future(state.metrics.poll(engine, config.stats_interval_s)),
                  asyncio.ensure_future(state.sessions.expire_forever())]
         wandb_logger = None

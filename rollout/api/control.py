@@ -11,6 +11,8 @@
     POST /wake_up?tags=weights&tags=kv_cache             -> {"status": "awake"|"sleeping"}
     GET  /is_sleeping                                    -> {"is_sleeping": bool}
     POST /reset_prefix_cache, /reset_encoder_cache       -> {"success": true}
+    POST /v1/load_lora_adapter {"lora_name", "lora_path"} -> text (vLLM's); requests name it as `model`
+    POST /v1/unload_lora_adapter {"lora_name"}          -> text
     POST /start_profile                                  -> {"status": "profiling"}
     POST /stop_profile                                   -> {"status": "stopped", "traces": [paths]}
          (torch-profiler traces of the engine core; 409 unless served with --profiler-dir)
@@ -32,9 +34,11 @@ import time
 from typing import Literal
 
 from fastapi import APIRouter, Query, Request
+from fastapi.responses import PlainTextResponse
 
 from rollout.api.errors import APIError, engine_error
-from rollout.api.protocol import AbortRequestsBody, CollectiveRPCBody, ScaleBody, ScaleElasticEPBody
+from rollout.api.protocol import (AbortRequestsBody, CollectiveRPCBody, LoadLoRARequest, ScaleBody, ScaleElasticEPBody,
+                                  UnloadLoRARequest)
 from rollout.api.state import get_state
 
 router = APIRouter(tags=["admin"])
@@ -109,6 +113,34 @@ async def is_sleeping(request: Request):
 async def reset_prefix_cache(request: Request, reset_running_requests: bool = Query(False),
                              reset_external: bool = Query(False)):
     return {"success": bool(await call(get_state(request).engine.reset_prefix_cache()))}
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRARequest, request: Request):
+    """Load a PEFT LoRA adapter under a name that requests then use as their `model` (the server
+    must run with --enable-lora). The name is this API server's: with several API servers, give
+    adapters at start-up (--lora-modules) so that every one knows them."""
+    state = get_state(request)
+    old = state.loras.get(body.lora_name)
+    if old is not None and not body.load_inplace:
+        raise APIError(400, f"the LoRA adapter {body.lora_name!r} is already loaded", "lora_name")
+    lora = state.new_lora(body.lora_name, body.lora_path)
+    await call(state.engine.add_lora(lora), "lora_path")
+    state.loras[body.lora_name] = lora
+    if old is not None:  # load_inplace: the old id goes once the new one serves
+        await call(state.engine.remove_lora(old.lora_int_id), "lora_name")
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRARequest, request: Request):
+    state = get_state(request)
+    lora = state.loras.get(body.lora_name)
+    if lora is None:
+        raise APIError(404, f"the LoRA adapter {body.lora_name!r} is not loaded", "lora_name")
+    await call(state.engine.remove_lora(lora.lora_int_id), "lora_name")
+    del state.loras[body.lora_name]
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 @router.post("/start_profile")

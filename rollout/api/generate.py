@@ -135,7 +135,10 @@ async def generate(body: GenerateRequest, request: Request):
         err = engine_error(e)
         raise APIError(400, str(e), f"sampling_params.{err.param}" if err.param else "sampling_params") from e
     ids = await tokenize_prompts(state, prompts, field, batch, params, "sampling_params.")
+    lora = state.resolve_model(body.model)
     if body.session_params is not None:
+        if lora is not None:
+            raise APIError(400, "sessions run on the base model (no LoRA adapter)", "model")
         if batch:
             raise APIError(400, "a session turn takes one prompt, not a batch", field)
         if body.request_id is not None:
@@ -146,7 +149,7 @@ async def generate(body: GenerateRequest, request: Request):
                                    DONE if body.stream_format == "sse" else None)
     base = state.new_request_id(body.request_id, "gen")
     rids = [f"{base}-{i}" for i in range(len(ids))] if batch else [base]
-    gens = [state.generate(p, params, rid, field) for p, rid in zip(ids, rids)]
+    gens = [state.generate(p, params, rid, field, lora) for p, rid in zip(ids, rids)]
     if not body.stream:
         outs = await until_disconnect(request, gather_all(final_output(g) for g in gens))
         return {"results": [request_output_json(o) for o in outs], "usage": usage_json(outs)}

@@ -29,9 +29,13 @@ router = APIRouter(tags=["openai"])
 @router.get("/v1/models")
 async def list_models(request: Request):
     state = get_state(request)
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(time.time()),
-                                        "owned_by": "rollout", "root": state.model_path,
-                                        "max_model_len": state.engine.max_model_len}]}
+    created = int(time.time())
+    base = {"id": state.model_name, "object": "model", "created": created, "owned_by": "rollout",
+            "root": state.model_path, "max_model_len": state.engine.max_model_len}
+    adapters = [{"id": name, "object": "model", "created": created, "owned_by": "rollout", "root": lora.lora_path,
+                 "parent": state.model_name, "max_model_len": state.engine.max_model_len}
+                for name, lora in state.loras.items()]
+    return {"object": "list", "data": [base, *adapters]}
 
 
 class _Tokens:
@@ -115,9 +119,9 @@ def chat_logprobs(c: CompletionOutput, tokens: _Tokens) -> dict | None:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model not in (state.model_name, state.model_path):
-        raise APIError(404, f"the model {model!r} does not exist (this server serves {state.model_name!r})",
-                       "model", type="model_not_found")
+    """The base model only (routes that take no LoRA adapter); 404 for another name."""
+    if state.resolve_model(model) is not None:
+        raise APIError(400, f"{model!r} is a LoRA adapter: this route serves the base model only", "model")
 
 
 def _request_id(state: ServerState, request: Request, body, prefix: str) -> str:
@@ -157,12 +161,12 @@ def _choices(outs: list[RequestOutput], n: int, state: ServerState, chat: bool, 
 async def _serve(request: Request, body, prompts: list, field: str, chat: bool):
     state = get_state(request)
     state.check_can_generate()
-    check_model(state, body.model)
+    lora = state.resolve_model(body.model)
     params = _params(body, body.stream)
     ids = await tokenize_prompts(state, prompts, field, len(prompts) > 1, params)
     base = _request_id(state, request, body, "chatcmpl" if chat else "cmpl")
     rids = [f"{base}-{i}" for i in range(len(ids))] if len(ids) > 1 else [base]
-    gens = [state.generate(p, params, rid, field) for p, rid in zip(ids, rids)]
+    gens = [state.generate(p, params, rid, field, lora) for p, rid in zip(ids, rids)]
     echo = [p if isinstance(p, str) else state.engine.tokenizer.decode(p) for p in prompts] \
         if getattr(body, "echo", False) else [""] * len(prompts)
     if getattr(body, "echo", False) and body.stream and (body.logprobs is not None or body.max_tokens == 0):

@@ -223,6 +223,7 @@ class GenerateRequest(_Strict):
     stream_format: Literal["ndjson", "sse"] = "ndjson"
     request_id: str | None = None
     session_params: SessionParams | None = None  # a turn of a session (rollout/api/sessions.py)
+    model: str | None = None  # the served model (default) or a loaded LoRA adapter's name
 
     def prompts(self) -> tuple[list[str | list[int]], str, bool]:
         """(prompts, the field they came from, whether the request was a batch); `messages` are
@@ -379,4 +380,19 @@ class PoolingRequest(_PoolingInput):
 
 class ClassificationRequest(_PoolingInput):
     """vLLM's /classify: label probabilities of a sequence classifier."""
+
+
+class LoadLoRARequest(_Strict):
+    """vLLM's /v1/load_lora_adapter."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False  # replace an adapter of that name
+
+
+class UnloadLoRARequest(_Strict):
+    """vLLM's /v1/unload_lora_adapter."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
 

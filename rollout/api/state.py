@@ -8,6 +8,7 @@ APIErrors (the routes prime a stream before sending headers, so an engine refusa
 while asleep, is still a clean error response).
 """
 import asyncio
+import itertools
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import AsyncGenerator
 
 from fastapi import Request
 
+from engine.lora import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from rollout.api.errors import APIError, engine_error
@@ -45,6 +47,21 @@ class ServerState:
         self.shutting_down = asyncio.Event()
         self.control_lock = asyncio.Lock()  # pause/resume/sleep/wake/weight routes run one at a time
         self.sessions = Sessions(self, config.session_timeout_s, config.max_sessions)
+        self.loras: dict[str, LoRARequest] = {}  # LoRA adapters by served name (/v1/load_lora_adapter)
+        self._lora_ids = itertools.count(1)
+
+    def new_lora(self, name: str, path: str) -> LoRARequest:
+        return LoRARequest(name, next(self._lora_ids), path)
+
+    def resolve_model(self, model: str | None) -> LoRARequest | None:
+        """The `model` field of a request: the served model (None) or a loaded LoRA adapter; 404 otherwise."""
+        if model is None or model in (self.model_name, self.model_path):
+            return None
+        if model in self.loras:
+            return self.loras[model]
+        raise APIError(404, f"the model {model!r} does not exist (this server serves {self.model_name!r}"
+                            + (f" and the LoRA adapters {sorted(self.loras)}" if self.loras else "") + ")",
+                       "model", type="model_not_found")
 
     @property
     def model_path(self) -> str:
@@ -62,9 +79,10 @@ class ServerState:
             raise APIError(503, "the server is shutting down")
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       param: str = "prompt") -> AsyncGenerator[RequestOutput, None]:
+                       param: str = "prompt", lora_request: LoRARequest | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """AsyncLLM.generate with tracking, metrics and error translation (`param` names the
-        request field a prompt error is about)."""
+        request field a prompt error is about); lora_request: a LoRA adapter to run with."""
         self.check_can_generate()
         arrival = time.monotonic()
         first_token: float | None = None
@@ -74,7 +92,7 @@ class ServerState:
         self.metrics.request_started()
         delta = params.output_kind == RequestOutputKind.DELTA
         try:
-            async for out in self.engine.generate(prompt, params, request_id):
+            async for out in self.engine.generate(prompt, params, request_id, lora_request=lora_request):
                 prompt_len = len(out.prompt_token_ids)
                 first_token = out.first_token_time  # also right when only the final output comes
                 for c in out.outputs:

@@ -21,12 +21,11 @@ PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 140))]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """(base folder, base model, [(adapter folder, PEFT model)])"""
+def build_models(root: Path):
+    """(base folder, base model, [(adapter folder, PEFT model)]): a tiny random Llama and three
+    adapters with random A and B (PEFT's default init leaves B zero: no effect)."""
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(LlamaConfig(**TINY), dtype=torch.float32).eval()
-    root = tmp_path_factory.mktemp("lora")
     base.save_pretrained(root / "base")
     adapters = []
     for k, targets in enumerate(TARGETS):
@@ -35,6 +34,11 @@ def models(tmp_path_factory):
         model.save_pretrained(root / f"a{k}")
         adapters.append((str(root / f"a{k}"), model))
     return str(root / "base"), base, adapters
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return build_models(tmp_path_factory.mktemp("lora"))
 
 
 def reference(model, prompt):

@@ -1,0 +1,66 @@
+"""LoRA over HTTP on a real `rollout serve` (a tiny random Llama, the default model's tokenizer
+copied in): an adapter given at start (--lora-modules) and one loaded at run time
+(/v1/load_lora_adapter) serve as models of their names through /v1/completions and /generate,
+greedy token-exact against PEFT; /v1/models lists them; a bad adapter is a 400 that changes
+nothing; unloading makes the name a 404."""
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rollout.client import RolloutAPIError, RolloutClient
+from rollout.subprocess_server import served
+from tests.engine.test_lora import build_models, reference
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, default_model_path):
+    root = tmp_path_factory.mktemp("lora_http")
+    folder, base, adapters = build_models(root)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(default_model_path) / name, Path(folder) / name)
+    with served(folder, "--dtype", "float32", "--lora-modules", f"first={adapters[0][0]}",
+                log_path=root / "serve.log") as server:
+        with RolloutClient(server.url, timeout=60) as client:
+            yield client, server.url, base, adapters
+
+
+def test_adapters_serve_as_models(setup):
+    client, url, base, adapters = setup
+    greedy = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    assert client.generate(PROMPT, greedy, model="first")[0].token_ids == reference(adapters[0][1], PROMPT)
+    assert client.load_lora_adapter("second", adapters[1][0]).startswith("Success")
+    names = [m["id"] for m in client.model_info()]
+    assert names[1:] == ["first", "second"] and all(m.get("parent") == names[0] for m in client.model_info()[1:])
+    out = httpx.post(url + "/v1/completions", json={"model": "second", "prompt": PROMPT, **greedy}, timeout=60).json()
+    assert out["choices"][0]["text"] == client.detokenize(reference(adapters[1][1], PROMPT))
+    assert client.generate(PROMPT, greedy)[0].token_ids == reference(base, PROMPT)  # the base model
+    with pytest.raises(RolloutAPIError) as e:  # a rank above --max-lora-rank (16)
+        client.load_lora_adapter("big", str(_big_adapter(adapters[2][0], Path(adapters[2][0]).parent / "big")))
+    assert e.value.status == 400 and "max_lora_rank" in str(e.value)
+    assert [m["id"] for m in client.model_info()][1:] == ["first", "second"]
+    client.unload_lora_adapter("second")
+    with pytest.raises(RolloutAPIError) as e:
+        client.generate(PROMPT, greedy, model="second")
+    assert e.value.status == 404
+
+
+def _big_adapter(src: str, dst: Path) -> Path:
+    """A copy of an adapter that claims rank 32."""
+    import json
+
+    dst.mkdir(exist_ok=True)
+    shutil.copy(Path(src) / "adapter_model.safetensors", dst)
+    cfg = json.loads((Path(src) / "adapter_config.json").read_text())
+    (dst / "adapter_config.json").write_text(json.dumps(dict(cfg, r=32)))
+    return dst
+
+
+def test_unknown_model_is_a_404(setup):
+    client = setup[0]
+    with pytest.raises(RolloutAPIError) as e:
+        client.generate(PROMPT, {"max_tokens": 2}, model="nope")
+    assert e.value.status == 404 and "first" in str(e.value)
