@@ -5,10 +5,12 @@ of a batch's requests to the fused projections of engine.model (`LoRABatch`).
 
 A PEFT LoRA folder holds adapter_config.json (r, lora_alpha, target_modules, use_rslora, ...) and
 adapter_model.safetensors with `base_model.model.<HF module>.lora_A.weight` (r, in) and `lora_B.weight`
-(out, r) per target module. The engine fuses q/k/v and gate/up into one matmul each, so an adapter
-is kept as, per decoder layer and fused projection ("qkv", "o", "gate_up", "down"), a list of
-Delta(first output row, A, B): the delta of output rows [row, row + B.rows) is
-scale * (x @ A.T) @ B.T, computed in that order as PEFT does (lora_B(lora_A(x)) * scaling).
+(out, r) per target module; module m's delta is scale * B_m A_m x. The engine fuses q/k/v and
+gate/up into one matmul each, and so does an adapter: per decoder layer and fused projection
+("qkv", "o", "gate_up", "down") it keeps one Fused(At, Bt): At = [A_q; A_k; A_v].T (in, sum r)
+and Bt the block-diagonal (sum r, out) of the scaled B_m.T placed at each module's output
+columns, so a projection's whole delta is two matmuls, (x @ At) @ Bt, added in place. (Zero blocks
+cost a few FLOPs; fewer, larger calls are what matters on a CPU.)
 
 Refused with an InvalidRequestError naming the problem (nothing is loaded): a missing folder or
 file, weights that are not safetensors, another PEFT method or DoRA, biases, rank above
@@ -42,23 +44,20 @@ _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\
 
 
 @dataclass
-class Delta:
-    row: int  # first output row of the fused projection this module writes
-    A: torch.Tensor  # (r, in)
-    B: torch.Tensor  # (out, r)
-    scale: float  # lora_alpha / r (rsLoRA: / sqrt(r))
+class Fused:
+    At: torch.Tensor  # (in, sum of the modules' ranks)
+    Bt: torch.Tensor  # (sum of ranks, out of the fused projection): block-diagonal, scaled
 
 
 @dataclass
 class Adapter:
     request: LoRARequest
     rank: int
-    deltas: list[dict[str, list[Delta]]]  # per layer: fused projection -> its deltas
+    fused: list[dict[str, Fused]]  # per layer: fused projection -> its adapter
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.deltas for ds in layer.values()
-                   for d in ds for t in (d.A, d.B))
+        return sum(t.numel() * t.element_size() for layer in self.fused for f in layer.values() for t in (f.At, f.Bt))
 
 
 def module_shapes(mc: ModelConfig) -> dict[str, tuple[int, int, int]]:
@@ -114,8 +113,10 @@ def load_adapter(request: LoRARequest, mc: ModelConfig, max_rank: int, dtype: to
         if layer >= mc.num_layers:
             raise bad(f"{key}: the model has {mc.num_layers} layers")
         pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = t
-    deltas: list[dict[str, list[Delta]]] = [{} for _ in range(mc.num_layers)]
-    for (layer, module), ab in sorted(pairs.items()):
+    if not pairs:
+        raise bad("adapter_model.safetensors holds no LoRA weights")
+    parts: list[dict[str, list]] = [{} for _ in range(mc.num_layers)]  # fused -> [(row, A, B)]
+    for (layer, module), ab in sorted(pairs.items(), key=lambda kv: (kv[0][0], list(MODULES).index(kv[0][1]))):
         row, out_f, in_f = shapes[module]
         A, B = ab.get("A"), ab.get("B")
         if A is None or B is None:
@@ -123,30 +124,62 @@ def load_adapter(request: LoRARequest, mc: ModelConfig, max_rank: int, dtype: to
         if tuple(A.shape) != (rank, in_f) or tuple(B.shape) != (out_f, rank):
             raise bad(f"layer {layer} {module}: lora_A {list(A.shape)} / lora_B {list(B.shape)}, expected "
                       f"{[rank, in_f]} / {[out_f, rank]}")
-        fused = MODULES[module][0]
-        deltas[layer].setdefault(fused, []).append(
-            Delta(row, A.to(device, dtype).contiguous(), B.to(device, dtype).contiguous(), scale))
-    if not pairs:
-        raise bad("adapter_model.safetensors holds no LoRA weights")
-    return Adapter(request, rank, deltas)
+        parts[layer].setdefault(MODULES[module][0], []).append((row, A.float(), B.float() * scale))
+    widths = fused_widths(mc)
+    fused = [{name: _fuse(ps, widths[name], dtype, device) for name, ps in layer.items()} for layer in parts]
+    return Adapter(request, rank, fused)
+
+
+def fused_widths(mc: ModelConfig) -> dict[str, int]:
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    return {"qkv": q + 2 * kv, "o": mc.hidden_size, "gate_up": 2 * mc.intermediate_size, "down": mc.hidden_size}
+
+
+def _fuse(parts: list, width: int, dtype, device) -> Fused:
+    At = torch.cat([A for _, A, _ in parts]).T  # (in, R)
+    Bt = torch.zeros(At.shape[1], width)
+    r0 = 0
+    for row, A, B in parts:
+        Bt[r0:r0 + A.shape[0], row:row + B.shape[0]] = B.T
+        r0 += A.shape[0]
+    return Fused(At.to(device, dtype).contiguous(), Bt.to(device, dtype).contiguous())
 
 
 class LoRABatch:
     """The adapters of one step's tokens: `apply(layer, name, x, y)` adds each token's adapter
-    delta to y = projection(x), in place. Tokens of the base model (no adapter) are left alone.
-    groups: (adapter, row indices of its tokens), one per adapter present in the step."""
+    delta to y = projection(x), in place; rows of the base model are left alone.
 
-    __slots__ = ("groups",)
+    One adapter on every row: y += (x @ At) @ Bt. Otherwise the step's adapters' At and Bt side by
+    side (stacked once per set of adapters, kept across steps in `stacks`), and each row keeps
+    only its own adapter's columns of x @ At_all (a mask): two matmuls per projection whatever the
+    number of adapters (the extra FLOPs are x times a few ranks; calls are what costs)."""
 
-    def __init__(self, groups: list[tuple[Adapter, torch.Tensor]]):
-        self.groups = groups
+    __slots__ = ("adapters", "row_owner", "stacks")
+
+    def __init__(self, adapters: list[Adapter], row_owner: torch.Tensor | None, stacks: dict):
+        self.adapters = adapters  # those in this step
+        self.row_owner = row_owner  # (T, 1) index into adapters (-1: the base model); None: adapters[0] everywhere
+        self.stacks = stacks  # (layer, name) -> (At_all, Bt_all, column owner (1, R_all)) for these adapters
 
     def apply(self, layer: int, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        for adapter, rows in self.groups:
-            ds = adapter.deltas[layer].get(name)
-            if not ds:
-                continue
-            xs = x.index_select(0, rows)
-            for d in ds:
-                delta = (xs @ d.A.T) @ d.B.T * d.scale
-                y[rows, d.row:d.row + d.B.shape[0]] += delta
+        if self.row_owner is None:
+            f = self.adapters[0].fused[layer].get(name)
+            if f is not None:
+                y.addmm_(x @ f.At, f.Bt)
+            return
+        stack = self.stacks.get((layer, name))
+        if stack is None:
+            stack = self.stacks[(layer, name)] = self._stack(layer, name)
+        At, Bt, owner = stack
+        if At is None:
+            return
+        xa = (x @ At).masked_fill_(owner != self.row_owner, 0.0)
+        y.addmm_(xa, Bt)
+
+    def _stack(self, layer: int, name: str):
+        parts = [(i, a.fused[layer][name]) for i, a in enumerate(self.adapters) if name in a.fused[layer]]
+        if not parts:
+            return None, None, None
+        owner = torch.cat([torch.full((f.At.shape[1],), i, dtype=torch.int64) for i, f in parts])
+        return (torch.cat([f.At for _, f in parts], dim=1), torch.cat([f.Bt for _, f in parts]),
+                owner.to(parts[0][1].At.device)[None, :])

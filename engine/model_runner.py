@@ -74,6 +74,7 @@ class ModelRunner:
         self.weights_valid = True  # False after a level-2 sleep until a full push or reload
         self.loras: dict[int, Adapter] = {}  # resident LoRA adapters by id, least recently used first
         self.pinned_loras: set[int] = set()
+        self._lora_stacks: tuple[tuple, dict] = ((), {})  # the last step's adapters' stacked weights
 
     # ---- KV cache -----------------------------------------------------------------------
     def kv_cache_bytes(self) -> int:
@@ -210,19 +211,21 @@ class ModelRunner:
     # ---- LoRA adapters ------------------------------------------------------------------
     def _lora_batch(self, rows_in_order: list[ScheduledRequest]) -> LoRABatch | None:
         """Which rows of the step run with which adapter (requests are laid out in this order)."""
-        by_id: dict[int, list[int]] = {}
-        row = 0
-        for sr in rows_in_order:
-            n = len(sr.token_ids)
-            lora_id = self.requests[sr.request_id].lora_id
-            if lora_id:
-                by_id.setdefault(lora_id, []).extend(range(row, row + n))
-            row += n
-        if not by_id:
+        ids = [self.requests[sr.request_id].lora_id for sr in rows_in_order]
+        present = sorted(set(ids) - {0})
+        if not present:
             return None
-        for lora_id in by_id:  # recently used
+        for lora_id in present:  # recently used
             self.loras[lora_id] = self.loras.pop(lora_id)
-        return LoRABatch([(self.loras[i], torch.tensor(rows, device=self.device)) for i, rows in by_id.items()])
+        adapters = [self.loras[i] for i in present]
+        if len(present) == 1 and 0 not in ids:  # one adapter on every row
+            return LoRABatch(adapters, None, {})
+        index = {lora_id: i for i, lora_id in enumerate(present)}
+        owner = [index.get(lora_id, -1) for sr, lora_id in zip(rows_in_order, ids) for _ in sr.token_ids]
+        held, _ = self._lora_stacks  # stacks stay valid while the step has the very same adapters
+        if len(held) != len(adapters) or any(a is not b for a, b in zip(held, adapters)):
+            self._lora_stacks = (tuple(adapters), {})
+        return LoRABatch(adapters, torch.tensor(owner, device=self.device)[:, None], self._lora_stacks[1])
 
     def add_lora(self, request: LoRARequest, in_use: list[int]) -> bool:
         """Load a PEFT adapter (checked first: a bad one changes nothing); False if already loaded.
@@ -244,6 +247,7 @@ class ModelRunner:
 
     def remove_lora(self, lora_id: int) -> bool:
         self.pinned_loras.discard(lora_id)
+        self._lora_stacks = ((), {})
         return self.loras.pop(lora_id, None) is not None
 
     def pin_lora(self, lora_id: int) -> bool:
