@@ -443,9 +443,10 @@ class EngineCore:
             raise InvalidRequestError(f"lora_int_id must be an int >= 1, got {lora_int_id!r}", "lora_int_id")
         in_use = sorted({r.lora_id for r in self.scheduler.requests.values() if r.lora_id})
         loaded = self.executor.collective_rpc("add_lora", [lora_name, lora_int_id, lora_path, in_use])[0]
-        if self.lora_paths.get(lora_int_id, lora_path) != lora_path:  # the id names other weights now
-            self.kv.reset_prefix_cache()  # (cached blocks are keyed by adapter id)
-        self.lora_paths[lora_int_id] = lora_path
+        if loaded:  # (an id already loaded keeps its adapter, as in vLLM)
+            if self.lora_paths.get(lora_int_id, lora_path) != lora_path:  # the id names other weights now
+                self.kv.reset_prefix_cache()  # (cached blocks are keyed by adapter id)
+            self.lora_paths[lora_int_id] = lora_path
         return loaded
 
     def remove_lora(self, lora_id: int) -> bool:
