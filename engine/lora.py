@@ -37,9 +37,9 @@ class LoRARequest(msgspec.Struct, frozen=True):
     lora_path: str
 
 
-# HF module -> (fused projection of engine.model, index of its slice: q, k, v / gate, up)
-MODULES = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
-           "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+# HF module -> the fused projection of engine.model it is part of (in this order within it)
+MODULES = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
+           "up_proj": "gate_up", "down_proj": "down"}
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -52,12 +52,7 @@ class Fused:
 @dataclass
 class Adapter:
     request: LoRARequest
-    rank: int
     fused: list[dict[str, Fused]]  # per layer: fused projection -> its adapter
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.fused for f in layer.values() for t in (f.At, f.Bt))
 
 
 def module_shapes(mc: ModelConfig) -> dict[str, tuple[int, int, int]]:
@@ -124,10 +119,10 @@ def load_adapter(request: LoRARequest, mc: ModelConfig, max_rank: int, dtype: to
         if tuple(A.shape) != (rank, in_f) or tuple(B.shape) != (out_f, rank):
             raise bad(f"layer {layer} {module}: lora_A {list(A.shape)} / lora_B {list(B.shape)}, expected "
                       f"{[rank, in_f]} / {[out_f, rank]}")
-        parts[layer].setdefault(MODULES[module][0], []).append((row, A.float(), B.float() * scale))
+        parts[layer].setdefault(MODULES[module], []).append((row, A.float(), B.float() * scale))
     widths = fused_widths(mc)
     fused = [{name: _fuse(ps, widths[name], dtype, device) for name, ps in layer.items()} for layer in parts]
-    return Adapter(request, rank, fused)
+    return Adapter(request, fused)
 
 
 def fused_widths(mc: ModelConfig) -> dict[str, int]:
