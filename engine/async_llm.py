@@ -75,6 +75,7 @@ def merge_delta(into: RequestOutput, new: RequestOutput) -> None:
         a.text += b.text
         a.token_ids += b.token_ids
         a.weight_versions += b.weight_versions
+        a.lora_versions += b.lora_versions
         if a.logprobs is not None and b.logprobs is not None:
             a.logprobs += b.logprobs
         if a.top_logprobs is not None and b.top_logprobs is not None:
@@ -284,29 +285,30 @@ class AsyncLLM:
                                    backend: str = "gloo", timeout_s: float = 60.0) -> list[int]:
         return await self._call("init_weight_transfer", master_address, master_port, world_size, backend, timeout_s)
 
-    async def update_weights(self, version: int | None = None) -> dict:
+    # `lora_id`: update that loaded LoRA adapter instead (see LLM.update_weights).
+    async def update_weights(self, version: int | None = None, lora_id: int = 0) -> dict:
         """Receive one push from the trainer's WeightSender; bumps the version, clears caches."""
-        return await self._update_weights("broadcast", [], version)
+        return await self._update_weights("broadcast", [], version, lora_id)
 
-    async def update_weights_from_disk(self, path: str, version: int | None = None) -> dict:
-        return await self._update_weights("disk", [path], version)
+    async def update_weights_from_disk(self, path: str, version: int | None = None, lora_id: int = 0) -> dict:
+        return await self._update_weights("disk", [path], version, lora_id)
 
     async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                                          version: int | None = None) -> dict:
+                                          version: int | None = None, lora_id: int = 0) -> dict:
         """Tensors from this process (they travel to the engine core as raw frames)."""
-        return await self._update_weights("tensors", [list(named_tensors)], version)
+        return await self._update_weights("tensors", [list(named_tensors)], version, lora_id)
 
-    async def update_weights_from_ipc(self, handles: dict, version: int | None = None) -> dict:
+    async def update_weights_from_ipc(self, handles: dict, version: int | None = None, lora_id: int = 0) -> dict:
         """See LLM.update_weights_from_ipc."""
-        return await self._update_weights("ipc", [handles], version)
+        return await self._update_weights("ipc", [handles], version, lora_id)
 
     async def reload_weights(self, version: int | None = None) -> dict:
         """Reload the start-up checkpoint (the only way back after sleep level 2, besides a push)."""
         return await self._update_weights("reload", [], version)
 
-    async def _update_weights(self, source: str, args: list, version: int | None) -> dict:
+    async def _update_weights(self, source: str, args: list, version: int | None, lora_id: int = 0) -> dict:
         self._start_output_handler()  # utility results arrive through it
-        return await self.client.update_weights_async(source, args, version)
+        return await self.client.update_weights_async(source, args, version, lora_id)
 
     async def close_weight_transfer(self) -> bool:
         return await self._call("close_weight_transfer")
@@ -314,8 +316,9 @@ class AsyncLLM:
     async def weights_checksum(self) -> str:
         return await self._call("weights_checksum")
 
-    async def get_weight_version(self) -> int:
-        return await self._call("get_weight_version")
+    async def get_weight_version(self, lora_id: int = 0) -> int:
+        """The live weights' version (or that of the loaded LoRA adapter `lora_id`)."""
+        return await self._call("get_weight_version", lora_id)
 
     async def set_weight_version(self, version: int, above: int | None = None) -> int:
         """Relabel the live weights; see EngineCore.set_weight_version."""

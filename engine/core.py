@@ -118,6 +118,8 @@ class EngineCore:
         self._pending_outputs: list[EngineCoreOutput] = []  # produced outside step() (aborts, stream input)
         self.profiler = StepProfiler(config.profiler_dir, config.data_parallel_rank, config.device)
         self.lora_paths: dict[int, str] = {}  # every LoRA id ever loaded -> its folder
+        self.lora_versions: dict[int, int] = {}  # LoRA id -> the version of its weights (pushes bump it)
+        self.lora_pushed: set[int] = set()  # ids whose resident weights came from a push
 
     @property
     def num_blocks(self) -> int:
@@ -199,7 +201,8 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
         result = self.executor.execute_model(scheduler_output)
         with phase("outputs"):
-            outputs += self.scheduler.update_from_output(scheduler_output, result, self.weight_version)
+            outputs += self.scheduler.update_from_output(scheduler_output, result, self.weight_version,
+                                                          self.lora_versions)
         self.num_generated_tokens += len(result.sampled)
         return outputs
 
@@ -360,30 +363,45 @@ class EngineCore:
     # A weight update has two phases so that it is atomic across data-parallel replicas: every
     # replica stages it (received / read, checked; nothing live changes), then it goes live on
     # all of them only if all staged (engine.core_client.weight_update_plan drives it).
-    def stage_weights(self, source: str, args: list) -> dict:
+    def stage_weights(self, source: str, args: list, lora_id: int = 0) -> dict:
         """Stage an update from `source` ("broadcast": one push from the trainer's WeightSender;
         "disk" [path]; "tensors" [named tensors]; "ipc" [handles]; "reload": the start-up
         checkpoint; "peer": a live replica's weights, see send_weights_to_peers) on every worker.
-        Returns its stats and the current weight_version."""
+        Returns its stats and the current weight_version. With `lora_id`: an update of that
+        loaded LoRA adapter's tensors (PEFT names; "disk": a PEFT folder), its version instead."""
         self._check_can_update()
+        if lora_id and lora_id not in self.list_loras():
+            raise InvalidRequestError(f"LoRA adapter {lora_id} is not loaded (add_lora first)", "lora")
         try:
-            stats = self.executor.collective_rpc("stage_weights", [source, args])[0]
+            stats = self.executor.collective_rpc("stage_weights", [source, args, lora_id])[0]
         except (ValueError, TypeError, KeyError) as e:
             if source != "ipc" or isinstance(e, InvalidRequestError):
                 raise
             raise InvalidRequestError(f"weight update from IPC handles: {e}") from e  # malformed handles
+        if lora_id:
+            if source == "disk":
+                stats["lora_path"] = args[0]
+            return dict(stats, weight_version=self.lora_versions[lora_id])
         return dict(stats, weight_version=self.weight_version)
 
-    def commit_weights(self, version: int) -> int:
+    def commit_weights(self, version: int, lora_id: int = 0, lora_path: str | None = None) -> int:
         """Make the staged update live under `version` (weight_update_plan has checked that it
         increases; a replica that joins by scaling takes the live version); no KV computed by
-        the old weights is reused (prefix and encoder caches cleared)."""
+        the old weights is reused (prefix and encoder caches cleared). With `lora_id`: that
+        adapter's version; the adapter is pinned from now on (the pushed weights exist nowhere
+        else), `lora_path` (a disk update) becomes its folder."""
         self.executor.collective_rpc("commit_staged")
         if self.recompute_kept_kv and self.scheduler.pause_state is PauseState.PAUSED_ALL:
             self.scheduler.preempt_all()  # the frozen requests recompute under the new weights
+        self.reset_prefix_cache()
+        if lora_id:
+            self.lora_versions[lora_id] = int(version)
+            self.lora_pushed.add(lora_id)
+            if lora_path is not None:
+                self.lora_paths[lora_id] = lora_path
+            return int(version)
         self.weight_version = int(version)
         self.needs_weights = False
-        self.reset_prefix_cache()
         self.reset_encoder_cache()
         return self.weight_version
 
@@ -399,7 +417,12 @@ class EngineCore:
     def weights_checksum(self) -> str:
         return self.executor.collective_rpc("weights_checksum")[0]
 
-    def get_weight_version(self) -> int:
+    def get_weight_version(self, lora_id: int = 0) -> int:
+        """The live weights' version, or that of the loaded LoRA adapter `lora_id`."""
+        if lora_id:
+            if lora_id not in self.list_loras():
+                raise InvalidRequestError(f"LoRA adapter {lora_id} is not loaded", "lora")
+            return self.lora_versions[lora_id]
         return self.weight_version
 
     def set_weight_version(self, version: int, above: int | None = None) -> int:
@@ -444,7 +467,12 @@ class EngineCore:
         in_use = sorted({r.lora_id for r in self.scheduler.requests.values() if r.lora_id})
         loaded = self.executor.collective_rpc("add_lora", [lora_name, lora_int_id, lora_path, in_use])[0]
         if loaded:  # (an id already loaded keeps its adapter, as in vLLM)
-            if self.lora_paths.get(lora_int_id, lora_path) != lora_path:  # the id names other weights now
+            if lora_int_id not in self.lora_versions:
+                self.lora_versions[lora_int_id] = 0
+            elif self.lora_paths[lora_int_id] != lora_path or lora_int_id in self.lora_pushed:
+                # the id names other weights now: a new version, and no KV of the old ones is reused
+                self.lora_versions[lora_int_id] += 1
+                self.lora_pushed.discard(lora_int_id)
                 self.kv.reset_prefix_cache()  # (cached blocks are keyed by adapter id)
             self.lora_paths[lora_int_id] = lora_path
         return loaded

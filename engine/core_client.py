@@ -89,13 +89,13 @@ def combine_stats(stats: list[dict]) -> dict:
     return out
 
 
-def weight_update_plan(source: str, args: list, version: int | None) -> Generator:
+def weight_update_plan(source: str, args: list, version: int | None, lora_id: int = 0) -> Generator:
     """Stage the update on every replica; if one refuses, discard it everywhere and raise that
     refusal; else make it live everywhere under one version (default: the newest + 1). Versions
     increase strictly, so a token's version names one set of weights: a version at or below the
     live one is refused (409) after staging, so that a trainer's sender never blocks on a
-    receiver that walked away."""
-    staged = yield ("each", "stage_weights", [source, args])
+    receiver that walked away. `lora_id`: an update of that LoRA adapter (its own versions)."""
+    staged = yield ("each", "stage_weights", [source, args, lora_id])
     failures = [r for r in staged if isinstance(r, BaseException)]
     if not failures and version is not None:
         stale = stale_version(version, max(s["weight_version"] for s in staged))
@@ -105,7 +105,7 @@ def weight_update_plan(source: str, args: list, version: int | None) -> Generato
         raise failures[0]
     if version is None:
         version = max(s["weight_version"] for s in staged) + 1
-    yield ("all", "commit_weights", [version])
+    yield ("all", "commit_weights", [version, lora_id, staged[0].get("lora_path")])
     return dict(staged[0], weight_version=version)
 
 
@@ -122,8 +122,8 @@ class _SyncPlans:
                 return stop.value
             value = self.call_utility(method, *args) if how == "all" else self.call_utility_each(method, *args)
 
-    def update_weights(self, source: str, args: list, version: int | None) -> dict:
-        return self.run_plan(weight_update_plan(source, args, version))
+    def update_weights(self, source: str, args: list, version: int | None, lora_id: int = 0) -> dict:
+        return self.run_plan(weight_update_plan(source, args, version, lora_id))
 
 
 # ---- in process ------------------------------------------------------------------------------------
@@ -660,8 +660,8 @@ class AsyncMPClient(_MPClientBase):
             raise error
         return combine(method, results)
 
-    async def update_weights_async(self, source: str, args: list, version: int | None) -> dict:
-        plan = weight_update_plan(source, args, version)
+    async def update_weights_async(self, source: str, args: list, version: int | None, lora_id: int = 0) -> dict:
+        plan = weight_update_plan(source, args, version, lora_id)
         value = None
         while True:
             try:

@@ -208,23 +208,27 @@ class LLM:
         return self.client.call_utility("init_weight_transfer", master_address, master_port, world_size,
                                         backend, timeout_s)
 
-    def update_weights(self, version: int | None = None) -> dict:
+    # Every update_weights* takes `lora_id`: then it updates that loaded LoRA adapter instead
+    # (tensors by PEFT names, a subset is fine; "disk": a PEFT folder), atomically, under the
+    # adapter's own version (its tokens carry it in CompletionOutput.lora_versions). A pushed
+    # adapter is pinned: its weights exist nowhere else.
+    def update_weights(self, version: int | None = None, lora_id: int = 0) -> dict:
         """Receive one push from the trainer's WeightSender; bumps the version, clears caches."""
-        return self.client.update_weights("broadcast", [], version)
+        return self.client.update_weights("broadcast", [], version, lora_id)
 
-    def update_weights_from_disk(self, path: str, version: int | None = None) -> dict:
-        return self.client.update_weights("disk", [path], version)
+    def update_weights_from_disk(self, path: str, version: int | None = None, lora_id: int = 0) -> dict:
+        return self.client.update_weights("disk", [path], version, lora_id)
 
     def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                                    version: int | None = None) -> dict:
+                                    version: int | None = None, lora_id: int = 0) -> dict:
         """Tensors from this process (to an engine-core process they travel as raw frames)."""
-        return self.client.update_weights("tensors", [list(named_tensors)], version)
+        return self.client.update_weights("tensors", [list(named_tensors)], version, lora_id)
 
-    def update_weights_from_ipc(self, handles: dict, version: int | None = None) -> dict:
+    def update_weights_from_ipc(self, handles: dict, version: int | None = None, lora_id: int = 0) -> dict:
         """Tensors shared by another process on this machine: `weight_sync.SharedWeights().share(...)`
         (CUDA IPC for a trainer on the same GPU, shared memory on CPU); the trainer keeps them
         alive until this returns."""
-        return self.client.update_weights("ipc", [handles], version)
+        return self.client.update_weights("ipc", [handles], version, lora_id)
 
     def reload_weights(self, version: int | None = None) -> dict:
         """Reload the start-up checkpoint (the only way back after sleep level 2, besides a push)."""
@@ -236,8 +240,9 @@ class LLM:
     def weights_checksum(self) -> str:
         return self.client.call_utility("weights_checksum")
 
-    def get_weight_version(self) -> int:
-        return self.client.call_utility("get_weight_version")
+    def get_weight_version(self, lora_id: int = 0) -> int:
+        """The live weights' version (or that of the loaded LoRA adapter `lora_id`)."""
+        return self.client.call_utility("get_weight_version", lora_id)
 
     def set_weight_version(self, version: int, above: int | None = None) -> int:
         """Relabel the live weights; see EngineCore.set_weight_version."""

@@ -41,6 +41,7 @@ class LoRARequest(msgspec.Struct, frozen=True):
 MODULES = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
            "up_proj": "gate_up", "down_proj": "down"}
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_ADAPTER_SEGMENT = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")
 
 
 @dataclass
@@ -53,6 +54,9 @@ class Fused:
 class Adapter:
     request: LoRARequest
     fused: list[dict[str, Fused]]  # per layer: fused projection -> its adapter
+    tensors: dict[str, torch.Tensor]  # the PEFT tensors (float32, unscaled): a push replaces some of them
+    rank: int
+    scale: float
 
 
 def module_shapes(mc: ModelConfig) -> dict[str, tuple[int, int, int]]:
@@ -98,31 +102,52 @@ def load_adapter(request: LoRARequest, mc: ModelConfig, max_rank: int, dtype: to
         tensors = load_file(folder / "adapter_model.safetensors")
     except Exception as e:  # a truncated or corrupt file
         raise bad(f"adapter_model.safetensors cannot be read ({e})") from e
-    shapes = module_shapes(mc)
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    if not tensors:
+        raise bad("adapter_model.safetensors holds no LoRA weights")
+    shapes = adapter_shapes(tensors, mc, rank, bad)
     for key, t in tensors.items():
+        if tuple(t.shape) != shapes[key]:
+            raise bad(f"{key} has shape {list(t.shape)}, expected {list(shapes[key])}")
+    return build_adapter(request, {k: t.float() for k, t in tensors.items()}, rank, scale, mc, dtype, device)
+
+
+def adapter_shapes(tensors: dict, mc: ModelConfig, rank: int, bad=InvalidRequestError) -> dict[str, tuple]:
+    """The shape each of an adapter's tensors must have (every lora_A with its lora_B)."""
+    shapes, modules = {}, module_shapes(mc)
+    for key in tensors:
         m = _KEY.match(key)
         if m is None or m.group(2) not in MODULES:
             raise bad(f"unexpected tensor {key!r} (the engine has no place for it)")
-        layer = int(m.group(1))
-        if layer >= mc.num_layers:
+        if int(m.group(1)) >= mc.num_layers:
             raise bad(f"{key}: the model has {mc.num_layers} layers")
-        pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = t
-    if not pairs:
-        raise bad("adapter_model.safetensors holds no LoRA weights")
+        _, out_f, in_f = modules[m.group(2)]
+        shapes[key] = (rank, in_f) if m.group(3) == "A" else (out_f, rank)
+        pair = key[:-len("lora_A.weight")] + ("lora_B.weight" if m.group(3) == "A" else "lora_A.weight")
+        if pair not in tensors:
+            raise bad(f"{key} comes without {pair} (lora_A and lora_B go together)")
+    return shapes
+
+
+def peft_key(name: str) -> str:
+    """A trainer's PEFT parameter name as saved in adapter_model.safetensors: the adapter-name
+    segment dropped (...q_proj.lora_A.default.weight -> ...q_proj.lora_A.weight)."""
+    return _ADAPTER_SEGMENT.sub(r".lora_\1.weight", name)
+
+
+def build_adapter(request: LoRARequest, tensors: dict[str, torch.Tensor], rank: int, scale: float,
+                  mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> Adapter:
+    """Fuse checked float32 PEFT tensors (adapter_shapes) into the per-layer projections."""
+    shapes = module_shapes(mc)
     parts: list[dict[str, list]] = [{} for _ in range(mc.num_layers)]  # fused -> [(row, A, B)]
-    for (layer, module), ab in sorted(pairs.items(), key=lambda kv: (kv[0][0], list(MODULES).index(kv[0][1]))):
-        row, out_f, in_f = shapes[module]
-        A, B = ab.get("A"), ab.get("B")
-        if A is None or B is None:
-            raise bad(f"layer {layer} {module}: lora_A and lora_B must both be present")
-        if tuple(A.shape) != (rank, in_f) or tuple(B.shape) != (out_f, rank):
-            raise bad(f"layer {layer} {module}: lora_A {list(A.shape)} / lora_B {list(B.shape)}, expected "
-                      f"{[rank, in_f]} / {[out_f, rank]}")
-        parts[layer].setdefault(MODULES[module], []).append((row, A.float(), B.float() * scale))
+    pairs = sorted({(int(m.group(1)), m.group(2), key[:-len("A.weight")]) for key in tensors
+                    if (m := _KEY.match(key)) and m.group(3) == "A"},
+                   key=lambda p: (p[0], list(MODULES).index(p[1])))
+    for layer, module, prefix in pairs:
+        A, B = tensors[prefix + "A.weight"], tensors[prefix + "B.weight"]
+        parts[layer].setdefault(MODULES[module], []).append((shapes[module][0], A, B * scale))
     widths = fused_widths(mc)
     fused = [{name: _fuse(ps, widths[name], dtype, device) for name, ps in layer.items()} for layer in parts]
-    return Adapter(request, fused)
+    return Adapter(request, fused, tensors, rank, scale)
 
 
 def fused_widths(mc: ModelConfig) -> dict[str, int]:

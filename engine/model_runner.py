@@ -245,6 +245,13 @@ class ModelRunner:
         self.loras[request.lora_int_id] = adapter
         return True
 
+    def replace_lora(self, adapter: Adapter) -> None:
+        """A loaded adapter's new weights (a push): pinned, since they exist nowhere else."""
+        lora_id = adapter.request.lora_int_id
+        self.loras[lora_id] = adapter
+        self.pinned_loras.add(lora_id)
+        self._lora_stacks = ((), {})
+
     def remove_lora(self, lora_id: int) -> bool:
         self.pinned_loras.discard(lora_id)
         self._lora_stacks = ((), {})

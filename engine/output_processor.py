@@ -39,6 +39,7 @@ class SequenceState:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     weight_versions: list[int] = field(default_factory=list)
+    lora_versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: object | None = None
     resumable: bool = False  # streaming input: the chunk ended, the request goes on
@@ -151,6 +152,8 @@ class OutputProcessor:
         for i, t in enumerate(o.new_token_ids):
             seq.token_ids.append(t)
             seq.weight_versions.append(o.weight_version)
+            if o.lora_version is not None:
+                seq.lora_versions.append(o.lora_version)
             if seq.logprobs is not None and o.new_logprobs is not None:
                 seq.logprobs.append(o.new_logprobs[i])
                 if seq.top_logprobs is not None and o.new_top_logprobs is not None:
@@ -191,7 +194,8 @@ class OutputProcessor:
                     index=seq.index, text=seq.text if seq.finish_reason else _held_back(seq),
                     token_ids=list(seq.token_ids), logprobs=_copy(seq.logprobs),
                     top_logprobs=_copy(seq.top_logprobs), finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason, weight_versions=list(seq.weight_versions)))
+                    stop_reason=seq.stop_reason, weight_versions=list(seq.weight_versions),
+                    lora_versions=list(seq.lora_versions)))
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
                              prompt_logprobs=state.prompt_logprobs, prompt_top_logprobs=state.prompt_top_logprobs,
@@ -206,7 +210,8 @@ class OutputProcessor:
             index=seq.index, text=text[seq.sent_chars:], token_ids=seq.token_ids[a:b],
             logprobs=None if seq.logprobs is None else seq.logprobs[a:b],
             top_logprobs=None if seq.top_logprobs is None else seq.top_logprobs[a:b],
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, weight_versions=seq.weight_versions[a:b])
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, weight_versions=seq.weight_versions[a:b],
+            lora_versions=seq.lora_versions[a:b])
         seq.sent_tokens, seq.sent_chars = b, max(seq.sent_chars, len(text))
         return out
 

@@ -12,6 +12,7 @@ class CompletionOutput:
     log-softmax of the final logits after temperature and filters; "raw" for the model's own).
     top_logprobs[i]: {token_id: logprob} of the top-k candidates at step i (when logprobs=k > 0).
     weight_versions[i]: the weight version of the model that produced token_ids[i].
+    lora_versions[i]: the version of the request's LoRA adapter that produced it (empty without one).
     """
 
     index: int
@@ -22,6 +23,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: object | None = None  # the stop string or stop token id that ended it
     weight_versions: list[int] = field(default_factory=list)
+    lora_versions: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

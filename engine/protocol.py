@@ -61,6 +61,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     request_id: str
     new_token_ids: list[int]
     weight_version: int = 0
+    lora_version: int | None = None  # the request's LoRA adapter's version (None: the base model)
     new_logprobs: list[float] | None = None
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float | None] | None = None

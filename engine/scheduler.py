@@ -150,10 +150,11 @@ class Scheduler:
         return ScheduledRequest(req.request_id, s, req.all_token_ids[s:s + n], self.kv.block_ids(req.request_id),
                                 sample, req.banned_token_ids if sample else None)
 
-    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput,
-                           weight_version: int) -> list[EngineCoreOutput]:
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput, weight_version: int,
+                           lora_versions: dict[int, int] | None = None) -> list[EngineCoreOutput]:
         """Advance computed counts, append sampled tokens, end chunks and requests. Returns an
-        output for every request that received a token this step (finished ones included)."""
+        output for every request that received a token this step (finished ones included);
+        `lora_versions`: LoRA adapter id -> the version its tokens carry."""
         outputs = []
         for sr in out.scheduled:
             rid = sr.request_id
@@ -181,6 +182,8 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end
             ended = req.append_token(token, self.max_model_len)
             o = self._output(req, [token], weight_version)
+            if req.lora_id and lora_versions:
+                o.lora_version = lora_versions.get(req.lora_id)
             if rid in result.logprobs:
                 o.new_logprobs = [result.logprobs[rid]]
                 if rid in result.top_logprobs:

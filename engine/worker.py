@@ -16,7 +16,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import EngineStateError, InvalidRequestError
-from engine.lora import LoRARequest
+from engine.lora import Adapter, LoRARequest, build_adapter, load_adapter, peft_key
 from engine.model import LlamaModel
 from engine.model_runner import ModelRunner
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
@@ -30,6 +30,7 @@ class Worker:
         self.transfer_group = None  # weight_sync.WeightTransferGroup while a trainer's group is open
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # sleep level 1 on CUDA
         self._staged: dict[str, torch.Tensor] | None = None  # a checked update waiting for commit_staged
+        self._staged_lora: Adapter | None = None  # a LoRA adapter's checked update, the same
 
     @property
     def model(self) -> LlamaModel | None:
@@ -99,11 +100,13 @@ class Worker:
         self.transfer_group = None
         return True
 
-    def stage_weights(self, source: str, args: list) -> dict:
+    def stage_weights(self, source: str, args: list, lora_id: int = 0) -> dict:
         """Receive or read a whole update into fresh tensors, every name, shape and dtype checked
         (source: "broadcast", "disk" [path], "tensors" [named tensors], "ipc" [handles],
         "reload", "peer" [master address, port, world size, rank]); nothing live changes until
-        commit_staged()."""
+        commit_staged(). `lora_id`: an update of that LoRA adapter (see _stage_lora)."""
+        if lora_id:
+            return self._stage_lora(lora_id, source, args)
         model = self.model
         if model is None:
             raise EngineStateError("the weights were dropped (sleep level 2): wake_up(['weights']) first")
@@ -152,6 +155,59 @@ class Worker:
         self._staged = staged
         return {"num_tensors": len(staged), "num_bytes": sum(t.numel() * t.element_size() for t in staged.values())}
 
+    def _stage_lora(self, lora_id: int, source: str, args: list) -> dict:
+        """A loaded adapter's new weights: "disk" a whole PEFT folder; "broadcast", "tensors" and
+        "ipc" some of its tensors by PEFT name (the trainer's `...lora_A.default.weight` names
+        too), each of the shape it has now, any floating dtype."""
+        runner = self.model_runner
+        old = runner.loras.get(lora_id)
+        if old is None:  # (the core checked; a worker that evicted it meanwhile cannot happen: pinned or in use)
+            raise InvalidRequestError(f"LoRA adapter {lora_id} is not loaded", "lora")
+        mc, name = self.config.model_config, old.request.lora_name
+        if source == "disk":
+            adapter = load_adapter(LoRARequest(name, lora_id, args[0]), mc, self.config.max_lora_rank,
+                                   runner.dtype, runner.device)
+            self._staged_lora = adapter
+            return {"num_tensors": len(adapter.tensors),
+                    "num_bytes": sum(t.numel() * t.element_size() for t in adapter.tensors.values())}
+        accepted = {k: (tuple(t.shape), runner.dtype) for k, t in old.tensors.items()}
+
+        def check(key: str, shape: tuple, dtype: torch.dtype | None = None) -> None:
+            want = accepted.get(peft_key(key))
+            if want is None:
+                raise InvalidRequestError(f"LoRA adapter {name!r} has no tensor {key!r} (it has e.g. "
+                                          f"{next(iter(accepted))!r})")
+            if tuple(shape) != want[0]:
+                raise InvalidRequestError(f"LoRA adapter {name!r}: {key} has shape {list(shape)}, "
+                                          f"expected {list(want[0])}")
+            if dtype is not None and not dtype.is_floating_point:
+                raise InvalidRequestError(f"LoRA adapter {name!r}: {key} has dtype {dtype}: weights must be "
+                                          "floating point")
+
+        if source == "broadcast":
+            from weight_sync import WeightReceiver
+
+            if self.transfer_group is None:
+                raise EngineStateError("no weight transfer group: call init_weight_transfer first")
+            pushed = WeightReceiver(self.transfer_group).receive(accepted)
+        elif source == "tensors":
+            pushed = {}
+            for key, t in args[0]:
+                check(key, tuple(t.shape), t.dtype)
+                pushed[key] = t.detach()
+        elif source == "ipc":
+            from weight_sync.ipc import read_shared
+
+            pushed = read_shared(args[0], torch.device("cpu"), check=check)
+        else:
+            raise InvalidRequestError(f"a LoRA adapter cannot be updated from {source!r}")
+        if not pushed:
+            raise InvalidRequestError("weight update: no tensors")
+        tensors = dict(old.tensors)
+        tensors.update({peft_key(k): t.to("cpu", torch.float32, copy=True) for k, t in pushed.items()})
+        self._staged_lora = build_adapter(old.request, tensors, old.rank, old.scale, mc, runner.dtype, runner.device)
+        return {"num_tensors": len(pushed), "num_bytes": sum(t.numel() * t.element_size() for t in pushed.values())}
+
     def send_weights_to_peers(self, master_address: str, master_port: int, world_size: int) -> dict:
         """Broadcast this worker's live weights to new replicas (their stage_weights("peer", ...)):
         rank 0 of a group of its own, closed afterwards."""
@@ -170,6 +226,10 @@ class Worker:
 
     def commit_staged(self) -> bool:
         """Copy the staged tensors into the live weights (cannot fail on good input: all checked)."""
+        if self._staged_lora is not None:
+            adapter, self._staged_lora = self._staged_lora, None
+            self.model_runner.replace_lora(adapter)
+            return True
         assert self._staged is not None, "nothing staged"
         with torch.no_grad():
             for name, t in self._staged.items():
@@ -181,7 +241,7 @@ class Worker:
         return True
 
     def discard_staged(self) -> bool:
-        self._staged = None
+        self._staged = self._staged_lora = None
         _release_memory(self.model_runner.device)
         return True
 

@@ -60,6 +60,7 @@ class GenerateOutput:
     request_id: str = ""
     num_cached_tokens: int = 0
     prompt_logprobs: list[float | None] | None = None  # with sampling_params.prompt_logprobs; [0] is None
+    lora_versions: list[int] = field(default_factory=list)  # per token, when `model` named a LoRA adapter
 
     @classmethod
     def from_json(cls, result: dict, c: dict) -> GenerateOutput:
@@ -69,7 +70,7 @@ class GenerateOutput:
                    top_logprobs=None if top is None else [[(int(t), float(lp)) for t, lp in step] for step in top],
                    prompt_token_ids=result.get("prompt_token_ids", []), request_id=result.get("request_id", ""),
                    num_cached_tokens=result.get("num_cached_tokens", 0),
-                   prompt_logprobs=result.get("prompt_logprobs"))
+                   prompt_logprobs=result.get("prompt_logprobs"), lora_versions=c.get("lora_versions", []))
 
 
 @dataclass
@@ -194,8 +195,11 @@ class _Endpoints:
     def is_sleeping(self):
         return self._run(_Call("GET", "/is_sleeping", lambda b: b["is_sleeping"], idempotent=True))
 
-    def weight_version(self):
-        return self._run(_Call("GET", "/weights/version", lambda b: b["weight_version"], idempotent=True))
+    def weight_version(self, lora_name: str | None = None):
+        """The model's weight version, or that of the resident LoRA adapter `lora_name`."""
+        if lora_name is None:
+            return self._run(_Call("GET", "/weights/version", lambda b: b["weight_version"], idempotent=True))
+        return self._run(_Call("GET", "/weights/version", lambda b: b["lora_versions"][lora_name], idempotent=True))
 
     def weights_checksum(self):
         """The engine's weights checksum (compare with weight_sync.weights_checksum on the trainer)."""
@@ -283,10 +287,12 @@ class _Endpoints:
         return self._run(_Call("POST", "/finish_weight_update", lambda b: b["weight_version"],
                                json={"weight_version": weight_version}, admin=True))
 
-    def push_weights_from_disk(self, path: str, version: int | None = None):
-        """Load a safetensors folder on the server's disk (pause generation first, or run idle)."""
+    def push_weights_from_disk(self, path: str, version: int | None = None, lora_name: str | None = None):
+        """Load a safetensors folder on the server's disk (pause generation first, or run idle);
+        with `lora_name`, a PEFT folder: that adapter's new weights under its own version."""
         return self._run(_Call("POST", "/update_weights_from_disk", self._push_logger("disk"),
-                               json={"path": str(path), "version": version}, admin=True, timeout=LONG_TIMEOUT))
+                               json={"path": str(path), "version": version, "lora_name": lora_name}, admin=True,
+                               timeout=LONG_TIMEOUT))
 
     update_weights_from_disk = push_weights_from_disk
 
@@ -295,11 +301,12 @@ class _Endpoints:
         return self._run(_Call("POST", "/reload_weights", self._push_logger("disk"), json={"version": version},
                                admin=True, timeout=LONG_TIMEOUT))
 
-    def update_weights_from_ipc(self, handles: dict, version: int | None = None):
+    def update_weights_from_ipc(self, handles: dict, version: int | None = None, lora_name: str | None = None):
         """Tensors shared from this machine (weight_sync.SharedWeights; keep it open until this
         returns). Pause generation first, or run idle: `push_weights_shared` does it all."""
         return self._run(_Call("POST", "/update_weights_from_ipc", self._push_logger("ipc"),
-                               json={"handles": handles, "version": version}, admin=True, timeout=LONG_TIMEOUT))
+                               json={"handles": handles, "version": version, "lora_name": lora_name}, admin=True,
+                               timeout=LONG_TIMEOUT))
 
     def _push_logger(self, source: str) -> Callable[[dict], dict]:
         """A response parser that logs the push (timed from now) to the trainer's W&B run."""
@@ -323,9 +330,10 @@ class _Endpoints:
         return self.weights.init(backend, master_address, master_port, timeout_s, bucket_bytes)
 
     def push_weights(self, named_tensors, version: int | None = None, pause_mode: str = "keep", dtype=None,
-                     recompute_kv: bool = False):
-        """pause -> broadcast -> atomic swap -> clear caches -> resume (see WeightTransfer.push)."""
-        return self.weights.push(named_tensors, version, pause_mode, dtype, recompute_kv)
+                     recompute_kv: bool = False, lora_name: str | None = None):
+        """pause -> broadcast -> atomic swap -> clear caches -> resume (see WeightTransfer.push;
+        `lora_name`: a LoRA adapter's tensors)."""
+        return self.weights.push(named_tensors, version, pause_mode, dtype, recompute_kv, lora_name)
 
     def weight_update(self, version: int | None = None, pause_mode: str = "keep", dtype=None,
                       recompute_kv: bool = False):
@@ -333,9 +341,9 @@ class _Endpoints:
         return self.weights.update(version, pause_mode, dtype, recompute_kv)
 
     def push_weights_shared(self, named_tensors, version: int | None = None, pause_mode: str = "keep",
-                            recompute_kv: bool = False):
+                            recompute_kv: bool = False, lora_name: str | None = None):
         """Same machine: CUDA IPC on a shared GPU, shared memory on CPU; no group needed."""
-        return self.weights.push_shared(named_tensors, version, pause_mode, recompute_kv)
+        return self.weights.push_shared(named_tensors, version, pause_mode, recompute_kv, lora_name)
 
     def close_weight_transfer(self):
         return self.weights.close()

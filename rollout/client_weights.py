@@ -161,6 +161,7 @@ class WeightUpdate:
 
     def __init__(self, transfer: WeightTransfer, group, dtype):
         self.transfer, self.group, self.dtype = transfer, group, dtype
+        self.lora_name: str | None = None  # a LoRA adapter's push (WeightTransfer.push(lora_name=))
         self.version: int | None = None
         self.weight_version: int | None = None
         self.stats: list[dict] = []
@@ -244,7 +245,7 @@ class WeightTransfer:
 
     # ---- pushes -------------------------------------------------------------------------------
     def push(self, named_tensors: Iterable, version: int | None = None, pause_mode: str = "keep", dtype=None,
-             recompute_kv: bool = False):
+             recompute_kv: bool = False, lora_name: str | None = None):
         """pause(mode) -> start -> [POST /update_weights || WeightSender.send] -> finish(version) -> resume.
 
         Tensors carry Hugging Face names (a subset of the model is fine) and are cast to the
@@ -257,11 +258,16 @@ class WeightTransfer:
         the new weights (their later tokens carry the new version); "abort" ends them with
         finish_reason "abort" and partial tokens; "wait" lets them finish first. The result says
         how many were aborted and kept. `recompute_kv`: kept requests recompute their KV under the
-        new weights instead of reusing the old weights' KV (see RolloutClient.pause)."""
-        return self.run(self._push_plan(named_tensors, version, _pause(pause_mode, recompute_kv), dtype))
+        new weights instead of reusing the old weights' KV (see RolloutClient.pause).
 
-    def _push_plan(self, named_tensors, version, pause: dict, dtype) -> Plan:
-        update = yield from self._begin_plan(version, pause, dtype)
+        `lora_name`: the tensors are that LoRA adapter's (loaded on the server; PEFT names as
+        `peft_model.named_parameters()` gives them, a subset is fine), `version` the adapter's
+        own (default +1); only that adapter's outputs change, its tokens carry the version in
+        `lora_versions`."""
+        return self.run(self._push_plan(named_tensors, version, _pause(pause_mode, recompute_kv), dtype, lora_name))
+
+    def _push_plan(self, named_tensors, version, pause: dict, dtype, lora_name: str | None = None) -> Plan:
+        update = yield from self._begin_plan(version, pause, dtype, lora_name)
         ok = False
         try:
             yield from self._send_plan(update, named_tensors)
@@ -300,11 +306,21 @@ class WeightTransfer:
         finally:
             await self.run(self._end_plan(update, ok))
 
-    def _begin_plan(self, version, pause: dict, dtype) -> Plan:
+    def _begin_plan(self, version, pause: dict, dtype, lora_name: str | None = None) -> Plan:
         if self.group is None:
             raise RuntimeError("no weight transfer group: call init_weight_transfer() first")
         update = WeightUpdate(self, self.group, dtype or self.dtype)
         update.paused = yield lambda c: c.pause(**pause)
+        if lora_name is not None:  # one send, no start/finish phases: the server checks the version
+            update.lora_name, update.version = lora_name, version
+            models = yield lambda c: c.model_info()
+            if lora_name not in [m["id"] for m in models[1:]]:  # refused before any byte moves
+                yield lambda c: c.resume()
+                from rollout.client import RolloutAPIError
+
+                raise RolloutAPIError(404, f"the LoRA adapter {lora_name!r} is not loaded on the server",
+                                      "not_found_error", "lora_name")
+            return update
         try:
             live = yield lambda c: c.weight_version()
             if version is not None and version <= live:  # refused before any byte moves
@@ -325,7 +341,13 @@ class WeightTransfer:
         named = [(n, t) for n, t in named_tensors]
         kw = {"bucket_bytes": self.bucket_bytes} if self.bucket_bytes else {}
         sender = WeightSender(update.group, **kw)
-        info = _update_info(named, update.dtype, None)  # the version is set once, by the finish
+        if update.lora_name is None:
+            info = _update_info(named, update.dtype, None)  # the version is set once, by the finish
+        else:
+            from engine.lora import peft_key
+
+            named = [(peft_key(n), t) for n, t in named]
+            info = dict(_update_info(named, update.dtype, update.version), lora_name=update.lora_name)
         both = yield Beside(lambda c: c.update_weights(info), functools.partial(sender.send, named, update.dtype),
                             on_stuck=lambda e: update.group.abort(f"the server failed the update: {e}"))
         if both.error is not None:  # a refused push ends the sender too, with the group intact
@@ -333,34 +355,37 @@ class WeightTransfer:
         if both.work_error is not None:
             raise both.work_error
         update.stats.append({"send": both.work_result, "update": both.result})
+        if update.lora_name is not None:
+            update.weight_version = both.result["weight_version"]
         return update.stats[-1]
 
     def _end_plan(self, update: WeightUpdate, ok: bool) -> Plan:
         try:
-            if ok and update.stats:
+            if ok and update.stats and update.lora_name is None:
                 update.weight_version = yield lambda c: c.finish_weight_update(update.version)
         finally:
             resumed = yield lambda c: c.resume()
             update.paused_seconds = (resumed or {}).get("paused_seconds")
         if update.stats:
             log_push(self.client.wandb_run, "broadcast", time.perf_counter() - update.t0,
-                     sum(s["send"]["num_bytes"] for s in update.stats), update.weight_version)
+                     sum(s["send"]["num_bytes"] for s in update.stats),
+                     update.weight_version if update.lora_name is None else None)
 
     def push_shared(self, named_tensors: Iterable, version: int | None = None, pause_mode: str = "keep",
-                    recompute_kv: bool = False):
+                    recompute_kv: bool = False, lora_name: str | None = None):
         """For a trainer on the server's machine: pause -> share the tensors (CUDA IPC on a shared
         GPU, shared memory on CPU; in the engine's dtype) -> the engine copies them in -> resume.
-        No transfer group needed."""
-        return self.run(self._shared_plan(named_tensors, version, _pause(pause_mode, recompute_kv)))
+        No transfer group needed. `lora_name`: a LoRA adapter's tensors (see push)."""
+        return self.run(self._shared_plan(named_tensors, version, _pause(pause_mode, recompute_kv), lora_name))
 
-    def _shared_plan(self, named_tensors, version, pause: dict) -> Plan:
+    def _shared_plan(self, named_tensors, version, pause: dict, lora_name: str | None = None) -> Plan:
         from weight_sync import SharedWeights
 
         paused = yield lambda c: c.pause(**pause)
         try:
             with SharedWeights() as shared:
                 handles = shared.share(named_tensors)
-                result = yield lambda c: c.update_weights_from_ipc(handles, version)
+                result = yield lambda c: c.update_weights_from_ipc(handles, version, lora_name)
                 return dict(result, aborted=paused.get("aborted", 0), kept=paused.get("kept", 0))
         finally:
             yield lambda c: c.resume()

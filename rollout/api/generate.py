@@ -6,7 +6,8 @@ weight version of every token out.
      "stream": false, "request_id": "optional-id"}
  -> {"results": [{"request_id", "prompt_token_ids", "num_cached_tokens", "finished",
                   "outputs": [{"index", "text", "token_ids", "logprobs", "top_logprobs",
-                               "weight_versions", "finish_reason", "stop_reason"}, ... n]}, ...],
+                               "weight_versions", "finish_reason", "stop_reason",
+                               "lora_versions" (with a LoRA adapter as "model")}, ... n]}, ...],
      "usage": {"prompt_tokens", "completion_tokens", "total_tokens"}}
 
 A batch request's prompts get ids "<request_id>-<i>". With "stream": true every line (NDJSON,
@@ -38,6 +39,8 @@ router = APIRouter(tags=["generate"])
 def completion_json(c: CompletionOutput) -> dict:
     d = {"index": c.index, "text": c.text, "token_ids": c.token_ids, "logprobs": c.logprobs,
          "weight_versions": c.weight_versions, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    if c.lora_versions:  # a LoRA adapter's request: its version per token
+        d["lora_versions"] = c.lora_versions
     if c.top_logprobs is not None:  # [[token_id, logprob], ...] per step, best first
         d["top_logprobs"] = [sorted(([t, lp] for t, lp in step.items()), key=lambda x: -x[1])
                              for step in c.top_logprobs]

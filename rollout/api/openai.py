@@ -154,6 +154,8 @@ def _choices(outs: list[RequestOutput], n: int, state: ServerState, chat: bool, 
             if body.return_token_ids:
                 ch.update(token_ids=c.token_ids, prompt_token_ids=out.prompt_token_ids,
                           weight_versions=c.weight_versions)
+                if c.lora_versions:
+                    ch["lora_versions"] = c.lora_versions
             choices.append(ch)
     return choices
 
@@ -216,6 +218,8 @@ async def _events(state, body, gens, firsts, n: int, base: str, created: int, ch
                 ch["stop_reason"] = c.stop_reason
             if body.return_token_ids:
                 ch.update(token_ids=c.token_ids, weight_versions=c.weight_versions)
+                if c.lora_versions:
+                    ch["lora_versions"] = c.lora_versions
                 if idx not in sent_first:
                     ch["prompt_token_ids"] = out.prompt_token_ids
             sent_first.add(idx)

@@ -308,7 +308,8 @@ class StartWeightUpdateBody(_Strict):
 class UpdateInfo(BaseModel):
     """vLLM's NCCL update_info. Our wire protocol carries names, dtypes and shapes itself, so
     they are only checked for consistency here; `weight_version` (ours) labels the new weights
-    at the moment they are swapped in."""
+    at the moment they are swapped in. `lora_name` (ours): the push holds that LoRA adapter's
+    tensors (PEFT names) and `weight_version` is the adapter's."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     names: list[str] | None = None
@@ -316,6 +317,7 @@ class UpdateInfo(BaseModel):
     shapes: list[list[int]] | None = None
     packed: bool = False
     weight_version: int | None = None
+    lora_name: str | None = None
 
 
 class UpdateWeightsBody(_Strict):
@@ -329,6 +331,7 @@ class FinishWeightUpdateBody(_Strict):
 class UpdateFromDiskBody(_Strict):
     path: str
     version: int | None = None
+    lora_name: str | None = None  # the path is a PEFT folder: that loaded adapter's new weights
 
 
 class ReloadWeightsBody(_Strict):
@@ -338,6 +341,7 @@ class ReloadWeightsBody(_Strict):
 class UpdateFromIPCBody(_Strict):
     handles: dict  # from weight_sync.SharedWeights.share(): {"kind", "tensors", ...}
     version: int | None = None
+    lora_name: str | None = None  # the tensors are that loaded adapter's (PEFT names)
 
 
 class TokenizeRequest(_Strict):

@@ -21,6 +21,12 @@ GET /weights/version (and vLLM's GET /weight_info), GET /weights/checksum (compa
 
 Update the weights with generation paused (POST /pause) or idle: the engine refuses (409)
 while requests run. Versions are integers here (vLLM's are strings): a non-integer one is a 400.
+
+LoRA pushes (ours): `lora_name` in /update_weights' update_info, /update_weights_from_disk (a PEFT
+folder) or /update_weights_from_ipc updates that adapter only (its tensors by PEFT name, a subset
+is fine), atomically, under the adapter's own version (`version` / `weight_version`, default +1;
+no start/finish phases); tokens generated with it carry it in `lora_versions`. The pushed adapter
+stays resident (pinned) until /v1/unload_lora_adapter.
 """
 import time
 from pathlib import Path
@@ -80,6 +86,10 @@ async def update_weights(body: UpdateWeightsBody, request: Request):
     if len(set(lengths.values())) > 1:
         raise APIError(400, f"names, dtype_names and shapes must have the same length, got {lengths}",
                        "update_info")
+    if info.lora_name is not None:
+        lora_id = await _loaded_lora(state, info.lora_name, "update_info.lora_name")
+        return await _timed_update(state, "broadcast", state.engine.update_weights(info.weight_version, lora_id),
+                                   "update_info", info.lora_name)
     if state.weight_update is None:  # vLLM's older two-phase protocol has no start phase
         state.weight_update = WeightUpdate(time.monotonic(), await call(state.engine.get_weight_version()))
     async with state.control_lock:
@@ -118,7 +128,9 @@ async def update_weights_from_disk(body: UpdateFromDiskBody, request: Request):
     if not Path(body.path).is_dir():
         raise APIError(400, f"path {body.path!r} is not a folder on the server", "path")
     state = get_state(request)
-    return await _timed_update(state, "disk", state.engine.update_weights_from_disk(body.path, body.version), "path")
+    lora_id = await _loaded_lora(state, body.lora_name, "lora_name")
+    return await _timed_update(state, "disk", state.engine.update_weights_from_disk(body.path, body.version, lora_id),
+                               "path", body.lora_name)
 
 
 @router.post("/reload_weights")
@@ -132,16 +144,32 @@ async def reload_weights(request: Request, body: ReloadWeightsBody | None = None
 @router.post("/update_weights_from_ipc")
 async def update_weights_from_ipc(body: UpdateFromIPCBody, request: Request):
     state = get_state(request)
-    return await _timed_update(state, "ipc", state.engine.update_weights_from_ipc(body.handles, body.version),
-                               "handles")
+    lora_id = await _loaded_lora(state, body.lora_name, "lora_name")
+    return await _timed_update(state, "ipc", state.engine.update_weights_from_ipc(body.handles, body.version, lora_id),
+                               "handles", body.lora_name)
 
 
-async def _timed_update(state: ServerState, source: str, update, param: str) -> dict:
-    """Run one whole-model update under the control lock and record its duration."""
+async def _loaded_lora(state: ServerState, lora_name: str | None, param: str) -> int:
+    """The engine id of a LoRA adapter this server knows (loaded into the engine if it was
+    evicted: a push updates its resident weights); 0 for None (the model itself)."""
+    if lora_name is None:
+        return 0
+    lora = state.loras.get(lora_name)
+    if lora is None:
+        raise APIError(404, f"the LoRA adapter {lora_name!r} is not loaded (POST /v1/load_lora_adapter first)", param)
+    await call(state.engine.add_lora(lora), param)
+    return lora.lora_int_id
+
+
+async def _timed_update(state: ServerState, source: str, update, param: str, lora_name: str | None = None) -> dict:
+    """Run one update (of the model, or of the LoRA adapter `lora_name`) under the control lock
+    and record its duration."""
     t0 = time.monotonic()
     async with state.control_lock:
         result = await call(update, param)
-    state.metrics.observe_push(source, time.monotonic() - t0)
+    state.metrics.observe_push(f"lora_{source}" if lora_name else source, time.monotonic() - t0)
+    if lora_name is not None:
+        return dict(result, lora_name=lora_name, message=f"LoRA adapter {lora_name!r} updated")
     return dict(result, message="Weights updated")
 
 
@@ -153,7 +181,12 @@ async def close_weight_transfer(request: Request):
 
 @info_router.get("/weights/version")
 async def weights_version(request: Request):
-    return {"weight_version": await call(get_state(request).engine.get_weight_version())}
+    """The model's version, and each resident LoRA adapter's (by served name)."""
+    state = get_state(request)
+    resident = set(await call(state.engine.list_loras())) if state.loras else set()
+    return {"weight_version": await call(state.engine.get_weight_version()),
+            "lora_versions": {name: await call(state.engine.get_weight_version(lora.lora_int_id))
+                              for name, lora in state.loras.items() if lora.lora_int_id in resident}}
 
 
 @info_router.get("/weight_info")

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import LLM, EngineStateError, InvalidRequestError, SamplingParams
 from engine.lora import LoRARequest
+from weight_sync import SharedWeights
 
 TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             num_hidden_layers=2, max_position_embeddings=256)
@@ -116,3 +117,82 @@ def test_max_loras_evicts_the_least_recently_used_unpinned(models, default_model
             off.add_lora(a)
     finally:
         off.shutdown()
+
+
+def perturbed(model, seed: int):
+    """A copy of a PEFT model with every lora_B changed (what a training step does)."""
+    model = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+def lora_tensors(model, only: str = "lora_B"):
+    """The trainer's view: named_parameters() with PEFT's adapter-name segment (lora_B.default.weight)."""
+    return [(n, p.detach().clone()) for n, p in model.named_parameters() if only in n]
+
+
+def test_a_lora_push_changes_only_that_adapter(models, default_model_path, tmp_path):
+    folder, base, adapters = models
+    llm = LLM(folder, tokenizer=default_model_path, multiprocess=False, dtype="float32", enable_lora=True,
+              max_loras=2)
+    try:
+        a, b = (LoRARequest(f"a{k}", k + 1, adapters[k][0]) for k in range(2))
+        loras = [None, a, b]
+
+        def run():
+            outs = llm.generate([{"prompt_token_ids": PROMPTS[1]}] * 3, GREEDY, use_tqdm=False, lora_request=loras)
+            return [o.outputs[0] for o in outs]
+
+        before = run()
+        assert [c.lora_versions for c in before] == [[], [0] * 12, [0] * 12]
+        trained = perturbed(adapters[0][1], 1)
+        assert reference(trained, PROMPTS[1]) != before[1].token_ids  # the push must show
+        llm.pause_generation()
+        result = llm.update_weights_from_tensors(lora_tensors(trained), version=5, lora_id=1)
+        llm.resume_generation()
+        assert result["weight_version"] == 5 and llm.get_weight_version(lora_id=1) == 5
+        assert llm.get_weight_version() == 0  # the base model's version is untouched
+        after = run()
+        assert after[1].token_ids == reference(trained, PROMPTS[1]) and after[1].lora_versions == [5] * 12
+        assert after[0].token_ids == before[0].token_ids and after[0].weight_versions == [0] * 12
+        assert after[2].token_ids == before[2].token_ids and after[2].lora_versions == [0] * 12
+        # pushed weights exist nowhere else: the adapter is pinned, a third adapter evicts b instead
+        llm.add_lora(LoRARequest("a2", 3, adapters[2][0]))
+        assert llm.list_loras() == [1, 3]
+
+        # refused, nothing changes: unknown tensor, wrong shape, a version that does not increase,
+        # an adapter that is not loaded, a folder that is not an adapter
+        name, t = lora_tensors(trained)[0]
+        with pytest.raises(InvalidRequestError, match="has no tensor"):
+            llm.update_weights_from_tensors([(name.replace("q_proj", "k_proj"), t)], lora_id=1)
+        with pytest.raises(InvalidRequestError, match="shape"):
+            llm.update_weights_from_tensors([(name, t[:, :2])], lora_id=1)
+        with pytest.raises(EngineStateError, match="must increase"):
+            llm.update_weights_from_tensors([(name, t * 0)], version=5, lora_id=1)
+        with pytest.raises(InvalidRequestError, match="not loaded"):
+            llm.update_weights_from_tensors([(name, t)], lora_id=2)
+        with pytest.raises(InvalidRequestError, match="adapter_config.json"):
+            llm.update_weights_from_disk(str(tmp_path), lora_id=1)
+        assert llm.get_weight_version(lora_id=1) == 5
+        out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY, use_tqdm=False, lora_request=a)[0].outputs[0]
+        assert out.token_ids == after[1].token_ids
+
+        # a whole PEFT folder from disk (what a trainer saves), with the default version (+1)
+        trained2 = perturbed(adapters[0][1], 2)
+        trained2.save_pretrained(tmp_path / "step2")
+        assert llm.update_weights_from_disk(str(tmp_path / "step2"), lora_id=1)["weight_version"] == 6
+        out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY, use_tqdm=False, lora_request=a)[0].outputs[0]
+        assert out.token_ids == reference(trained2, PROMPTS[1]) and out.lora_versions == [6] * 12
+
+        # shared memory (a trainer on this machine), lora_A and lora_B together
+        with SharedWeights() as shared:
+            handles = shared.share(lora_tensors(trained, "lora_"))
+            assert llm.update_weights_from_ipc(handles, lora_id=1)["weight_version"] == 7
+        out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY, use_tqdm=False, lora_request=a)[0].outputs[0]
+        assert out.token_ids == reference(trained, PROMPTS[1]) and out.lora_versions == [7] * 12
+    finally:
+        llm.shutdown()

@@ -2,7 +2,8 @@
 copied in): an adapter given at start (--lora-modules) and one loaded at run time
 (/v1/load_lora_adapter) serve as models of their names through /v1/completions and /generate,
 greedy token-exact against PEFT; /v1/models lists them; a bad adapter is a 400 that changes
-nothing; unloading makes the name a 404."""
+nothing; unloading makes the name a 404. A trainer (this process, rank 0 of a real gloo group)
+pushes one adapter's tensors: only that adapter's outputs change, its tokens carry its version."""
 import shutil
 from pathlib import Path
 
@@ -11,9 +12,10 @@ import pytest
 
 from rollout.client import RolloutAPIError, RolloutClient
 from rollout.subprocess_server import served
-from tests.engine.test_lora import build_models, reference
+from tests.engine.test_lora import build_models, lora_tensors, perturbed, reference
 
 PROMPT = [5, 6, 7, 8, 9]
+GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,7 @@ def setup(tmp_path_factory, default_model_path):
 
 def test_adapters_serve_as_models(setup):
     client, url, base, adapters = setup
-    greedy = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    greedy = GREEDY
     assert client.generate(PROMPT, greedy, model="first")[0].token_ids == reference(adapters[0][1], PROMPT)
     assert client.load_lora_adapter("second", adapters[1][0]).startswith("Success")
     names = [m["id"] for m in client.model_info()]
@@ -64,3 +66,40 @@ def test_unknown_model_is_a_404(setup):
     with pytest.raises(RolloutAPIError) as e:
         client.generate(PROMPT, {"max_tokens": 2}, model="nope")
     assert e.value.status == 404 and "first" in str(e.value)
+
+
+def test_a_lora_push_over_gloo_changes_only_that_adapter(setup):
+    client, url, base, adapters = setup
+    assert client.load_lora_adapter("pushed", adapters[2][0]).startswith("Success")
+    models = (None, "first", "pushed")
+    before = {m: client.generate(PROMPT, GREEDY, model=m)[0] for m in models}
+    assert before["pushed"].lora_versions == [0] * 12 and before[None].lora_versions == []
+    trained = perturbed(adapters[2][1], 3)
+    assert reference(trained, PROMPT) != before["pushed"].token_ids
+    client.init_weight_transfer(backend="gloo")
+    try:
+        with pytest.raises(RolloutAPIError) as e:  # a wrong shape: refused by the engine, nothing changes
+            client.push_weights([(n, t[:, :1]) for n, t in lora_tensors(trained)[:1]], lora_name="pushed")
+        assert e.value.status == 400 and "shape" in e.value.message
+        with pytest.raises(RolloutAPIError) as e:  # an adapter the server does not know
+            client.push_weights(lora_tensors(trained), lora_name="nope")
+        assert e.value.status == 404
+        assert client.generate(PROMPT, GREEDY, model="pushed")[0].token_ids == before["pushed"].token_ids
+        result = client.push_weights(lora_tensors(trained), version=7, lora_name="pushed")
+        assert result["weight_version"] == 7 and result["num_sends"] == 1
+    finally:
+        client.close_weight_transfer()
+    after = {m: client.generate(PROMPT, GREEDY, model=m)[0] for m in models}
+    assert after["pushed"].token_ids == reference(trained, PROMPT) and after["pushed"].lora_versions == [7] * 12
+    for m in (None, "first"):
+        assert after[m].token_ids == before[m].token_ids, m
+    assert after[None].weight_versions == before[None].weight_versions  # the model's version is untouched
+    assert client.weight_version("pushed") == 7 and client.weight_version() == before[None].weight_versions[0]
+    out = httpx.post(url + "/v1/completions", json={"model": "pushed", "prompt": PROMPT, "return_token_ids": True,
+                                                    **GREEDY}, timeout=60).json()
+    assert out["choices"][0]["lora_versions"] == [7] * 12
+    # a PEFT folder on the server's disk: the next version by default
+    trained.save_pretrained(Path(adapters[2][0]).parent / "pushed_step")
+    assert client.push_weights_from_disk(Path(adapters[2][0]).parent / "pushed_step",
+                                         lora_name="pushed")["weight_version"] == 8
+    client.unload_lora_adapter("pushed")
