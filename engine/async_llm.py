@@ -122,11 +122,12 @@ class AsyncLLM:
             async for out in self._generate_streaming(prompt, params, request_id):
                 yield out
             return
-        text, ids = self.processor.process(prompt, params)
+        text, ids, mm = self.processor.process(prompt, params)
         if lora_request is not None:
             await self.add_lora(lora_request)
         collector = RequestOutputCollector(params.output_kind)
-        reqs = self.processor.core_requests(request_id, ids, params, lora_request.lora_int_id if lora_request else 0)
+        reqs = self.processor.core_requests(request_id, ids, params, lora_request.lora_int_id if lora_request else 0,
+                                            mm)
         self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in reqs], queue=collector)
         finished = False
         try:
@@ -149,7 +150,9 @@ class AsyncLLM:
         if first.sampling_params is not None:
             check_streaming_params(first.sampling_params)
             params = first.sampling_params
-        text, ids = self.processor.process(first.prompt, params)
+        text, ids, mm = self.processor.process(first.prompt, params)
+        if mm:
+            raise InvalidRequestError("images with streaming input are not supported", "multi_modal_data")
         collector = RequestOutputCollector(params.output_kind)
         self.output_processor.add_request(request_id, text, ids, params, [request_id], queue=collector)
         finished = False
@@ -354,7 +357,12 @@ class AsyncLLM:
         return await self._call("reset_prefix_cache")
 
     async def reset_encoder_cache(self) -> bool:
+        """Forget the vision encoder's cached outputs (a vision-language model)."""
         return await self._call("reset_encoder_cache")
+
+    async def reset_mm_cache(self) -> bool:
+        """vLLM's name: the multimodal cache, here the encoder cache."""
+        return await self._call("reset_mm_cache")
 
     async def get_stats(self) -> dict:
         return await self._call("get_stats")

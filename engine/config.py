@@ -11,7 +11,10 @@ from engine.errors import UnsupportedModelError
 
 FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
 # causal LMs (generate, embed) and sequence classifiers (classify: reward models)
-SUPPORTED_ARCHITECTURES = tuple(f"{f}For{kind}" for kind in ("CausalLM", "SequenceClassification") for f in FAMILIES)
+# vision-language models: a SigLIP-style vision encoder + pixel-shuffle connector in front of a Llama
+VISION_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
+SUPPORTED_ARCHITECTURES = tuple(f"{f}For{kind}" for kind in ("CausalLM", "SequenceClassification")
+                                for f in FAMILIES) + VISION_ARCHITECTURES
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GiB = 1 << 30
 
@@ -40,6 +43,8 @@ class ModelConfig:
     torch_dtype: str
     num_labels: int = 0  # a sequence classifier's outputs (its `score` head); 0 for a causal LM
     id2label: dict[int, str] = field(default_factory=dict)  # a classifier's label names
+    text_prefix: str = "model."  # where the decoder's weights live ("model.text_model." in a VLM)
+    vision: dict | None = None  # a VLM's vision_config, plus its scale_factor and image_token_id
 
     @classmethod
     def from_folder(cls, path: str) -> "ModelConfig":
@@ -48,17 +53,26 @@ class ModelConfig:
             raise UnsupportedModelError(f"{path}: not a model folder (no config.json)")
         if not any(folder.glob("*.safetensors")):
             raise UnsupportedModelError(f"{path}: no *.safetensors weights")
-        cfg = json.loads((folder / "config.json").read_text())
-        arch = (cfg.get("architectures") or [_ARCH_BY_TYPE.get(cfg.get("model_type"), "?")])[0]
+        top = json.loads((folder / "config.json").read_text())
+        arch = (top.get("architectures") or [_ARCH_BY_TYPE.get(top.get("model_type"), "?")])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        vision = None
+        cfg = top
+        if arch in VISION_ARCHITECTURES:
+            cfg = dict(top["text_config"], tie_word_embeddings=top.get("tie_word_embeddings", False))
+            if cfg.get("model_type", "llama") != "llama":
+                raise UnsupportedModelError(f"{path}: a {arch} with a {cfg.get('model_type')!r} decoder "
+                                            "(only Llama decoders are supported)")
+            vision = dict(top["vision_config"], scale_factor=top.get("scale_factor", 2),
+                          image_token_id=top["image_token_id"])
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         window = cfg.get("sliding_window")
-        family = arch.split("For")[0]
+        family = "Llama" if vision else arch.split("For")[0]
         if family in ("Qwen2", "Qwen3") and not cfg.get("use_sliding_window", False):
             window = None
         num_labels = 0
@@ -75,8 +89,9 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=family == "Qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=family == "Qwen3", sliding_window=window, eos_token_ids=eos,
-            bos_token_id=cfg.get("bos_token_id"), torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            bos_token_id=cfg.get("bos_token_id"), torch_dtype=str(top.get("torch_dtype") or top.get("dtype") or cfg.get("dtype") or "float32"),
             num_labels=num_labels, id2label={int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()},
+            text_prefix="model.text_model." if vision else "model.", vision=vision,
         )
 
 
@@ -119,6 +134,8 @@ class EngineConfig:
         while they run; None = only when called.
     profiler_dir: where start_profile() / stop_profile() write torch-profiler traces of the engine
         core (engine/profiler.py); None = profiling off (the calls are refused).
+    encoder_cache_size: a vision-language model's encoder cache holds at most this many image
+        embeddings (placeholder tokens), least recently used out first.
     """
 
     model: str | None = None
@@ -144,6 +161,7 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
+    encoder_cache_size: int = 16384
     model_config: ModelConfig = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -177,7 +195,8 @@ class EngineConfig:
             self.max_model_len = limit
         if not 1 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this model, got {self.max_model_len}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras", "max_lora_rank",
+                     "encoder_cache_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

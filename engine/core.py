@@ -444,8 +444,16 @@ class EngineCore:
         return True
 
     def reset_encoder_cache(self) -> bool:
-        """Text-only models have no encoder cache: nothing to clear."""
+        """Forget every cached vision-encoder output (a vision-language model; else a no-op).
+        Every weight update does it too."""
+        if self.config.model_config.vision:
+            self.executor.collective_rpc("reset_encoder_cache")
         return True
+
+    def reset_mm_cache(self) -> bool:
+        """vLLM's name for the multimodal cache; the encoder cache is the only one here (images
+        are preprocessed per request in the frontend, nothing of them is kept there)."""
+        return self.reset_encoder_cache()
 
     def get_stats(self) -> dict:
         s = self.scheduler.stats()
@@ -457,7 +465,9 @@ class EngineCore:
                     pause_state=self.scheduler.pause_state.value,
                     paused_seconds=0.0 if self.paused_since is None else time.monotonic() - self.paused_since,
                     is_sleeping=self.is_sleeping(),
-                    peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+                    peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                    **(self.executor.collective_rpc("encoder_cache_stats")[0] if self.config.model_config.vision
+                       else {}))
 
     # ---- LoRA adapters (engine/lora.py; the worker's runner holds them) ----------------------
     def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> bool:

@@ -70,7 +70,7 @@ def combine(method: str, results: list) -> Any:
 
 
 _SUMMED_STATS = ("num_running", "num_waiting", "num_preemptions", "num_prefill_tokens", "num_generated_tokens",
-                 "num_free_blocks", "num_blocks", "peak_rss_mb")
+                 "num_free_blocks", "num_blocks", "peak_rss_mb", "encoder_cache_hits", "encoder_cache_queries")
 
 
 def combine_stats(stats: list[dict]) -> dict:
@@ -79,7 +79,8 @@ def combine_stats(stats: list[dict]) -> dict:
     if len(stats) == 1:
         return out
     for k in _SUMMED_STATS:
-        out[k] = sum(s[k] for s in stats)
+        if k in out:  # (the encoder cache's only with a vision-language model)
+            out[k] = sum(s[k] for s in stats)
     out["kv_usage"] = 1.0 - out["num_free_blocks"] / max(out["num_blocks"], 1)
     out["prefix_hit_rate"] = sum(s["prefix_hit_rate"] for s in stats) / len(stats)
     out["weight_version"] = max(s["weight_version"] for s in stats)

@@ -86,7 +86,11 @@ class KVCacheManager:
             i = len(h)
             # a LoRA adapter changes the KV of every token: its id seeds the chain
             parent = h[-1] if h else (("lora", req.lora_id) if req.lora_id else None)
-            h.append(hash((parent, tuple(toks[i * bs:(i + 1) * bs]))))
+            key = (parent, tuple(toks[i * bs:(i + 1) * bs]))
+            if req.mm_features:  # image placeholders are the same tokens for every image: add the images'
+                key += tuple(f.hash for f in req.mm_features  # hashes to the blocks holding them
+                             if f.positions[0] < (i + 1) * bs and f.positions[-1] >= i * bs)
+            h.append(hash(key))
         return h
 
     def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:

@@ -70,9 +70,9 @@ class LLM:
             self.add_lora(lora)
         request_ids, groups = [], []
         try:
-            for (text, token_ids), sp, lora in zip(processed, params, loras):
+            for (text, token_ids, mm), sp, lora in zip(processed, params, loras):
                 rid = str(next(self._ids))
-                reqs = self.processor.core_requests(rid, token_ids, sp, lora.lora_int_id if lora else 0)
+                reqs = self.processor.core_requests(rid, token_ids, sp, lora.lora_int_id if lora else 0, mm)
                 final_only = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 self.output_processor.add_request(rid, text, token_ids, final_only, [r.request_id for r in reqs])
                 request_ids.append(rid)
@@ -137,7 +137,12 @@ class LLM:
         return self.client.call_utility("reset_prefix_cache")
 
     def reset_encoder_cache(self) -> bool:
+        """Forget the vision encoder's cached outputs (a vision-language model)."""
         return self.client.call_utility("reset_encoder_cache")
+
+    def reset_mm_cache(self) -> bool:
+        """vLLM's name: the multimodal cache, here the encoder cache."""
+        return self.client.call_utility("reset_mm_cache")
 
     def get_stats(self) -> dict:
         return self.client.call_utility("get_stats")

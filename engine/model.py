@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionMetadata, attention
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, UnsupportedModelError
+from engine.vision import VisionEncoder
 from kernels import cpu_ext
 from kernels.activation import silu_and_mul
 from kernels.norm import fused_add_rms_norm
@@ -98,6 +99,7 @@ class LlamaModel:
         self.score = Linear(mc.num_labels, H, False, dtype, device) if mc.num_labels else None
         if self.lm_head is not None and mc.tie_word_embeddings:
             self.lm_head.weight = self.embed
+        self.vision = VisionEncoder(mc.vision, H, dtype, device) if mc.vision else None
         inv_freq, attention_factor = rope_inv_freq(D, mc.rope_theta, mc.rope_scaling)
         self.cos_sin = rope_cos_sin_cache(inv_freq, attention_factor, max_len).to(device)  # (L, 2, D/2) fp32
         self.ops = LayerOps(device, dtype, D)
@@ -125,15 +127,17 @@ class LlamaModel:
     # ---- weights, by Hugging Face names -------------------------------------------------
     def _hf_name_map(self) -> dict[str, tuple[torch.Tensor, int, int]]:
         """HF name -> (tensor, first row, number of rows) of the fused tensor it lives in."""
-        q, kv, inter = self.q_size, self.kv_size, self.mc.intermediate_size
-        m = {"model.embed_tokens.weight": (self.embed, 0, self.embed.shape[0]),
-             "model.norm.weight": (self.norm, 0, self.norm.shape[0])}
+        q, kv, inter, pre = self.q_size, self.kv_size, self.mc.intermediate_size, self.mc.text_prefix
+        m = {pre + "embed_tokens.weight": (self.embed, 0, self.embed.shape[0]),
+             pre + "norm.weight": (self.norm, 0, self.norm.shape[0])}
+        if self.vision is not None:
+            m.update((name, (t, 0, t.shape[0])) for name, t in self.vision.tensors.items())
         if self.score is not None:
             m["score.weight"] = (self.score.weight, 0, self.mc.num_labels)
         elif not self.mc.tie_word_embeddings:
             m["lm_head.weight"] = (self.lm_head.weight, 0, self.mc.vocab_size)
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
+            p = f"{pre}layers.{i}."
             m[p + "input_layernorm.weight"] = (layer.input_norm, 0, layer.input_norm.shape[0])
             m[p + "post_attention_layernorm.weight"] = (layer.post_norm, 0, layer.post_norm.shape[0])
             for name, start, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
@@ -166,7 +170,7 @@ class LlamaModel:
         lm_head.weight that a trainer's state_dict() holds (see untie_pushed)."""
         accepted = self.expected_weights()
         if self.mc.tie_word_embeddings and self.lm_head is not None:
-            accepted["lm_head.weight"] = accepted["model.embed_tokens.weight"]
+            accepted["lm_head.weight"] = accepted[self.mc.text_prefix + "embed_tokens.weight"]
         return accepted
 
     def untie_pushed(self, staged: dict[str, torch.Tensor]) -> None:
@@ -175,7 +179,8 @@ class LlamaModel:
         head = staged.pop("lm_head.weight", None) if self.mc.tie_word_embeddings and self.lm_head is not None else None
         if head is None:
             return
-        embed = staged.get("model.embed_tokens.weight", self.hf_view("model.embed_tokens.weight"))
+        embed_name = self.mc.text_prefix + "embed_tokens.weight"
+        embed = staged.get(embed_name, self.hf_view(embed_name))
         if not torch.equal(head.to(embed.device, embed.dtype), embed):
             raise InvalidRequestError("lm_head.weight differs from model.embed_tokens.weight, but this model ties "
                                       "them (tie_word_embeddings): push equal tensors, or only the embedding")
@@ -184,7 +189,7 @@ class LlamaModel:
         """Refuse (InvalidRequestError) a tensor this model has no place for: unknown name, wrong
         shape, or (when given) a dtype other than the model's."""
         if name == "lm_head.weight" and self.mc.tie_word_embeddings and self.lm_head is not None:  # see untie_pushed
-            name = "model.embed_tokens.weight"
+            name = self.mc.text_prefix + "embed_tokens.weight"
         if name not in self._hf:
             raise InvalidRequestError(f"unknown parameter {name!r} (this model has no such tensor)")
         view = self.hf_view(name)
@@ -229,9 +234,11 @@ class LlamaModel:
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora=None) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora=None,
+                mm: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids, positions: (T,). Returns the final-normed hidden states (T, hidden).
-        lora: the step's engine.lora.LoRABatch (adds each token's adapter delta to the projections)."""
+        lora: the step's engine.lora.LoRABatch (adds each token's adapter delta to the projections).
+        mm: (rows, embeddings): the vision encoder's outputs replace those rows' token embeddings."""
         mc = self.mc
         T = input_ids.shape[0]
         q_size, kv_size, D, eps = self.q_size, self.kv_size, mc.head_dim, mc.rms_norm_eps
@@ -243,6 +250,8 @@ class LlamaModel:
         assert decode is not None or not self.batch_invariant, "batch-invariant steps are all decode rows"
         table, lens = md.decode_block_table, md.decode_seq_lens
         h = F.embedding(input_ids, self.embed)  # (T, H)
+        if mm is not None:
+            h.index_copy_(0, mm[0], mm[1].to(h.dtype))
         residual = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x, residual = add_norm(h, residual, layer.input_norm, eps)

@@ -7,6 +7,8 @@ It owns the model weights, the KV cache tensors and each request's sampling stat
 seeded generator, prompt-logprob progress); everything else it reads from the SchedulerOutput.
 It never imports the scheduler or the KV block manager.
 """
+import bisect
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +19,7 @@ from engine.errors import EngineStateError
 from engine.lora import Adapter, LoRABatch, LoRARequest, load_adapter
 from engine.model import LlamaModel
 from engine.profiler import phase
+from engine.protocol import MMFeature
 from engine.sampling_params import SamplingParams
 from engine.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from kernels.sampling import SamplingMetadata, log_softmax, sample
@@ -35,6 +38,7 @@ class CachedRequestState:
     num_prompt_logprobs: int = 0  # prompt positions done (a recompute after preemption skips them)
     pool_sum: torch.Tensor | None = None  # mean pooling: float32 sum of the hidden states so far
     lora_id: int = 0  # its LoRA adapter (0: the base model)
+    mm_features: list[MMFeature] | None = None  # its prompt's images
 
 
 @dataclass
@@ -50,6 +54,7 @@ class StepInputs:
     prompt_rows: list[tuple[str, int, range]] = field(default_factory=list)  # (id, first logit row, positions)
     pool_rows: list[tuple[ScheduledRequest, int]] = field(default_factory=list)  # encode requests: (chunk, first row)
     lora: LoRABatch | None = None  # the adapters of the step's tokens (None: all on the base model)
+    mm: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, image embeddings) replacing token embeddings
 
 
 class ModelRunner:
@@ -75,6 +80,11 @@ class ModelRunner:
         self.loras: dict[int, Adapter] = {}  # resident LoRA adapters by id, least recently used first
         self.pinned_loras: set[int] = set()
         self._lora_stacks: tuple[tuple, dict] = ((), {})  # the last step's adapters' stacked weights
+        # vision encoder outputs by image hash, least recently used first, at most
+        # encoder_cache_size embedding rows (an image whose prompt is prefilled in chunks is encoded once)
+        self.encoder_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.encoder_cache_rows = 0
+        self.encoder_cache_hits = self.encoder_cache_queries = 0
 
     # ---- KV cache -----------------------------------------------------------------------
     def kv_cache_bytes(self) -> int:
@@ -115,7 +125,8 @@ class ModelRunner:
         with phase("prepare_inputs"):
             inputs = self.prepare_inputs(so)
         with phase("forward"):
-            hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, inputs.lora)
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, inputs.lora,
+                                        inputs.mm)
         if inputs.pool_rows:
             with phase("pool"):
                 self.pool(hidden, inputs.pool_rows, out)
@@ -146,8 +157,9 @@ class ModelRunner:
         p = nr.sampling_params
         generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
         if old is not None:  # new params for the next streaming chunk: the prompt's progress stays
-            return CachedRequestState(p, generator, old.prompt_token_ids, old.num_prompt_logprobs, lora_id=nr.lora_id)
-        return CachedRequestState(p, generator, nr.prompt_token_ids, lora_id=nr.lora_id)
+            return CachedRequestState(p, generator, old.prompt_token_ids, old.num_prompt_logprobs, lora_id=nr.lora_id,
+                                      mm_features=old.mm_features)
+        return CachedRequestState(p, generator, nr.prompt_token_ids, lora_id=nr.lora_id, mm_features=nr.mm_features)
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         bs, dev = self.block_size, self.device
@@ -202,11 +214,51 @@ class ModelRunner:
         md.slot_mapping = torch.cat(slot_parts).to(dev) if len(slot_parts) > 1 else slot_parts[0].to(dev)
         if self.loras:
             inputs.lora = self._lora_batch(decodes + prefills)
+        if self.model.vision is not None:
+            inputs.mm = self._image_embeddings(decodes + prefills)
         if self.config.batch_invariant:
             per_token_decode_rows(md, [(r.block_ids, r.start, len(r.token_ids)) for r in decodes + prefills], dev)
         inputs.input_ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         inputs.positions = torch.tensor(positions, dtype=torch.int64, device=dev)
         return inputs
+
+    # ---- images ---------------------------------------------------------------------------
+    def _image_embeddings(self, rows_in_order: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's rows that hold image placeholders, and the vision encoder's output rows for
+        them (from the encoder cache, or encoded now)."""
+        rows, parts, row = [], [], 0
+        for sr in rows_in_order:
+            start, end = sr.start, sr.start + len(sr.token_ids)
+            for f in self.requests[sr.request_id].mm_features or ():
+                lo, hi = bisect.bisect_left(f.positions, start), bisect.bisect_left(f.positions, end)
+                if lo < hi:
+                    rows.extend(row + p - start for p in f.positions[lo:hi])
+                    parts.append(self._encoded(f)[lo:hi])
+            row += end - start
+        if not rows:
+            return None
+        return torch.tensor(rows, dtype=torch.int64, device=self.device), torch.cat(parts)
+
+    def _encoded(self, f: MMFeature) -> torch.Tensor:
+        self.encoder_cache_queries += 1
+        emb = self.encoder_cache.get(f.hash)
+        if emb is not None:
+            self.encoder_cache_hits += 1
+            self.encoder_cache.move_to_end(f.hash)
+            return emb
+        with phase("encode_images"):
+            emb = self.model.vision.encode(f.pixel_values)
+        assert emb.shape[0] == len(f.positions), "the frontend checked the placeholders (engine/multimodal.py)"
+        limit = self.config.encoder_cache_size
+        while self.encoder_cache and self.encoder_cache_rows + emb.shape[0] > limit:
+            self.encoder_cache_rows -= self.encoder_cache.popitem(last=False)[1].shape[0]
+        self.encoder_cache[f.hash] = emb
+        self.encoder_cache_rows += emb.shape[0]
+        return emb
+
+    def reset_encoder_cache(self) -> None:
+        self.encoder_cache.clear()
+        self.encoder_cache_rows = 0
 
     # ---- LoRA adapters ------------------------------------------------------------------
     def _lora_batch(self, rows_in_order: list[ScheduledRequest]) -> LoRABatch | None:

@@ -1,13 +1,24 @@
-"""The frontend's input side: prompts (text, token ids, chat messages) -> validated token ids."""
+"""The frontend's input side: prompts (text, token ids, chat messages, images for a
+vision-language model: engine/multimodal.py) -> validated token ids (and image features)."""
+
+from typing import NamedTuple
 
 from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
-from engine.protocol import EngineCoreRequest
+from engine.protocol import EngineCoreRequest, MMFeature
 from engine.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
+
+
+class ProcessedPrompt(NamedTuple):
+    """A prompt checked and tokenized (process() passes one through as it is)."""
+
+    text: str | None
+    ids: list[int]
+    mm_features: list[MMFeature] | None
 
 
 def load_tokenizer(config: EngineConfig):
@@ -26,32 +37,57 @@ class Processor:
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = max(longest, 1) * max_model_len
         self.classifier = config.model_config.num_labels > 0
+        self.images = None
+        if config.model_config.vision:
+            from engine.multimodal import ImageProcessor
+
+            self.images = ImageProcessor(config.tokenizer or config.model, config.model_config)
 
     def supported_tasks(self) -> tuple[str, ...]:
         """What the loaded model serves: a causal LM generates and embeds (pooled hidden states),
         a sequence classifier (a reward model) classifies."""
         return ("classify",) if self.classifier else ("generate", "embed")
 
-    def process(self, prompt: PromptType, params: SamplingParams | None) -> tuple[str | None, list[int]]:
-        """Returns (prompt text or None, prompt token ids); raises InvalidRequestError."""
+    def process(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams | None) -> ProcessedPrompt:
+        """Returns (prompt text or None, prompt token ids, its images' features or None); raises
+        InvalidRequestError."""
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if self.classifier and (params is None or params.pooling is None):
             raise InvalidRequestError("this model is a sequence classifier: it serves encode / classify, not "
                                       "generation", "model")
-        text, ids = self.tokenize(prompt)
+        images = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if images is None:
+            text, ids = self.tokenize(prompt)
+            self.check_token_ids(ids)
+            return ProcessedPrompt(text, ids, None)
+        if self.images is None:
+            raise InvalidRequestError("this model takes no images (multi_modal_data)", "multi_modal_data")
+        if not isinstance(images, dict) or set(images) - {"image"}:
+            raise InvalidRequestError("multi_modal_data must be {'image': an image or a list of images}",
+                                      "multi_modal_data")
+        text = prompt.get("prompt")
+        if not isinstance(text, str) or "prompt_token_ids" in prompt:
+            raise InvalidRequestError("a prompt with images needs its text as 'prompt' (with one <image> marker "
+                                      "per image), not token ids", "prompt")
+        self.tokenize(text)  # the length checks
+        ids, features = self.images.process(text, images.get("image", []))
         self.check_token_ids(ids)
-        return text, ids
+        return ProcessedPrompt(text, ids, features or None)
 
     def core_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                      lora_id: int = 0) -> list[EngineCoreRequest]:
+                      lora_id: int = 0, mm_features: list[MMFeature] | None = None) -> list[EngineCoreRequest]:
         """What the engine core runs for one request: itself, or its n children ("<id>-<i>", each
-        n=1, seeded seed+i) sharing the prompt's blocks."""
+        n=1, seeded seed+i) sharing the prompt's blocks (and its images' encoder outputs)."""
         if params.n == 1:
-            return [EngineCoreRequest(request_id, token_ids, params, self.eos_token_id, lora_id=lora_id)]
+            return [EngineCoreRequest(request_id, token_ids, params, self.eos_token_id, lora_id=lora_id,
+                                      mm_features=mm_features)]
         return [EngineCoreRequest(f"{request_id}-{i}", token_ids,
                                   params.clone(n=1, seed=None if params.seed is None else params.seed + i),
-                                  self.eos_token_id, lora_id=lora_id) for i in range(params.n)]
+                                  self.eos_token_id, lora_id=lora_id, mm_features=mm_features)
+                for i in range(params.n)]
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -29,6 +29,17 @@ class RequestType(bytes, enum.Enum):
     ADD_MANY = b"\x04"  # a list of requests the core admits together, before its next step
 
 
+class MMFeature(msgspec.Struct, array_like=True, gc=False):
+    """One image of a prompt (engine/multimodal.py): its preprocessed pixels, the prompt positions
+    of its placeholder tokens in order (the vision encoder's output rows go there), and a hash of
+    the pixels: the encoder cache's key, and part of the prefix-cache hash of every block that
+    holds one of those positions (the placeholders are the same tokens for every image)."""
+
+    hash: str
+    positions: list[int]
+    pixel_values: Any  # torch.Tensor (tiles, channels, height, width), float32
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
@@ -36,6 +47,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     eos_token_id: int | None = None
     streaming: bool = False  # more input chunks may follow (StreamInput), until one says final
     lora_id: int = 0  # the LoRA adapter (add_lora's lora_int_id) it runs with; 0 = the base model
+    mm_features: list[MMFeature] | None = None  # the prompt's images (a vision-language model)
 
 
 class StreamInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

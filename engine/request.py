@@ -33,6 +33,7 @@ class Request:
         self.stop_reason: int | None = None
         self.eos_token_id = req.eos_token_id
         self.lora_id = req.lora_id
+        self.mm_features = req.mm_features  # its prompt's images (a vision-language model)
         self._set_params(self.params)
         self.stream: InputStream | None = InputStream() if req.streaming else None
         self.chunk_start = self.num_prompt_tokens  # where the current chunk's output begins

@@ -67,7 +67,7 @@ class Scheduler:
         """Tell the workers about req's (new) sampling params with the next step."""
         p = req.params
         self._new_requests.append(NewRequestData(req.request_id, p, None if p.prompt_logprobs is None
-                                                 else req.prompt_token_ids, req.lora_id))
+                                                 else req.prompt_token_ids, req.lora_id, req.mm_features))
 
     def _enqueue(self, req: Request) -> None:
         """req has tokens to compute: it waits for a slot, or for the resume while paused."""

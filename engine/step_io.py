@@ -12,6 +12,7 @@ travel in `scheduled`. All are msgspec Structs, so they can cross a process boun
 
 import msgspec
 
+from engine.protocol import MMFeature
 from engine.sampling_params import SamplingParams
 
 
@@ -23,6 +24,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     sampling_params: SamplingParams
     prompt_token_ids: list[int] | None = None  # only with prompt_logprobs: the targets
     lora_id: int = 0  # its LoRA adapter (0: none)
+    mm_features: list[MMFeature] | None = None  # its prompt's images
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

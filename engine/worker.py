@@ -44,6 +44,16 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 
+    # ---- the encoder cache (vision-language models) -----------------------------------------
+    def reset_encoder_cache(self) -> bool:
+        self.model_runner.reset_encoder_cache()
+        return True
+
+    def encoder_cache_stats(self) -> dict:
+        r = self.model_runner
+        return {"encoder_cache_hits": r.encoder_cache_hits, "encoder_cache_queries": r.encoder_cache_queries,
+                "encoder_cache_usage": r.encoder_cache_rows / self.config.encoder_cache_size}
+
     # ---- LoRA adapters (the runner holds them) ----------------------------------------------
     def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str, in_use: list[int]) -> bool:
         return self.model_runner.add_lora(LoRARequest(lora_name, lora_int_id, lora_path), in_use)

@@ -10,7 +10,7 @@
     POST /sleep?level=1|2&mode=abort|wait|keep           -> {"status": "sleeping", "level": n}
     POST /wake_up?tags=weights&tags=kv_cache             -> {"status": "awake"|"sleeping"}
     GET  /is_sleeping                                    -> {"is_sleeping": bool}
-    POST /reset_prefix_cache, /reset_encoder_cache       -> {"success": true}
+    POST /reset_prefix_cache, /reset_encoder_cache, /reset_mm_cache -> {"success": true}
     POST /v1/load_lora_adapter {"lora_name", "lora_path"} -> text (vLLM's); requests name it as `model`
     POST /v1/unload_lora_adapter {"lora_name"}          -> text
     POST /start_profile                                  -> {"status": "profiling"}
@@ -158,6 +158,11 @@ async def stop_profile(request: Request):
 @router.post("/reset_encoder_cache")
 async def reset_encoder_cache(request: Request):
     return {"success": bool(await call(get_state(request).engine.reset_encoder_cache()))}
+
+
+@router.post("/reset_mm_cache")
+async def reset_mm_cache(request: Request):
+    return {"success": bool(await call(get_state(request).engine.reset_mm_cache()))}
 
 
 @router.post("/abort_requests")

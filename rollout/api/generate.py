@@ -73,27 +73,44 @@ async def off_loop(fn, *args, size: int, **kwargs):
 
 
 async def render_chat(state, messages: list, add_generation_prompt: bool = True, continue_final_message: bool = False,
-                      chat_template_kwargs: dict | None = None, tools: list | None = None) -> str:
+                      chat_template_kwargs: dict | None = None, tools: list | None = None) -> str | dict:
     """The conversation as the model's chat template renders it (a 400 naming `messages` if it
-    cannot)."""
-    convo = [m.to_template() for m in messages]
+    cannot); with images (image_url parts, a vision-language model) the prompt dict
+    {"prompt": text, "multi_modal_data": {"image": [urls]}}, rendered by the model's processor."""
+    vision = state.engine.processor.images
+    images = [] if vision is not None else None
+    convo = [m.to_template(images) for m in messages]
     kwargs = dict(chat_template_kwargs or {})
     if tools:
         kwargs["tools"] = tools
+    template = vision.hf if vision is not None and vision.hf.chat_template else state.engine.tokenizer
     try:
-        return await off_loop(state.engine.tokenizer.apply_chat_template, convo,
+        text = await off_loop(template.apply_chat_template, convo,
                               size=sum(len(str(m.get("content") or "")) for m in convo),
                               add_generation_prompt=add_generation_prompt and not continue_final_message,
                               continue_final_message=continue_final_message, tokenize=False, **kwargs)
     except Exception as e:  # jinja errors, bad roles, ...
         raise APIError(400, f"the chat template cannot render these messages: {e}", "messages") from e
+    if not images:
+        return text
+    check_image_urls(images, "messages.content")
+    return {"prompt": text, "multi_modal_data": {"image": images}}
+
+
+def check_image_urls(urls: list, param: str) -> None:
+    """Images reach the server as data URLs only: a path would read the server's files, and
+    there is no network to fetch a URL from."""
+    bad = next((u for u in urls if not (isinstance(u, str) and u.startswith("data:"))), None)
+    if bad is not None:
+        raise APIError(400, f"images must be data URLs (data:image/png;base64,...), got {str(bad)[:40]!r}", param)
 
 
 def _tokenize_all(state, prompts: list, field: str, batch: bool, params) -> list[list[int]]:
     ids = []
     for i, p in enumerate(prompts):
         try:
-            ids.append(state.engine.processor.process(p, params)[1])
+            processed = state.engine.processor.process(p, params)
+            ids.append(processed.ids if processed.mm_features is None else processed)  # (images travel along)
         except InvalidRequestError as e:
             raise APIError(400, f"{field}[{i}]: {e}" if batch else str(e), field) from e
     return ids
@@ -130,6 +147,12 @@ async def generate(body: GenerateRequest, request: Request):
     if body.messages is not None:
         prompts = [await render_chat(state, body.messages, body.add_generation_prompt,
                                      chat_template_kwargs=body.chat_template_kwargs, tools=body.tools)]
+    if body.multi_modal_data is not None:
+        if field != "prompt" or batch:
+            raise APIError(400, "multi_modal_data goes with one text prompt (with an <image> marker per image)",
+                           "multi_modal_data")
+        check_image_urls(body.multi_modal_data.get("image", []), "multi_modal_data")
+        prompts = [{"prompt": prompts[0], "multi_modal_data": body.multi_modal_data}]
     # a session turn reads deltas until its chunk ends (the request itself never finishes)
     kind = RequestOutputKind.DELTA if body.stream or body.session_params else RequestOutputKind.FINAL_ONLY
     try:
@@ -144,6 +167,8 @@ async def generate(body: GenerateRequest, request: Request):
             raise APIError(400, "sessions run on the base model (no LoRA adapter)", "model")
         if batch:
             raise APIError(400, "a session turn takes one prompt, not a batch", field)
+        if not isinstance(ids[0], list):
+            raise APIError(400, "session turns take no images", field)
         if body.request_id is not None:
             raise APIError(400, "a session turn has no request_id of its own (the session is the request)",
                            "request_id")

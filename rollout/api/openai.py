@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.errors import InvalidRequestError
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import RequestOutputKind
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from rollout.api.errors import APIError, engine_error
 from rollout.api.generate import final_output, off_loop, render_chat, tokenize_prompts, usage_json
 from rollout.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
@@ -239,9 +239,9 @@ async def completions(body: CompletionRequest, request: Request):
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    text = await render_chat(get_state(request), body.messages, body.add_generation_prompt,
-                             body.continue_final_message, body.chat_template_kwargs, body.tools)
-    return await _serve(request, body, [text], "messages", chat=True)
+    prompt = await render_chat(get_state(request), body.messages, body.add_generation_prompt,
+                               body.continue_final_message, body.chat_template_kwargs, body.tools)
+    return await _serve(request, body, [prompt], "messages", chat=True)
 
 
 # ---- vLLM's tokenizer and info routes ---------------------------------------------------------------
@@ -257,7 +257,10 @@ async def tokenize(body: TokenizeRequest, request: Request):
         state, body.messages, body.add_generation_prompt, chat_template_kwargs=body.chat_template_kwargs,
         tools=body.tools)
     tok = state.engine.tokenizer
-    ids = await off_loop(tok.encode, text, size=len(text), add_special_tokens=body.add_special_tokens)
+    if isinstance(text, dict):  # messages with images: their placeholders expanded, as the engine runs them
+        ids = (await tokenize_prompts(state, [text], "messages", False, SamplingParams()))[0].ids
+    else:
+        ids = await off_loop(tok.encode, text, size=len(text), add_special_tokens=body.add_special_tokens)
     out = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
     if body.return_token_strs:
         out["token_strs"] = tok.convert_ids_to_tokens(ids)
