@@ -412,6 +412,7 @@ class AsyncLLM:
         """{"replicas": [replica indices], "alive": [the live ones]}; EngineDeadError when none lives."""
         if self.dead_error is not None:
             raise self.dead_error
+        self._start_output_handler()  # (heartbeats arrive through it)
         return self.client.check_health()
 
     @property

@@ -136,6 +136,9 @@ class EngineConfig:
         core (engine/profiler.py); None = profiling off (the calls are refused).
     encoder_cache_size: a vision-language model's encoder cache holds at most this many image
         embeddings (placeholder tokens), least recently used out first.
+    heartbeat_interval_s, engine_stall_timeout_s: an engine-core process sends a heartbeat this
+        often; check_health() reports a core stalled when none came for engine_stall_timeout_s or
+        its loop has been inside one step or call that long (a hung collective, a stuck push).
     """
 
     model: str | None = None
@@ -162,6 +165,8 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     encoder_cache_size: int = 16384
+    heartbeat_interval_s: float = 1.0
+    engine_stall_timeout_s: float = 600.0
     model_config: ModelConfig = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -199,6 +204,9 @@ class EngineConfig:
                      "encoder_cache_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        for name in ("heartbeat_interval_s", "engine_stall_timeout_s"):
+            if not isinstance(getattr(self, name), (int, float)) or not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.log_stats_interval_s is not None and not self.log_stats_interval_s > 0:

@@ -183,7 +183,7 @@ class InprocClient(_SyncPlans):
             return [e]
 
     def check_health(self) -> dict:
-        return {"replicas": [0], "alive": [0]}
+        return {"replicas": [0], "alive": [0], "stalled": []}
 
     def shutdown(self) -> None:
         self.core.shutdown()
@@ -229,6 +229,25 @@ class EngineState:
     routable: bool = True  # new requests may go there (not while joining or draining)
     num_in_flight: int = 0  # this frontend's unfinished requests there
     load: int = 0  # waiting + running there, as the DP coordinator last published it
+    heartbeat_at: float | None = None  # time.monotonic() of its last heartbeat here (None: none yet)
+    busy: tuple[float, str] = (0.0, "")  # that heartbeat's (seconds inside one step or call, which)
+
+    def beat(self, hb) -> None:
+        self.heartbeat_at, self.busy = time.monotonic(), (hb.busy_s, hb.doing)
+
+    def stalled(self, timeout: float) -> dict | None:
+        """{"replica", "seconds", "in"} if its last heartbeat is `timeout` seconds old or says it
+        is `timeout` into one piece of work; else None (also before its first heartbeat)."""
+        if self.heartbeat_at is None:
+            return None
+        now = time.monotonic()
+        silent = now - self.heartbeat_at
+        busy = self.busy[0] + silent if self.busy[0] else 0.0
+        if silent >= timeout:
+            return {"replica": self.index, "seconds": round(silent, 1), "in": "no heartbeat"}
+        if busy >= timeout:
+            return {"replica": self.index, "seconds": round(busy, 1), "in": self.busy[1]}
+        return None
 
 
 class _MPClientBase:
@@ -380,13 +399,22 @@ class _MPClientBase:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
 
+    def _beat(self, outs: EngineCoreOutputs) -> None:
+        engine = self.engines.get(outs.engine_index)
+        if engine is not None:
+            engine.beat(outs.heartbeat)
+
     def check_health(self) -> dict:
-        """{"replicas": [indices], "alive": [indices]}; EngineDeadError when none is alive."""
+        """{"replicas": [indices], "alive": [indices], "stalled": [{"replica", "seconds", "in"}]}
+        (stalled: alive, but no heartbeat or no progress for engine_stall_timeout_s; see
+        protocol.Heartbeat); EngineDeadError when none is alive."""
         self._check_alive()
         alive = [i for i, e in self.engines.items() if e.alive and self.manager.is_alive(i)]
         if not alive:
             raise EngineDeadError("no engine-core process is running")
-        return {"replicas": sorted(self.engines), "alive": alive}
+        timeout = self.config.engine_stall_timeout_s
+        stalled = [s for i in alive if (s := self.engines[i].stalled(timeout)) is not None]
+        return {"replicas": sorted(self.engines), "alive": alive, "stalled": stalled}
 
     def _apply_loads(self, msg: bytes) -> None:
         """A DPLoads message from the coordinator: every replica's waiting + running."""
@@ -424,6 +452,9 @@ class SyncMPClient(_MPClientBase, _SyncPlans):
                     return
                 continue
             outs: EngineCoreOutputs = self.decoder.decode(sock.recv_multipart(copy=False))
+            if outs.heartbeat is not None:
+                self._beat(outs)
+                continue
             if outs.engine_dead is not None:
                 self._set_dead(outs.engine_index, outs.engine_dead)
                 self._fail_calls(outs.engine_index, outs.engine_dead)
@@ -612,6 +643,9 @@ class AsyncMPClient(_MPClientBase):
             if recv not in done:
                 raise EngineDeadError(self.dead_reason)
             outs: EngineCoreOutputs = self.decoder.decode(recv.result())
+            if outs.heartbeat is not None:
+                self._beat(outs)
+                continue
             if outs.engine_dead is not None:
                 self._set_dead(outs.engine_index, outs.engine_dead)
                 lost = self._lost_requests(outs.engine_index, outs.engine_dead)

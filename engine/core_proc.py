@@ -14,6 +14,7 @@ the GIL). Startup handshake over a separate DEALER (identity = engine index): HE
 {addresses, config} -> READY {num_blocks, max_model_len} (or the failure). The process dies
 with its parent (PR_SET_PDEATHSIG, plus a parent-pid watchdog), so no orphan is left behind.
 """
+import contextlib
 import ctypes
 import logging
 import os
@@ -32,7 +33,7 @@ from engine.config import EngineConfig
 from engine.core import Deferred, EngineCore
 from engine.errors import InvalidRequestError
 from engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineLoad, FinishReason,
-                             RequestType, StreamInput, UtilityOutput, UtilityRequest)
+                             Heartbeat, RequestType, StreamInput, UtilityOutput, UtilityRequest)
 from engine.serial import MsgpackDecoder, MsgpackEncoder
 
 DEFERRED_POLL_S = 0.005
@@ -139,8 +140,10 @@ class EngineCoreProc:
         self.client_of: dict[str, int] = {}  # request id -> the frontend that sent it (several frontends only)
         self.deferred: list[tuple[int, int, Deferred]] = []  # (frontend, call id, answer once it holds)
         self._last_load: tuple[int, int] | None = None
+        self.busy: tuple[str, float] | None = None  # (what, since when) the busy loop is doing; None: idle
         threading.Thread(target=self._input_thread, daemon=True, name="core-input").start()
         threading.Thread(target=self._output_thread, daemon=True, name="core-output").start()
+        threading.Thread(target=self._heartbeat_thread, daemon=True, name="core-heartbeat").start()
 
     # ---- IO threads -----------------------------------------------------------------------
     def _input_thread(self) -> None:
@@ -167,6 +170,15 @@ class EngineCoreProc:
                     self.input_queue.put((client[sock], kind, decoders[kind].decode(frames[1:])))
                 except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as e:  # includes unknown kinds
                     logger.error("dropping an undecodable message (%s): %s", bytes(frames[0].buffer)[:16], e)
+
+    def _heartbeat_thread(self) -> None:
+        interval = self.core.config.heartbeat_interval_s
+        while True:
+            time.sleep(interval)
+            busy = self.busy
+            beat = Heartbeat(time.monotonic() - busy[1], busy[0]) if busy else Heartbeat(0.0)
+            for client in range(self.num_clients):
+                self.output_queue.put((client, EngineCoreOutputs(heartbeat=beat)))
 
     def _output_thread(self) -> None:
         pushes = []
@@ -200,6 +212,10 @@ class EngineCoreProc:
                     sock.send_multipart(frames, copy=False)
                     sock.close()
                 return
+            if outputs.heartbeat is not None:  # dropped rather than queued behind a frontend that reads nothing
+                with contextlib.suppress(zmq.Again):
+                    pushes[dest].send_multipart(frames, zmq.NOBLOCK, copy=False)
+                continue
             pushes[dest].send_multipart(frames, copy=False)
 
     # ---- busy loop --------------------------------------------------------------------------
@@ -207,6 +223,7 @@ class EngineCoreProc:
         try:
             while True:
                 if not self.core.has_work():  # idle: block for input, or until something is due
+                    self.busy = None
                     try:
                         self._handle(*self.input_queue.get(timeout=self._idle_timeout()))
                     except queue.Empty:
@@ -214,6 +231,7 @@ class EngineCoreProc:
                 while not self.input_queue.empty():
                     self._handle(*self.input_queue.get_nowait())
                 if self.core.has_work():
+                    self.busy = ("step", time.monotonic())
                     self._send(self.core.step(), time.monotonic())
                 if self.deferred:
                     self._resolve_deferred()
@@ -276,6 +294,7 @@ class EngineCoreProc:
         if not callable(fn):
             failure = f"the engine core has no method {req.method!r}"
             return self._answer(client, UtilityOutput(req.call_id, failure=failure))
+        self.busy = (req.method, time.monotonic())
         try:
             result = fn(*req.args, **req.kwargs)
         except Exception as e:  # reported to the caller; the engine keeps serving

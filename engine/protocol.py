@@ -105,11 +105,22 @@ class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
         return cls(call_id, failure=message, failure_type=type(e).__name__, failure_param=getattr(e, "param", None))
 
 
+class Heartbeat(msgspec.Struct, array_like=True, gc=False):
+    """Sent by every engine core to every frontend each heartbeat_interval_s, from a thread of
+    its own: how long its busy loop has been inside one piece of work (0 when idle), and which
+    ("step" or a utility method's name). A core that stops sending, or stays busy past
+    engine_stall_timeout_s, is reported stalled by check_health (and /health)."""
+
+    busy_s: float
+    doing: str = ""
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Everything the core sends back in one message."""
 
     outputs: list[EngineCoreOutput] = []
     utility_output: UtilityOutput | None = None
+    heartbeat: Heartbeat | None = None
     engine_dead: str | None = None  # the core is going down; the reason
     timestamp: float = 0.0  # time.monotonic() in the core when the step's outputs were queued
     engine_index: int = 0  # which engine core (data-parallel replica) sent it

@@ -62,6 +62,11 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--log-stats-interval-s", type=float, default=None,
                    help="log one engine stats line this often (throughput, queue, KV usage, prefix hits; "
                         "shown with --log-level info)")
+    s.add_argument("--engine-stall-timeout-s", type=float, default=600.0,
+                   help="/health is 503 when every engine core sent no heartbeat, or sat in one step or call, "
+                        "this long (a hung collective or push)")
+    s.add_argument("--encoder-cache-size", type=int, default=16384,
+                   help="vision-language models: image embeddings (placeholder tokens) the encoder cache holds")
     s.add_argument("--profiler-dir", default=None,
                    help="enables /start_profile and /stop_profile: torch-profiler traces of the engine core go here")
     s.add_argument("--batch-invariant", action="store_true",
@@ -128,7 +133,8 @@ def _serve(args) -> int:
                          data_parallel_backend=args.data_parallel_backend, batch_invariant=args.batch_invariant,
                          profiler_dir=args.profiler_dir, log_stats_interval_s=args.log_stats_interval_s,
                          enable_lora=args.enable_lora or bool(args.lora_modules), max_loras=args.max_loras,
-                         max_lora_rank=args.max_lora_rank)
+                         max_lora_rank=args.max_lora_rank, engine_stall_timeout_s=args.engine_stall_timeout_s,
+                         encoder_cache_size=args.encoder_cache_size)
     try:
         config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                               api_key=args.api_key, admin_api_key=args.admin_api_key,

@@ -188,16 +188,23 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/health", tags=["info"])
     async def health(request: Request):
-        """200 {"status": "ok"} while every replica lives, {"status": "degraded", "dead_replicas"}
-        while some serve on; 503 once none does. While generation is paused it says for how long
-        ("paused_seconds"): a pause nobody lifts is visible to an orchestrator."""
+        """200 {"status": "ok"} while every replica lives, {"status": "degraded", "dead_replicas",
+        "stalled_replicas"} while some serve on; 503 once none does: all dead, or every live one
+        stalled (no heartbeat, or stuck in one step or call, for --engine-stall-timeout-s). While
+        generation is paused it says for how long ("paused_seconds"): a pause nobody lifts is
+        visible to an orchestrator."""
         engine = get_state(request).engine
         try:
             health = await engine.check_health()
         except Exception as e:  # noqa: BLE001 - dead (or unreachable) engine
             return JSONResponse(error_body(503, f"the engine is not healthy: {e}"), status_code=503)
         dead = sorted(set(health["replicas"]) - set(health["alive"]))
-        body = {"status": "degraded", "dead_replicas": dead} if dead else {"status": "ok"}
+        stalled = health.get("stalled", [])
+        if len(stalled) == len(health["alive"]):
+            what = "; ".join(f"replica {s['replica']}: {s['in']} for {s['seconds']} s" for s in stalled)
+            return JSONResponse(error_body(503, f"the engine is stalled ({what})"), status_code=503)
+        body = {"status": "degraded", "dead_replicas": dead, "stalled_replicas": stalled} if dead or stalled \
+            else {"status": "ok"}
         with contextlib.suppress(Exception):  # a busy or dying engine: liveness is the answer
             stats = await asyncio.wait_for(engine.get_stats(), HEALTH_STATS_TIMEOUT_S)
             if stats["is_paused"]:

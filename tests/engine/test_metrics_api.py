@@ -19,7 +19,8 @@ def check(metrics, outs):
     m = by_name(metrics)
     generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
     assert isinstance(m[f"{PREFIX}_num_requests_running"], Gauge)
-    assert {f"{PREFIX}_{name}" for k, (name, _) in ENGINE_GAUGES.items() if k != "num_replicas_alive"} <= set(m)
+    assert {f"{PREFIX}_{name}" for k, (name, _) in ENGINE_GAUGES.items()
+            if k != "num_replicas_alive" and not k.startswith("encoder_cache")} <= set(m)  # (VLMs only)
     assert m[f"{PREFIX}_generation_tokens"].value == generated  # the core's count
     assert isinstance(m[f"{PREFIX}_completion_tokens"], Counter) and m[f"{PREFIX}_completion_tokens"].value == generated
     assert m[f"{PREFIX}_prompt_tokens"].value == sum(len(o.prompt_token_ids) for o in outs)
