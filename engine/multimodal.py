@@ -38,6 +38,35 @@ class ImageProcessor:
             raise ValueError(f"{folder}: the processor's image_seq_len {self.hf.image_seq_len} does not match the "
                              f"model's {self.tokens_per_tile} tokens per tile")
 
+    def split_chat(self, messages: list[dict]) -> tuple[list[dict], list]:
+        """(messages with each image part replaced by {"type": "image"} (the processor's chat
+        template writes its <image> marker there), the images in order)."""
+        out, images = [], []
+        for m in messages:
+            content = m.get("content")
+            if not isinstance(content, list):
+                out.append(m)
+                continue
+            parts = []
+            for p in content:
+                kind = p.get("type") if isinstance(p, dict) else None
+                if kind == "text":
+                    parts.append({"type": "text", "text": p.get("text") or ""})
+                elif kind in ("image_url", "image"):
+                    image = p.get(kind)
+                    image = image.get("url") if isinstance(image, dict) else image
+                    if image is None:
+                        raise InvalidRequestError(f"an {kind} part needs its image ({{'type': 'image_url', "
+                                                  "'image_url': {'url': 'data:image/png;base64,...'}})",
+                                                  "messages.content")
+                    images.append(image)
+                    parts.append({"type": "image"})
+                else:
+                    raise InvalidRequestError(f"content part type {kind!r} is not supported (text, image_url, "
+                                              "image)", "messages.content")
+            out.append(dict(m, content=parts))
+        return out, images
+
     def process(self, text: str, images) -> tuple[list[int], list[MMFeature]]:
         """(prompt token ids with the placeholders, one MMFeature per image); InvalidRequestError
         for images that cannot be read or markers that do not match them."""

@@ -121,8 +121,31 @@ class Processor:
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is out of the vocabulary [0, {self.vocab_size})", "prompt")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs) -> str | dict:
+        """The conversation as the chat template renders it. Image parts of a message's content
+        ({"type": "image_url", "image_url": {"url": ...}} as OpenAI sends them, or {"type": "image",
+        "image": ...}; a vision-language model) make it the prompt dict {"prompt": text,
+        "multi_modal_data": {"image": [...]}}, rendered with the processor's template."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise InvalidRequestError("a conversation must be a list of {'role': ..., 'content': ...} dicts")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False)
+        template, images = self.tokenizer, []
+        if self.images is not None:
+            messages, images = self.images.split_chat(messages)
+            template = self.images.hf if self.images.hf.chat_template else template
+        else:
+            messages = [_joined_text(m) for m in messages]
+        text = template.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                            **kwargs)
+        return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+
+
+def _joined_text(message: dict) -> dict:
+    """A text model's message: content parts must all be text (joined into one string)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        raise InvalidRequestError("only text content parts are supported (this model takes no images)",
+                                  "messages.content")
+    return dict(message, content="".join(p.get("text") or "" for p in content))

@@ -77,24 +77,22 @@ async def render_chat(state, messages: list, add_generation_prompt: bool = True,
     """The conversation as the model's chat template renders it (a 400 naming `messages` if it
     cannot); with images (image_url parts, a vision-language model) the prompt dict
     {"prompt": text, "multi_modal_data": {"image": [urls]}}, rendered by the model's processor."""
-    vision = state.engine.processor.images
-    images = [] if vision is not None else None
-    convo = [m.to_template(images) for m in messages]
+    convo = [m.to_template() for m in messages]
     kwargs = dict(chat_template_kwargs or {})
     if tools:
         kwargs["tools"] = tools
-    template = vision.hf if vision is not None and vision.hf.chat_template else state.engine.tokenizer
     try:
-        text = await off_loop(template.apply_chat_template, convo,
-                              size=sum(len(str(m.get("content") or "")) for m in convo),
-                              add_generation_prompt=add_generation_prompt and not continue_final_message,
-                              continue_final_message=continue_final_message, tokenize=False, **kwargs)
+        prompt = await off_loop(state.engine.processor.apply_chat_template, convo,
+                                size=sum(len(str(m.get("content") or "")) for m in convo),
+                                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                continue_final_message=continue_final_message, **kwargs)
+    except InvalidRequestError as e:  # unsupported content parts
+        raise APIError(400, str(e), e.param or "messages") from e
     except Exception as e:  # jinja errors, bad roles, ...
         raise APIError(400, f"the chat template cannot render these messages: {e}", "messages") from e
-    if not images:
-        return text
-    check_image_urls(images, "messages.content")
-    return {"prompt": text, "multi_modal_data": {"image": images}}
+    if isinstance(prompt, dict):
+        check_image_urls(prompt["multi_modal_data"]["image"], "messages.content")
+    return prompt
 
 
 def check_image_urls(urls: list, param: str) -> None:

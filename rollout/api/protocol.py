@@ -146,36 +146,9 @@ class ChatMessage(BaseModel):
     role: str
     content: None | str | list[ContentPart] = None
 
-    def to_template(self, images: list | None = None) -> dict:
-        """The message as a chat template reads it. `images` (a vision-language model): image_url
-        parts become {"type": "image"} parts and their URLs are appended to it; else only text
-        parts are accepted (joined)."""
-        d = self.model_dump(exclude_none=True)
-        if not isinstance(self.content, list):
-            return d
-        if images is None:
-            if any(p.type != "text" for p in self.content):
-                raise APIError(400, "only text content parts are supported (this model takes no images)",
-                               "messages.content")
-            d["content"] = "".join(p.text or "" for p in self.content)
-            return d
-        parts = []
-        for p in self.content:
-            if p.type == "text":
-                parts.append({"type": "text", "text": p.text or ""})
-            elif p.type == "image_url":
-                url = (p.model_extra.get("image_url") or {})
-                url = url.get("url") if isinstance(url, dict) else url
-                if not isinstance(url, str):
-                    raise APIError(400, "an image_url part needs {'image_url': {'url': 'data:image/...;base64,...'}}",
-                                   "messages.content")
-                images.append(url)
-                parts.append({"type": "image"})
-            else:
-                raise APIError(400, f"content part type {p.type!r} is not supported (text, image_url)",
-                               "messages.content")
-        d["content"] = parts
-        return d
+    def to_template(self) -> dict:
+        """The message as engine.processor.Processor.apply_chat_template reads it."""
+        return self.model_dump(exclude_none=True)
 
 
 class ChatCompletionRequest(_OpenAISampling):

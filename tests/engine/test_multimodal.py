@@ -140,3 +140,23 @@ def test_text_models_refuse_images(tiny_folder, default_model_path):
             llm.generate({"prompt": "x <image>", "multi_modal_data": {"image": random_image(8, 8, 0)}}, GREEDY)
     finally:
         llm.shutdown()
+
+
+def test_chat_with_images_and_chunked_prefill(vlm, default_model_path):
+    """LLM.chat takes image parts; a prompt prefilled in 16-token chunks (an image's placeholders
+    split across chunks, the image encoded once) gives the same tokens as transformers."""
+    _, model, processor, folder = vlm
+    llm = LLM(str(folder), multiprocess=False, dtype="float32", kv_cache_memory=32 << 20,
+              max_num_batched_tokens=16, enable_prefix_caching=False)
+    try:
+        image = random_image(50, 30, 7)
+        messages = [{"role": "user", "content": [{"type": "image", "image": image},
+                                                 {"type": "text", "text": "What is it?"}]}]
+        out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+        text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {
+            "type": "text", "text": "What is it?"}]}], add_generation_prompt=True, tokenize=False)
+        assert out.outputs[0].token_ids == reference(model, processor, text, [image])
+        stats = llm.get_stats()
+        assert stats["encoder_cache_queries"] > 1 and stats["encoder_cache_hits"] == stats["encoder_cache_queries"] - 1
+    finally:
+        llm.shutdown()
