@@ -64,7 +64,7 @@ def test_requests_spread_and_control_reaches_every_replica(tiny_folder):
         llm.sleep(1)
         assert llm.is_sleeping() and all(s["is_sleeping"] for s in replica_stats(llm))
         assert llm.wake_up()["is_sleeping"] is False
-        assert llm.check_health() == {"replicas": [0, 1], "alive": [0, 1]}
+        assert llm.check_health() == {"replicas": [0, 1], "alive": [0, 1], "stalled": []}
         again = llm.generate(prompts(8), GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
     finally:
@@ -147,7 +147,7 @@ def test_a_replica_killed_fails_its_callers_and_the_other_serves_on(tiny_folder,
         await _until(lambda: all(isinstance(results[i], EngineDeadError) for i in victims), timeout=5)
         assert time.monotonic() - t0 < 5
         assert not any(isinstance(results[i], Exception) for i in range(4) if i not in victims)
-        assert (await llm.check_health()) == {"replicas": [0, 1], "alive": [1]}
+        assert (await llm.check_health()) == {"replicas": [0, 1], "alive": [1], "stalled": []}
         out = None
         async for out in llm.generate([5] * 6, GREEDY):  # new requests go to the survivor
             pass
