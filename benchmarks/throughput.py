@@ -12,7 +12,11 @@ process; ours_mp = LLM through the engine-core process (the default); ours_dp2 =
 engine-core replicas (data parallelism; the cores split between them); ours_bi = ours in
 batch-invariant mode (float32 only: fixed-order matmuls and per-token attention); async = AsyncLLM, one
 concurrent generate() per prompt, DELTA outputs, which also reports the frontend's median
-per-token latency (engine core queued the token -> the caller's async-for received it).
+per-token latency (engine core queued the token -> the caller's async-for received it);
+floor = the model's decode matmuls alone through plain F.linear at that batch size (every
+layer's q/k/v, o, gate/up and down and the LM head, the model's shapes, random weights): the
+"F.linear floor" of issue 15, which prepacked weights can beat. Its single-stream row also
+gives the weight-read bound: measured read bandwidth / weight bytes per token.
 
     python benchmarks/throughput.py                       # everything (~10 min on 2 cores)
     python benchmarks/throughput.py --dtypes bfloat16 --batches 32 --reps 1
@@ -118,6 +122,52 @@ def run_async(dtype, batches, reps):
     return res
 
 
+def run_floor(dtype, batches, reps):
+    import torch
+    import torch.nn.functional as F
+
+    from engine.config import ModelConfig
+    from engine.default_model import resolve_model
+
+    torch.set_num_threads(os.cpu_count())
+    mc = ModelConfig.from_folder(str(resolve_model(None)))
+    q, kv, H, inter = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim, mc.hidden_size, mc.intermediate_size
+    shapes = [(q + 2 * kv, H), (H, q), (2 * inter, H), (H, inter)] * mc.num_layers + [(mc.vocab_size, H)]
+    dt = getattr(torch, dtype)
+    weights = [torch.randn(n, k).to(dt) for n, k in shapes]
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    res = {"load_s": 0.0}
+
+    def step_s(b: int) -> float:
+        xs = {k: torch.randn(b, k).to(dt) for _, k in shapes}
+        for w in weights:  # warm-up
+            F.linear(xs[w.shape[1]], w)
+        times = []
+        for _ in range(max(reps, 3)):
+            t0 = time.perf_counter()
+            for w in weights:
+                F.linear(xs[w.shape[1]], w)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    for b in batches:
+        key = "single_decode_tok_s" if b == 1 else f"b{b}_greedy_tok_s"
+        res[key] = b / step_s(b)
+        _log(f"  batch {b}: {res[key]:.0f} tok/s (matmuls only)")
+    big = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB, read once per sum
+    big.sum()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        big.sum()
+    res["read_gb_s"] = 5 * big.numel() * 4 / (time.perf_counter() - t0) / 1e9
+    res["weight_mb"] = weight_bytes / 1e6
+    res["weight_bound_tok_s"] = res["read_gb_s"] * 1e9 / weight_bytes
+    _log(f"  read bandwidth {res['read_gb_s']:.1f} GB/s, {res['weight_mb']:.0f} MB of weights per token: "
+         f"single stream bound {res['weight_bound_tok_s']:.1f} tok/s")
+    res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return res
+
+
 def run_hf(dtype, batches, reps):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -172,7 +222,7 @@ def _log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-ENGINES = {"hf": run_hf, "ours": run_ours, "ours_mp": run_ours_mp, "ours_dp2": run_ours_dp2, "ours_bi": run_ours_bi,
+ENGINES = {"floor": run_floor, "hf": run_hf, "ours": run_ours, "ours_mp": run_ours_mp, "ours_dp2": run_ours_dp2, "ours_bi": run_ours_bi,
            "async": run_async}
 
 
@@ -235,6 +285,10 @@ def print_table(results, batches):
     print("-+-".join("-" * w for w in widths))
     for r in rows:
         print(line(r))
+    for (engine, dtype), r in results.items():
+        if engine == "floor":
+            print(f"floor {dtype}: read bandwidth {r['read_gb_s']:.1f} GB/s, {r['weight_mb']:.0f} MB of weights per "
+                  f"token -> single-stream weight-read bound {r['weight_bound_tok_s']:.1f} tok/s")
     print("tok/s; (x) = ratio to transformers in the same run; single = single-stream greedy decode tok/s;\n"
           "lag ms = median time from the engine core queuing a token to the AsyncLLM caller receiving it")
 
