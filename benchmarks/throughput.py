@@ -154,7 +154,7 @@ def run_floor(dtype, batches, reps):
         key = "single_decode_tok_s" if b == 1 else f"b{b}_greedy_tok_s"
         res[key] = b / step_s(b)
         _log(f"  batch {b}: {res[key]:.0f} tok/s (matmuls only)")
-    big = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB, read once per sum
+    big = torch.ones(weight_bytes // 4, dtype=torch.float32)  # as many bytes as the weights, read by sum()
     big.sum()
     t0 = time.perf_counter()
     for _ in range(5):
@@ -222,8 +222,8 @@ def _log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-ENGINES = {"floor": run_floor, "hf": run_hf, "ours": run_ours, "ours_mp": run_ours_mp, "ours_dp2": run_ours_dp2, "ours_bi": run_ours_bi,
-           "async": run_async}
+ENGINES = {"floor": run_floor, "hf": run_hf, "ours": run_ours, "ours_mp": run_ours_mp, "ours_dp2": run_ours_dp2,
+           "ours_bi": run_ours_bi, "async": run_async}
 
 
 def main():
@@ -274,7 +274,8 @@ def print_table(results, batches):
             ratio = f" ({v / hf[c]:.2f}x)" if engine != "hf" and v and hf.get(c) else ""
             cells.append("-" if v is None else f"{v:.0f}{ratio}")
         v = r.get("single_decode_tok_s")
-        ratio = f" ({v / hf['single_decode_tok_s']:.2f}x)" if engine != "hf" and v and hf.get("single_decode_tok_s") else ""
+        base = hf.get("single_decode_tok_s")
+        ratio = f" ({v / base:.2f}x)" if engine != "hf" and v and base else ""
         lag = r.get("frontend_lag_ms_p50")
         cells += ["-" if v is None else f"{v:.1f}{ratio}", f"{r['peak_rss_mb']:.0f}", f"{r['load_s']:.1f}",
                   "-" if lag is None else f"{lag:.2f}"]

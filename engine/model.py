@@ -25,29 +25,30 @@ from kernels.rotary import rope_and_cache, rope_cos_sin_cache, rope_inv_freq
 from weight_sync.checkpoint import load_safetensors_folder
 
 
-# float32 rows below which a projection runs the C++ row kernel (kernels/csrc/invariant_ops.cpp)
-# rather than oneDNN: at 1-4 rows it reads the weights ~2-3x faster (measured on an AVX-512 EPYC;
-# README, Performance); from ~8 rows oneDNN's prepacked GEMM wins.
-FP32_ROW_KERNEL_MAX_ROWS = 7
+# Steps of at most this many rows run a C++ kernel that streams the weights once (float32:
+# kernels/csrc/invariant_ops.cpp, bf16: rows_linear.cpp) rather than oneDNN's prepacked GEMM,
+# which wins from there on (measured on an AVX-512 EPYC, benchmarks/throughput.py; README).
+ROWS_KERNEL_MAX_ROWS = {torch.float32: 7, torch.bfloat16: 2}
 
 
 class Linear:
     """y = x @ weight.T (+ bias) through, in this order of preference: a oneDNN-prepacked copy of
-    the weight (bf16 and float32 on CPU; float32 steps of few rows take `rows_kernel`); the
-    fixed-order kernel whose every output is one dot product (batch-invariant mode); F.linear."""
+    the weight (bf16 and float32 on CPU; steps of few rows take `rows_kernel`); the fixed-order
+    kernel whose every output is one dot product (batch-invariant mode); F.linear."""
 
-    __slots__ = ("weight", "bias", "packed", "invariant", "rows_kernel")
+    __slots__ = ("weight", "bias", "packed", "invariant", "rows_kernel", "rows_max")
 
     def __init__(self, out_features: int, in_features: int, bias: bool, dtype, device):
         self.weight = torch.zeros(out_features, in_features, dtype=dtype, device=device)
         self.bias = torch.zeros(out_features, dtype=dtype, device=device) if bias else None
         self.packed = None
         self.invariant = None  # kernels' invariant_linear(x, weight, bias) in batch-invariant mode
-        self.rows_kernel = None  # the same kernel for float32 steps of few rows (packed weights otherwise)
+        self.rows_kernel = None  # (x, weight, bias) for steps of <= rows_max rows (packed weights otherwise)
+        self.rows_max = 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            if self.rows_kernel is not None and x.shape[0] <= FP32_ROW_KERNEL_MAX_ROWS:
+            if x.shape[0] <= self.rows_max:
                 return self.rows_kernel(x, self.weight, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.invariant is not None:
@@ -57,6 +58,7 @@ class Linear:
     def pack(self, enable: bool, rows_kernel=None) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32) if enable else None
         self.rows_kernel = rows_kernel if enable else None
+        self.rows_max = ROWS_KERNEL_MAX_ROWS.get(self.weight.dtype, 0) if self.rows_kernel is not None else 0
 
 
 class Layer:
@@ -242,8 +244,9 @@ class LlamaModel:
         Batch-invariant mode packs nothing: its kernel is the one that gives invariant results."""
         enable = (self.device.type == "cpu" and not self.batch_invariant
                   and self.dtype in (torch.bfloat16, torch.float32) and _mkldnn_ok(self.dtype))
-        ext = cpu_ext.ops_for(self.device, self.dtype) if enable and self.dtype == torch.float32 else None
-        rows_kernel = ext.invariant_linear if ext is not None else None
+        ext = cpu_ext.ops_for(self.device, self.dtype) if enable else None
+        rows_kernel = None if ext is None else (ext.invariant_linear if self.dtype == torch.float32
+                                                else ext.bf16_rows_linear)
         for lin in self._linears():
             lin.pack(enable, rows_kernel)
 

@@ -1,8 +1,8 @@
 """Lazily built C++ CPU kernels (torch.utils.cpp_extension, JIT), and the rules for when
 they apply.
 
-`load()` compiles `csrc/paged_attention.cpp`, `csrc/fused_ops.cpp`, `csrc/invariant_ops.cpp`
-and their bindings (`csrc/bindings.cpp`, the one PYBIND11_MODULE; `csrc/ops.h` declares every
+`load()` compiles `csrc/paged_attention.cpp`, `csrc/fused_ops.cpp`, `csrc/invariant_ops.cpp`,
+`csrc/rows_linear.cpp` and their bindings (`csrc/bindings.cpp`, the one PYBIND11_MODULE; `csrc/ops.h` declares every
 op) into one
 extension module on first use (~10-60 s, once per source version) into
 `$ROLLOUT_CACHE/torch_extensions/<name>/` (default `~/.cache/rollout/...`) and returns the
@@ -35,7 +35,7 @@ logger = logging.getLogger("kernels")
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "invariant_ops.cpp",
-            _CSRC / "bindings.cpp"]
+            _CSRC / "rows_linear.cpp", _CSRC / "bindings.cpp"]
 _HEADERS = [_CSRC / "ops.h", _CSRC / "vec.h"]  # included by the sources: part of the hash
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]

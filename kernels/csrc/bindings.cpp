@@ -39,4 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("invariant_linear", &rollout_invariant::invariant_linear,
         "x (M, K) @ weight (N, K).T + bias, float32; each output one fixed-order dot product "
         "(batch-invariant)", py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("bf16_rows_linear", &rollout_rows::bf16_rows_linear,
+        "x (M, K) @ weight (N, K).T + bias, bfloat16, float32 sums: for steps of few rows",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
 }

@@ -1,5 +1,6 @@
-// The C++ CPU ops of the extension module, declared once: defined in paged_attention.cpp and
-// fused_ops.cpp, bound to Python in bindings.cpp (the module's only PYBIND11_MODULE).
+// The C++ CPU ops of the extension module, declared once: defined in paged_attention.cpp,
+// fused_ops.cpp, invariant_ops.cpp and rows_linear.cpp, bound to Python in bindings.cpp (the
+// module's only PYBIND11_MODULE).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -40,3 +41,9 @@ namespace rollout_invariant {
 at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias);
 }  // namespace rollout_invariant
+
+// rows_linear.cpp
+namespace rollout_rows {
+at::Tensor bf16_rows_linear(const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias);
+}  // namespace rollout_rows
