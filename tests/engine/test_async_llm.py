@@ -635,26 +635,26 @@ def test_kill_9_of_engine_core_fails_every_waiter(loop):
 def test_heartbeat_reports_a_core_stuck_in_one_call(loop):
     """A live core whose loop sits in one call past engine_stall_timeout_s is reported stalled
     (naming the call), and healthy again once it returns; a process that stops beating too."""
-    llm = AsyncLLM(dtype="float32", worker_extension_cls=EXT, heartbeat_interval_s=0.05, engine_stall_timeout_s=0.6)
+    llm = AsyncLLM(dtype="float32", worker_extension_cls=EXT, heartbeat_interval_s=0.05, engine_stall_timeout_s=1.0)
     pid = llm.client.manager.procs[0].pid
 
     async def main():
         await asyncio.sleep(0.3)
         assert (await llm.check_health())["stalled"] == []
-        slow = asyncio.ensure_future(llm.collective_rpc("sleep_for", args=[2.0]))
-        await asyncio.sleep(1.2)
+        slow = asyncio.ensure_future(llm.collective_rpc("sleep_for", args=[3.0]))
+        await asyncio.sleep(1.8)
         stalled = (await llm.check_health())["stalled"]
-        assert [(s["replica"], s["in"]) for s in stalled] == [(0, "collective_rpc")] and stalled[0]["seconds"] >= 0.6
+        assert [(s["replica"], s["in"]) for s in stalled] == [(0, "collective_rpc")] and stalled[0]["seconds"] >= 1.0
         await slow
         await asyncio.sleep(0.3)
         assert (await llm.check_health())["stalled"] == []
         os.kill(pid, signal.SIGSTOP)  # frozen: no heartbeat at all
         try:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.5)
             assert [s["in"] for s in (await llm.check_health())["stalled"]] == ["no heartbeat"]
         finally:
             os.kill(pid, signal.SIGCONT)
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.5)
         assert (await llm.check_health())["stalled"] == []
 
     try:

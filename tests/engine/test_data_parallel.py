@@ -152,9 +152,10 @@ def test_a_replica_killed_fails_its_callers_and_the_other_serves_on(tiny_folder,
         async for out in llm.generate([5] * 6, GREEDY):  # new requests go to the survivor
             pass
         assert out.outputs[0].finish_reason == "length"
-        assert (await llm.get_stats())["num_running"] == 2  # the survivor's two long requests
         await llm.abort([f"r{i}" for i in range(4)])
         await asyncio.gather(*tasks)
+        # the survivor's two long requests ran on: to the context's end, or until the abort
+        assert all(results[i].outputs[0].finish_reason in ("length", "abort") for i in range(4) if i not in victims)
         return pids
 
     llm = tiny_llm(tiny_folder, AsyncLLM, backend)
