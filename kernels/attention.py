@@ -46,7 +46,14 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale
 
 def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale,
                            sliding_window=None):
-    """C++ kernel on CPU when the extension builds (kernels.cpu_ext), else the reference."""
+    """C++ kernel on CPU when the extension builds (kernels.cpu_ext), the Triton kernel of
+    kernels/triton_attention.py on CUDA (triton installed; power-of-two head and block sizes),
+    else the reference."""
+    if q.is_cuda and _triton_fits(q.shape[-1], k_cache.shape[1]):
+        from kernels import triton_attention
+
+        return triton_attention.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale,
+                                                       sliding_window)
     if cpu_ext.supports_head_dim("attention", q.shape[-1]):
         ext = cpu_ext.ops_for(q.device, q.dtype)
         if ext is not None:
@@ -54,3 +61,10 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale,
                                               float(scale), int(sliding_window or 0))
     return paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale,
                                       sliding_window)
+
+
+def _triton_fits(head_dim: int, block_size: int) -> bool:
+    from kernels.norm import triton_available
+
+    power_of_two = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    return power_of_two(head_dim) and power_of_two(block_size) and triton_available()

@@ -8,7 +8,8 @@ x32 is x in float32; the residual add happens in x's dtype (one rounding of the 
 torch's bf16 add), and the norm is taken of the rounded sum. `weight * ...` runs in the dtype
 (a second rounding for bf16). The `_ref` functions are those torch ops, for any device; the
 dispatchers run the C++ op of kernels/csrc/fused_ops.cpp on CPU when the extension builds (it
-reproduces the references bit for bit on AVX-512 CPUs, see the .cpp), else the reference.
+reproduces the references bit for bit on AVX-512 CPUs, see the .cpp), the Triton kernel of
+kernels/triton_norm.py on CUDA (when triton is installed), else the reference.
 """
 import torch
 
@@ -56,4 +57,15 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
         ext = _ext_for(x, weight)
         if ext is not None:
             return ext.fused_add_rms_norm(x, residual, weight, eps)
+    if x.is_cuda and x.ndim == 2 and weight.dtype == x.dtype and triton_available():
+        from kernels import triton_norm
+
+        return triton_norm.fused_add_rms_norm(x, residual, weight, eps)
     return fused_add_rms_norm_ref(x, residual, weight, eps)
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels (kernels/triton_*.py; CUDA) can run: triton is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None

@@ -1,0 +1,72 @@
+"""The Triton kernels against their torch references: in Triton's interpreter on CPU
+(TRITON_INTERPRET=1, small shapes; triton is a dev extra) and, when a GPU is present, compiled
+on it. Skipped when triton is not installed."""
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels import triton_attention, triton_norm  # noqa: E402
+from kernels.attention import paged_decode_attention_ref  # noqa: E402
+from kernels.norm import fused_add_rms_norm_ref  # noqa: E402
+
+# tests/conftest.py sets TRITON_INTERPRET=1 on a machine without a GPU (CPU tensors); with one,
+# the kernels compile for it
+DEVICES = ["cuda"] if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else ["cpu"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("H", [64, 96])
+def test_fused_add_rms_norm(device, dtype, with_residual, H):
+    g = torch.Generator().manual_seed(H)
+    x = torch.randn(5, H, generator=g).to(device, dtype)
+    res = torch.randn(5, H, generator=g).to(device, dtype) if with_residual else None
+    w = (1 + 0.1 * torch.randn(H, generator=g)).to(device, dtype)
+    out, new_res = triton_norm.fused_add_rms_norm(x, res, w, 1e-6)
+    ref_out, ref_res = fused_add_rms_norm_ref(x, res, w, 1e-6)
+    if dtype == torch.float32:
+        assert torch.equal(new_res, ref_res)
+        torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+    else:  # the interpreter rounds float32 -> bf16 toward zero (a GPU to nearest): each of the three
+        # conversions (the sum, the normed value, the product) may cost a step; on a GPU one step
+        # at most (the order of the sum of squares)
+        steps = 1 if device == "cuda" else 4
+        for got, want in ((new_res, ref_res), (out, ref_out)):
+            assert ((got.float() - want.float()).abs() <= want.float().abs() * steps * 2 ** -7 + 1e-6).all()
+        if device == "cuda":
+            assert torch.equal(new_res, ref_res)
+
+
+def _paged_case(g, device, dtype, B=3, H=4, KVH=2, D=16, bs=4, num_blocks=24):
+    k_cache = torch.randn(num_blocks, bs, KVH, D, generator=g).to(device, dtype)
+    v_cache = torch.randn(num_blocks, bs, KVH, D, generator=g).to(device, dtype)
+    lens = torch.tensor([1, 7, 18], dtype=torch.int32)[:B]
+    table = torch.stack([torch.randperm(num_blocks, generator=g)[:6] for _ in range(B)]).to(torch.int32)
+    q = torch.randn(B, H, D, generator=g).to(device, dtype)
+    return q, k_cache, v_cache, table.to(device), lens.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_decode_attention(device, dtype, window):
+    g = torch.Generator().manual_seed(7)
+    q, k_cache, v_cache, table, lens = _paged_case(g, device, dtype)
+    got = triton_attention.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.25, window)
+    want = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, 0.25, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_paged_decode_attention_reads_a_layer_view_of_the_cache():
+    """The engine passes one layer's K/V as views into the whole cache (non-default strides)."""
+    g = torch.Generator().manual_seed(8)
+    q, k_cache, v_cache, table, lens = _paged_case(g, "cpu", torch.float32)
+    whole = torch.stack([torch.stack([k_cache, v_cache])] * 2)  # (layers, 2, blocks, bs, KVH, D)
+    k_view, v_view = whole[1, 0], whole[1, 1]
+    got = triton_attention.paged_decode_attention(q, k_view, v_view, table, lens, 0.25)
+    torch.testing.assert_close(got, paged_decode_attention_ref(q, k_cache, v_cache, table, lens, 0.25))
