@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_ext
+from .norm import triton_available
 
 CDF_CHUNK = 1024
 
@@ -53,12 +54,17 @@ def greedy_ref(logits: torch.Tensor, with_logprobs: bool) -> tuple[torch.Tensor,
 
 
 def greedy(logits: torch.Tensor, with_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """greedy_ref in one C++ pass on CPU (bf16 logits read as they are: no float32 copy)."""
+    """greedy_ref in one pass: the C++ op on CPU, the Triton kernel (kernels/triton_sampling.py)
+    on CUDA; bf16 logits read as they are, no float32 copy."""
     if logits.ndim == 2 and logits.stride(-1) == 1:
         ext = cpu_ext.ops_for(logits.device, logits.dtype)
         if ext is not None:
             ids, lps = ext.greedy_logprobs(logits, with_logprobs)
             return ids, lps if with_logprobs else None
+        if logits.is_cuda and triton_available():
+            from kernels import triton_sampling
+
+            return triton_sampling.greedy(logits, with_logprobs)
     return greedy_ref(logits, with_logprobs)
 
 

@@ -70,3 +70,46 @@ def test_paged_decode_attention_reads_a_layer_view_of_the_cache():
     k_view, v_view = whole[1, 0], whole[1, 1]
     got = triton_attention.paged_decode_attention(q, k_view, v_view, table, lens, 0.25)
     torch.testing.assert_close(got, paged_decode_attention_ref(q, k_cache, v_cache, table, lens, 0.25))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_cache(dtype):
+    from kernels import triton_rotary
+    from kernels.rotary import rope_and_cache_ref, rope_cos_sin_cache, rope_inv_freq
+
+    device = DEVICES[0]
+    g = torch.Generator().manual_seed(9)
+    T, Hq, Hkv, D, blocks, bs = 5, 4, 2, 16, 6, 4
+    inv_freq, factor = rope_inv_freq(D, 10000.0, None)
+    cs = rope_cos_sin_cache(inv_freq, factor, 64).to(device)
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(device, dtype)
+    positions = torch.tensor([0, 3, 17, 40, 63]).to(device)
+    slots = torch.randperm(blocks * bs, generator=g)[:T].to(device)
+    caches = [torch.zeros(blocks, bs, Hkv, D, dtype=dtype, device=device) for _ in range(4)]
+    q, k = triton_rotary.rope_and_cache(qkv, positions, cs, caches[0], caches[1], slots, Hq, Hkv, D)
+    q_ref, k_ref = rope_and_cache_ref(qkv, positions, cs, caches[2], caches[3], slots, Hq, Hkv, D)
+    if dtype == torch.float32 or device == "cuda":  # (fp32 FMA contraction may differ in the last bit)
+        tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=0)
+    else:  # the interpreter rounds to bf16 toward zero: up to a step per rounding (three here)
+        tol = dict(rtol=3 * 2 ** -7, atol=1e-2)
+    for got, want in ((q, q_ref), (k, k_ref), (caches[0], caches[2])):
+        torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(caches[1], caches[3])  # v: copied as is
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy(dtype):
+    from kernels import triton_sampling
+    from kernels.sampling import greedy_ref
+
+    device = DEVICES[0]
+    g = torch.Generator().manual_seed(10)
+    logits = (torch.randn(4, 5000, generator=g) * 3).to(device, dtype)
+    logits[1, 4321] = logits[1, 77] = logits[1].max() + 1  # a tie across blocks: the first wins
+    logits[2, :] = logits[2].min()
+    logits[2, 4999] = logits[2, 4998] = 5.0  # a tie inside the last (partial) block
+    ids, lps = triton_sampling.greedy(logits, True)
+    ref_ids, ref_lps = greedy_ref(logits, True)
+    assert torch.equal(ids, ref_ids) and ids[1] == 77 and ids[2] == 4998
+    torch.testing.assert_close(lps, ref_lps, rtol=1e-5, atol=1e-5)
+    assert triton_sampling.greedy(logits, False)[1] is None
