@@ -487,6 +487,26 @@ class EngineCore:
             self.lora_paths[lora_int_id] = lora_path
         return loaded
 
+    def export_loras(self) -> list[dict]:
+        """The resident adapters as a new replica needs them (scaling up): name, id, folder,
+        version, pin, and a pushed adapter's tensors (they exist nowhere else)."""
+        return [dict(a, path=self.lora_paths[a["id"]], version=self.lora_versions[a["id"]],
+                     tensors=a["tensors"] if a["id"] in self.lora_pushed else None)
+                for a in self.executor.collective_rpc("lora_state")[0]]
+
+    def import_loras(self, loras: list[dict]) -> bool:
+        """Load what export_loras gave (a replica that joins by scaling)."""
+        for a in loras:
+            self.add_lora(a["name"], a["id"], a["path"])
+            if a["tensors"] is not None:
+                self.executor.collective_rpc("stage_weights", ["tensors", [a["tensors"]], a["id"]])
+                self.executor.collective_rpc("commit_staged")
+                self.lora_pushed.add(a["id"])
+            if a["pinned"]:
+                self.pin_lora(a["id"])
+            self.lora_versions[a["id"]] = a["version"]
+        return True
+
     def remove_lora(self, lora_id: int) -> bool:
         if any(r.lora_id == lora_id for r in self.scheduler.requests.values()):
             raise EngineStateError(f"LoRA adapter {lora_id} is in use by requests in the engine")

@@ -709,7 +709,7 @@ class AsyncMPClient(_MPClientBase):
     # ---- elastic size ------------------------------------------------------------------------------
     async def scale_async(self, size: int, drain_timeout_s: float = 60.0) -> dict:
         """Grow or shrink to `size` live replicas. New ones copy a live replica's weights (pushed
-        ones included) and its pause state before they take requests; removed ones (the newest
+        ones included), LoRA adapters and pause state before they take requests; removed ones (the newest
         first) take no new requests, their requests get `drain_timeout_s` to finish, then are
         aborted with a final output. Dead replicas are dropped (a scale to the same size
         replaces them)."""
@@ -754,8 +754,11 @@ class AsyncMPClient(_MPClientBase):
                       for j, i in enumerate(new)]
             await asyncio.gather(self._call(source, "send_weights_to_peers", [host[0], port, n + 1], {}, None),
                                  *copies)
+            loras = await self._call(source, "export_loras", [], {}, None)
             for i in new:
                 await self._call(self.engines[i], "commit_weights", [state["weight_version"]], {}, None)
+                if loras:  # the adapters too, pushed ones with their tensors
+                    await self._call(self.engines[i], "import_loras", [loras], {}, None)
                 if state["is_paused"]:  # held (abort / wait) or frozen (keep) like the others
                     mode = "keep" if state["pause_state"] == "paused_all" else "abort"
                     await self._call(self.engines[i], "pause", [mode, False], {}, None)

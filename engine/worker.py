@@ -67,6 +67,12 @@ class Worker:
     def list_loras(self) -> list[int]:
         return self.model_runner.list_loras()
 
+    def lora_state(self) -> list[dict]:
+        """The resident adapters: name, id, pinned, their PEFT tensors (EngineCore.export_loras)."""
+        r = self.model_runner
+        return [{"name": a.request.lora_name, "id": i, "pinned": i in r.pinned_loras,
+                 "tensors": list(a.tensors.items())} for i, a in r.loras.items()]
+
     # ---- introspection --------------------------------------------------------------------
     def get_rank(self) -> int:
         return self.rank

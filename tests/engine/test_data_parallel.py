@@ -261,3 +261,41 @@ def test_scale_up_copies_live_weights_and_scale_down_drains(tiny_folder):
     finally:
         llm.shutdown()
     assert list(pids) == [0]  # the removed replica is gone from the manager too
+
+
+def test_scale_up_copies_lora_adapters(tmp_path):
+    """A replica that joins by scaling gets the live replica's LoRA adapters: loaded ones from
+    their folders, a pushed one with its pushed tensors and version; both replicas then serve
+    both adapters token-exact against PEFT."""
+    from engine.lora import LoRARequest
+    from tests.engine.test_lora import PROMPTS, build_models, lora_tensors, perturbed, reference
+
+    folder, _, adapters = build_models(tmp_path)
+    trained = perturbed(adapters[0][1], 1)
+    a0, a1 = LoRARequest("a0", 1, adapters[0][0]), LoRARequest("a1", 2, adapters[1][0])
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def one(llm, rid, lora):
+        out = None
+        async for out in llm.generate({"prompt_token_ids": PROMPTS[1]}, greedy, request_id=rid, lora_request=lora):
+            pass
+        return out.outputs[0]
+
+    async def main(llm):
+        await llm.add_lora(a0)
+        await llm.add_lora(a1)
+        await llm.update_weights_from_tensors(lora_tensors(trained), version=4, lora_id=1)
+        assert (await llm.scale(2))["added"] == [1]
+        assert await llm.collective_rpc("list_loras") == [[1, 2], [1, 2]]
+        outs = await asyncio.gather(*[one(llm, f"l{i}", a0 if i % 2 == 0 else a1) for i in range(8)])
+        assert all(s["num_generated_tokens"] > 0 for s in (await llm.get_stats())["replicas"])  # both served
+        for i, c in enumerate(outs):
+            model, version = (trained, 4) if i % 2 == 0 else (adapters[1][1], 0)
+            assert c.token_ids == reference(model, PROMPTS[1]) and c.lora_versions == [version] * 12, i
+
+    llm = AsyncLLM(folder, dtype="float32", kv_cache_memory=16 << 20, tokenizer=str(default_model_path()),
+                   enable_lora=True)
+    try:
+        asyncio.run(main(llm))
+    finally:
+        llm.shutdown()
