@@ -111,8 +111,9 @@ def load_adapter(request: LoRARequest, mc: ModelConfig, max_rank: int, dtype: to
     return build_adapter(request, {k: t.float() for k, t in tensors.items()}, rank, scale, mc, dtype, device)
 
 
-def adapter_shapes(tensors: dict, mc: ModelConfig, rank: int, bad=InvalidRequestError) -> dict[str, tuple]:
-    """The shape each of an adapter's tensors must have (every lora_A with its lora_B)."""
+def adapter_shapes(tensors: dict, mc: ModelConfig, rank: int, bad) -> dict[str, tuple]:
+    """The shape each of an adapter's tensors must have (every lora_A with its lora_B); `bad(problem)`
+    makes the refusal."""
     shapes, modules = {}, module_shapes(mc)
     for key in tensors:
         m = _KEY.match(key)

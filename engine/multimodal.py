@@ -21,6 +21,7 @@ from pathlib import Path
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
 from engine.protocol import MMFeature
+from engine.vision import tokens_per_tile
 
 
 class ImageProcessor:
@@ -32,8 +33,7 @@ class ImageProcessor:
         self.image_marker = self.hf.image_token  # "<image>": in the text, and as the placeholder token
         self.image_token_id = mc.vision["image_token_id"]
         self.global_token_id = tok.convert_tokens_to_ids("<global-img>")
-        v = mc.vision
-        self.tokens_per_tile = (v["image_size"] // v["patch_size"]) ** 2 // v["scale_factor"] ** 2
+        self.tokens_per_tile = tokens_per_tile(mc.vision)
         if self.hf.image_seq_len != self.tokens_per_tile:
             raise ValueError(f"{folder}: the processor's image_seq_len {self.hf.image_seq_len} does not match the "
                              f"model's {self.tokens_per_tile} tokens per tile")

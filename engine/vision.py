@@ -13,6 +13,11 @@ Face names (`tensors`), loaded and pushed like the decoder's.
 import torch
 import torch.nn.functional as F
 
+def tokens_per_tile(vc: dict) -> int:
+    """Placeholder tokens (encoder output rows) per image tile: patches / scale_factor^2."""
+    return (vc["image_size"] // vc["patch_size"]) ** 2 // vc["scale_factor"] ** 2
+
+
 ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
                "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
 
@@ -24,7 +29,6 @@ class VisionEncoder:
         self.patch, self.heads, self.eps = p, vc["num_attention_heads"], vc.get("layer_norm_eps", 1e-6)
         self.scale_factor = vc["scale_factor"]
         self.per_side = vc["image_size"] // p  # patches per side of a full tile
-        self.tokens_per_tile = self.per_side ** 2 // self.scale_factor ** 2
         act = vc.get("hidden_act", "gelu_pytorch_tanh")
         if act not in ACTIVATIONS:
             raise ValueError(f"vision hidden_act {act!r} is not supported ({', '.join(ACTIVATIONS)})")
