@@ -259,7 +259,7 @@ class LlamaModel:
         mm: (rows, embeddings): the vision encoder's outputs replace those rows' token embeddings."""
         mc = self.mc
         T = input_ids.shape[0]
-        q_size, kv_size, D, eps = self.q_size, self.kv_size, mc.head_dim, mc.rms_norm_eps
+        q_size, D, eps = self.q_size, mc.head_dim, mc.rms_norm_eps
         Hq, Hkv = mc.num_heads, mc.num_kv_heads
         slots, cos_sin, scale, window = md.slot_mapping, self.cos_sin, self.scale, mc.sliding_window
         ops = self.ops
@@ -277,12 +277,11 @@ class LlamaModel:
             if lora is not None:
                 lora.apply(i, "qkv", x, qkv)
             # (Qwen3: per-head RMSNorm of q and k first), rotate q and k, write k and v: one call
-            q, k = rope(qkv, positions, cos_sin, k_cache, v_cache, slots, Hq, Hkv, D, layer.q_norm, layer.k_norm, eps)
+            q, _ = rope(qkv, positions, cos_sin, k_cache, v_cache, slots, Hq, Hkv, D, layer.q_norm, layer.k_norm, eps)
             if decode is not None:
                 a = decode(q, k_cache, v_cache, table, lens, scale, window or 0).view(T, q_size)
             else:
-                v = qkv[:, q_size + kv_size:].view(T, Hkv, D)
-                a = attention(q, k, v, k_cache, v_cache, md, scale, window)
+                a = attention(q, k_cache, v_cache, md, scale, window)
             h = layer.o(a)  # (T, H)
             if lora is not None:
                 lora.apply(i, "o", a, h)

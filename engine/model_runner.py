@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillChunk, per_token_decode_rows, prefill_mask
+from engine.attention import AttentionMetadata, per_token_decode_rows, step_metadata
 from engine.config import EngineConfig
 from engine.errors import EngineStateError
 from engine.lora import Adapter, LoRABatch, LoRARequest, load_adapter
@@ -193,13 +193,7 @@ class ModelRunner:
             positions.append(s)
             slots.append(sr.block_ids[s // bs] * bs + s % bs)
         md = inputs.attn
-        if decodes:
-            width = max(len(r.block_ids) for r in decodes)
-            md.decode_block_table = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in decodes],
-                                                 dtype=torch.int32, device=dev)
-            md.decode_seq_lens = torch.tensor([r.start + 1 for r in decodes], dtype=torch.int32, device=dev)
         slot_parts = [torch.tensor(slots, dtype=torch.int64)] if slots else []
-        window = self.config.model_config.sliding_window
         for sr in prefills:
             s, n, row = sr.start, len(sr.token_ids), len(positions)
             want_logits(sr, row, n)
@@ -208,16 +202,13 @@ class ModelRunner:
             bt = torch.tensor(sr.block_ids, dtype=torch.int64)
             pos = torch.arange(s, s + n)
             slot_parts.append(bt[pos // bs] * bs + pos % bs)
-            md.prefills.append(PrefillChunk(q_start=row, q_len=n, seq_len=s + n,
-                                            block_ids=bt.to(dev) if s else None,
-                                            mask=prefill_mask(s, n, window, dev)))
         md.slot_mapping = torch.cat(slot_parts).to(dev) if len(slot_parts) > 1 else slot_parts[0].to(dev)
         if self.loras:
             inputs.lora = self._lora_batch(decodes + prefills)
         if self.model.vision is not None:
             inputs.mm = self._image_embeddings(decodes + prefills)
-        if self.config.batch_invariant:
-            per_token_decode_rows(md, [(r.block_ids, r.start, len(r.token_ids)) for r in decodes + prefills], dev)
+        runs = [(r.block_ids, r.start, len(r.token_ids)) for r in decodes + prefills]
+        (per_token_decode_rows if self.config.batch_invariant else step_metadata)(md, runs, dev)
         inputs.input_ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         inputs.positions = torch.tensor(positions, dtype=torch.int64, device=dev)
         return inputs

@@ -10,8 +10,20 @@ Paged decode attention (one query token per sequence) over a block-paged KV cach
   seq_lens     (B,) int32 >= 1: valid cached tokens, the current token included.
   query head h uses kv head h // (num_heads // num_kv_heads); sliding_window=W keeps only
   tokens t >= seq_len - W. Returns (B, num_heads, head_dim) in q's dtype (float32 math).
+
+Paged prefill attention (any number of query tokens per sequence: prompts, prompt chunks,
+prefix-cache hits and decodes in one call), same cache layout:
+  q            (T, num_heads, head_dim): the query tokens of B sequences, concatenated.
+  cu_q_lens    (B+1,) int32: sequence b's queries are rows cu_q_lens[b]:cu_q_lens[b+1].
+  seq_lens     (B,) int32: tokens in the cache after this step (context + q_len); the keys and
+               values of all of them, this step's own included, are already in the cache.
+  block_table  (B, max_blocks_per_seq) int32, as above.
+  Query i of sequence b sits at position seq_len - q_len + i and sees keys at positions <= its
+  own (causal, aligned bottom right); sliding_window=W keeps only keys > position - W. A q_len
+  of 1 is a decode row with the decode op's semantics. Returns (T, num_heads, head_dim).
 """
 import torch
+import torch.nn.functional as F
 
 from . import cpu_ext
 
@@ -61,6 +73,79 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale,
                                               float(scale), int(sliding_window or 0))
     return paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale,
                                       sliding_window)
+
+
+def paged_prefill_attention_ref(q, k_cache, v_cache, block_table, cu_q_lens, seq_lens, scale,
+                                sliding_window=None):
+    """Pure-torch reference (any device): one sequence at a time, gather its tokens, mask, softmax."""
+    T, H, D = q.shape
+    _, bs, KVH, _ = k_cache.shape
+    G = H // KVH
+    out = torch.empty_like(q)
+    cu, lens = cu_q_lens.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q_len = cu[b + 1] - cu[b]
+        if q_len == 0:
+            continue
+        n_blocks = (seq_len + bs - 1) // bs
+        blocks = block_table[b, :n_blocks].to(device=q.device, dtype=torch.long)
+        k = k_cache[blocks].reshape(n_blocks * bs, KVH, D)[:seq_len].float()  # (L, KVH, D)
+        v = v_cache[blocks].reshape(n_blocks * bs, KVH, D)[:seq_len].float()
+        qg = q[cu[b]:cu[b + 1]].float().reshape(q_len, KVH, G, D)
+        scores = torch.einsum("ikgd,tkd->kgit", qg, k) * scale  # (KVH, G, q_len, L)
+        pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        t = torch.arange(seq_len, device=q.device)[None, :]
+        see = t <= pos  # (q_len, L)
+        if sliding_window is not None and sliding_window > 0:
+            see &= t > pos - sliding_window
+        probs = torch.softmax(scores.masked_fill(~see, float("-inf")), dim=-1)
+        o = torch.einsum("kgit,tkd->ikgd", probs, v)  # (q_len, KVH, G, D)
+        out[cu[b]:cu[b + 1]] = o.reshape(q_len, H, D).to(q.dtype)
+    return out
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_table, cu_q_lens, seq_lens, scale,
+                            sliding_window=None):
+    """The Triton kernel of kernels/triton_attention.py on CUDA (triton installed; power-of-two
+    head and block sizes), the C++ kernel on CPU when the extension builds (kernels.cpu_ext), else
+    torch's SDPA one sequence at a time."""
+    if q.is_cuda and _triton_fits(q.shape[-1], k_cache.shape[1]):
+        from kernels import triton_attention
+
+        return triton_attention.paged_prefill_attention(q, k_cache, v_cache, block_table, cu_q_lens, seq_lens,
+                                                        scale, sliding_window)
+    if cpu_ext.supports_head_dim("attention", q.shape[-1]) and q.is_contiguous():
+        ext = cpu_ext.ops_for(q.device, q.dtype)
+        if ext is not None:
+            return ext.paged_prefill_attention(q, k_cache, v_cache, block_table, cu_q_lens, seq_lens,
+                                               float(scale), int(sliding_window or 0))
+    return _prefill_sdpa(q, k_cache, v_cache, block_table, cu_q_lens, seq_lens, scale, sliding_window)
+
+
+def _prefill_sdpa(q, k_cache, v_cache, block_table, cu_q_lens, seq_lens, scale, sliding_window=None):
+    """paged_prefill_attention through torch's fused SDPA in q's dtype, one sequence at a time
+    (memory-efficient where torch has a fused kernel, unlike the float32 reference)."""
+    T, H, D = q.shape
+    _, bs, KVH, _ = k_cache.shape
+    out = torch.empty_like(q)
+    cu, lens = cu_q_lens.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        ctx = seq_len - (cu[b + 1] - cu[b])
+        n_blocks = (seq_len + bs - 1) // bs
+        blocks = block_table[b, :n_blocks].to(device=q.device, dtype=torch.long)
+        k = k_cache[blocks].reshape(n_blocks * bs, KVH, D)[:seq_len]
+        v = v_cache[blocks].reshape(n_blocks * bs, KVH, D)[:seq_len]
+        mask = None
+        if ctx or sliding_window:
+            pos = torch.arange(ctx, seq_len, device=q.device)[:, None]
+            t = torch.arange(seq_len, device=q.device)[None, :]
+            mask = t <= pos
+            if sliding_window:
+                mask &= t > pos - sliding_window
+        o = F.scaled_dot_product_attention(q[cu[b]:cu[b + 1]].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=H != KVH)
+        out[cu[b]:cu[b + 1]] = o.transpose(0, 1)
+    return out
 
 
 def _triton_fits(head_dim: int, block_size: int) -> bool:

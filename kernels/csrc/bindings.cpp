@@ -10,6 +10,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged-attention decode (CPU); sliding_window <= 0 means no window",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0);
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "Causal attention of many query tokens per sequence over the paged cache (CPU): q (T, H, D) "
+        "rows of B sequences (cu_q_lens (B + 1,)), each sequence's last q_len of seq_lens cached tokens",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("cu_q_lens"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0);
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "(x (T, H), residual (T, H) or None, weight (H,), eps) -> (normed, new_residual); "
         "new_residual = residual + x (x itself when residual is None)",

@@ -14,6 +14,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& v_cache, const at::Tensor& block_table,
                                   const at::Tensor& seq_lens, double scale,
                                   int64_t sliding_window);
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_table,
+                                   const at::Tensor& cu_q_lens, const at::Tensor& seq_lens,
+                                   double scale, int64_t sliding_window);
 
 // fused_ops.cpp
 namespace rollout_fused {

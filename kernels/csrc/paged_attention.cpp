@@ -201,6 +201,121 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
   }
 }
 
+// ---- prefill: many query tokens per sequence -------------------------------------------------
+// Work item = (sequence, kv head, tile of <= kTileRows query tokens); its R = rows * G query
+// vectors (all G heads of the kv head) share every K/V row load. Keys are walked in chunks of
+// kKeyChunk with an online softmax: each chunk's K is widened and transposed (d-major, so a
+// score vector of 16 keys is 64 FMAs with broadcast q elements, no horizontal sums) and its V
+// widened, both into per-thread buffers that stay in L1/L2.
+constexpr int64_t kTileRows = 16, kKeyChunk = 64;
+
+template <typename T, int64_t NV_FIXED>
+void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_table,
+                    int64_t bt_stride, const int32_t* cu_q, const int32_t* seq_lens, T* out,
+                    const std::vector<std::pair<int32_t, int32_t>>& tiles, int64_t H, int64_t KVH,
+                    int64_t D, int64_t bs, float scale, int64_t window, int n_threads) {
+  constexpr int64_t kMaxNV = NV_FIXED > 0 ? NV_FIXED : 32;
+  const int64_t NV = NV_FIXED > 0 ? NV_FIXED : D / L;
+  const int64_t G = H / KVH, max_r = kTileRows * G;
+  const int64_t tok_stride = KVH * D, blk_stride = bs * tok_stride;
+  const int64_t n_items = static_cast<int64_t>(tiles.size()) * KVH;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+#pragma omp parallel num_threads(n_threads)
+  {
+    std::vector<float> qf(max_r * D), kt(D * kKeyChunk), vf(kKeyChunk * D), s(max_r * kKeyChunk);
+    std::vector<float> m(max_r), l(max_r);
+    std::vector<vfloat> acc(max_r * NV);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = n_items - 1; item >= 0; --item) {  // the costly last tiles first
+      const auto [b, i0] = tiles[item / KVH];
+      const int64_t kvh = item % KVH;
+      const int64_t q_len = cu_q[b + 1] - cu_q[b], len = seq_lens[b], ctx = len - q_len;
+      const int64_t rows = std::min(kTileRows, q_len - i0), R = rows * G;
+      const int64_t p0 = ctx + i0, p1 = ctx + i0 + rows - 1;  // positions of the first/last query
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0, hi = p1 + 1;
+      const int32_t* blocks = block_table + b * bt_stride;
+      // query vector r * G + g = head kvh * G + g of query token i0 + r, pre-scaled
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+          const T* src = q + ((cu_q[b] + i0 + r) * H + kvh * G + g) * D;
+          for (int64_t c = 0; c < NV; ++c) store(&qf[(r * G + g) * D + c * L], load(src + c * L) * scale);
+        }
+      std::fill(m.begin(), m.begin() + R, kNegInf);
+      std::fill(l.begin(), l.begin() + R, 0.0f);
+      std::fill(acc.begin(), acc.begin() + R * NV, vfloat{});
+
+      for (int64_t k0 = lo; k0 < hi; k0 += kKeyChunk) {
+        const int64_t nk = std::min(kKeyChunk, hi - k0), nvec = (nk + L - 1) / L;
+        for (int64_t t = 0; t < nk; ++t) {  // widen K (transposed) and V of keys k0 .. k0+nk-1
+          const int64_t pos = k0 + t, off = blocks[pos / bs] * blk_stride + pos % bs * tok_stride + kvh * D;
+          for (int64_t c = 0; c < NV; ++c) {
+            const vfloat kv = load(k_cache + off + c * L);
+            for (int64_t j = 0; j < L; ++j) kt[(c * L + j) * kKeyChunk + t] = kv[j];
+            store(&vf[t * D + c * L], load(v_cache + off + c * L));
+          }
+        }
+        for (int64_t t = nk; t < nvec * L; ++t)
+          for (int64_t d = 0; d < D; ++d) kt[d * kKeyChunk + t] = 0.0f;
+        // scores, 4 query vectors x 16 keys at a time
+        for (int64_t r = 0; r < R; r += 4) {
+          const int64_t nr = std::min<int64_t>(4, R - r);
+          for (int64_t c = 0; c < nvec; ++c) {
+            vfloat a0 = {}, a1 = {}, a2 = {}, a3 = {};
+            const float* q0 = &qf[r * D];
+            for (int64_t d = 0; d < D; ++d) {
+              const vfloat kd = load(&kt[d * kKeyChunk + c * L]);
+              a0 += q0[d] * kd;
+              if (nr > 1) a1 += q0[D + d] * kd;
+              if (nr > 2) a2 += q0[2 * D + d] * kd;
+              if (nr > 3) a3 += q0[3 * D + d] * kd;
+            }
+            const vfloat res[4] = {a0, a1, a2, a3};
+            for (int64_t j = 0; j < nr; ++j) store(&s[(r + j) * kKeyChunk + c * L], res[j]);
+          }
+        }
+        // mask, online softmax, and acc += p @ V, one query vector at a time
+        vfloat key_pos;
+        for (int64_t j = 0; j < L; ++j) key_pos[j] = static_cast<float>(j);
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t p = p0 + r / G;  // this query's position: keys k0+t with t <= p-k0 (and in the window)
+          const int64_t t_hi = std::min(nk, p - k0 + 1), t_lo = window > 0 ? std::max<int64_t>(0, p - window + 1 - k0) : 0;
+          if (t_hi <= t_lo) continue;
+          float* sr = &s[r * kKeyChunk];
+          vfloat mx = splat(kNegInf);
+          for (int64_t c = 0; c < nvec; ++c) {
+            const vfloat t = key_pos + static_cast<float>(c * L);
+            const vfloat x = load(sr + c * L);
+            const vfloat masked = (t >= static_cast<float>(t_lo)) & (t < static_cast<float>(t_hi)) ? x : splat(kNegInf);
+            store(sr + c * L, masked);
+            mx = maximum(mx, masked);
+          }
+          const float m_new = std::max(m[r], reduce(mx, maximum));
+          const float alpha = m[r] == kNegInf ? 0.0f : std::exp(m[r] - m_new);
+          vfloat sum = {};
+          for (int64_t c = 0; c < nvec; ++c) {
+            const vfloat e = vexp(load(sr + c * L) - m_new);
+            store(sr + c * L, e);
+            sum += e;
+          }
+          l[r] = l[r] * alpha + reduce(sum, plus);
+          m[r] = m_new;
+          vfloat a[kMaxNV];
+          for (int64_t c = 0; c < NV; ++c) a[c] = acc[r * NV + c] * alpha;
+          for (int64_t t = t_lo; t < t_hi; ++t)
+            for (int64_t c = 0; c < NV; ++c) a[c] += sr[t] * load(&vf[t * D + c * L]);
+          for (int64_t c = 0; c < NV; ++c) acc[r * NV + c] = a[c];
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        T* o = out + ((cu_q[b] + i0 + r / G) * H + kvh * G + r % G) * D;
+        const float inv = 1.0f / l[r];
+        for (int64_t c = 0; c < NV; ++c) store(o + c * L, acc[r * NV + c] * inv);
+      }
+    }
+  }
+}
+
 template <typename T>
 void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const int32_t* bt, int64_t bt_stride, const int32_t* lens, at::Tensor& out,
@@ -273,5 +388,77 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                      sliding_window, max_len, n_threads);
   else
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only, got ", q.scalar_type());
+  return out;
+}
+
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_table,
+                                   const at::Tensor& cu_q_lens, const at::Tensor& seq_lens,
+                                   double scale, int64_t sliding_window) {
+  for (const auto* t : {&q, &k_cache, &v_cache, &block_table, &cu_q_lens, &seq_lens})
+    TORCH_CHECK(t->device().is_cpu(), "paged_prefill_attention: all tensors must be on CPU");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous (T, H, D) tensor");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "k_cache/v_cache must be contiguous (num_blocks, block_size, KVH, D) tensors");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(),
+              "q, k_cache and v_cache must share a dtype");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t B = seq_lens.size(0);
+  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, "head_dim of q and the cache differ");
+  TORCH_CHECK(D % L == 0 && D <= 32 * L, "head_dim must be a multiple of 16, at most 512");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
+                  block_table.size(0) == B && block_table.stride(1) == 1,
+              "block_table must be int32 (B, max_blocks) with a contiguous last dim");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.is_contiguous(),
+              "seq_lens must be a contiguous int32 (B,) tensor");
+  TORCH_CHECK(cu_q_lens.scalar_type() == at::kInt && cu_q_lens.dim() == 1 &&
+                  cu_q_lens.size(0) == B + 1 && cu_q_lens.is_contiguous(),
+              "cu_q_lens must be a contiguous int32 (B + 1,) tensor");
+
+  // Validate the ragged layout and the block-table entries that will be read; list the tiles.
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* cu = cu_q_lens.data_ptr<int32_t>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int64_t bt_stride = block_table.stride(0), max_blocks = block_table.size(1);
+  TORCH_CHECK(cu[0] == 0 && cu[B] == T, "cu_q_lens must run from 0 to the number of query rows");
+  std::vector<std::pair<int32_t, int32_t>> tiles;
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q_len = cu[b + 1] - cu[b], len = lens[b];
+    TORCH_CHECK(q_len >= 1 && len >= q_len && len <= max_blocks * bs, "sequence ", b, ": ", q_len,
+                " queries over ", len, " cached tokens is out of range");
+    const int64_t first = len - q_len, start = sliding_window > 0 ? std::max<int64_t>(0, first - sliding_window + 1) : 0;
+    for (int64_t j = start / bs; j * bs < len; ++j)
+      TORCH_CHECK(bt[b * bt_stride + j] >= 0 && bt[b * bt_stride + j] < num_blocks,
+                  "block_table[", b, ", ", j, "] = ", bt[b * bt_stride + j], " out of range");
+    for (int64_t i0 = 0; i0 < q_len; i0 += kTileRows) tiles.emplace_back(b, i0);
+    work += q_len * (len - start);
+  }
+  const int n_threads = work * H < 4096 ? 1 : std::min<int64_t>(at::get_num_threads(), tiles.size() * KVH);
+
+  at::Tensor out = at::empty_like(q);
+  if (T == 0 || H == 0) return out;
+  const float s = static_cast<float>(scale);
+  auto run = [&](auto* tag, auto kernel) {
+    using T_ = std::remove_pointer_t<decltype(tag)>;
+    kernel(q.data_ptr<T_>(), k_cache.data_ptr<T_>(), v_cache.data_ptr<T_>(), bt, bt_stride, cu, lens,
+           out.data_ptr<T_>(), tiles, H, KVH, D, bs, s, sliding_window, n_threads);
+  };
+  if (q.scalar_type() == at::kFloat) {
+    if (D == 64) run((float*)nullptr, prefill_kernel<float, 4>);
+    else if (D == 128) run((float*)nullptr, prefill_kernel<float, 8>);
+    else run((float*)nullptr, prefill_kernel<float, 0>);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    using BF = c10::BFloat16;
+    if (D == 64) run((BF*)nullptr, prefill_kernel<BF, 4>);
+    else if (D == 128) run((BF*)nullptr, prefill_kernel<BF, 8>);
+    else run((BF*)nullptr, prefill_kernel<BF, 0>);
+  } else {
+    TORCH_CHECK(false, "paged_prefill_attention: float32 or bfloat16 only, got ", q.scalar_type());
+  }
   return out;
 }
