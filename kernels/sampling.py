@@ -90,6 +90,8 @@ def sample(logits: torch.Tensor, md: SamplingMetadata, generator: torch.Generato
     if md.all_greedy and not md.banned_tokens and not md.max_num_logprobs and not invariant_logprobs:
         ids, lps = greedy(logits, md.max_num_logprobs is not None)
         return SamplerOutput(token_ids=ids, logprobs=lps)
+    if _triton_sampler_fits(logits, md):
+        return _sample_triton(logits, md, generator)
     logits = logits.float()
     for row, ids in md.banned_tokens.items():
         logits[row, ids] = float("-inf")
@@ -98,10 +100,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata, generator: torch.Generato
         token_ids = logits.argmax(dim=-1)
     else:
         processed = filter_logits(logits / md.temperature[:, None], md)
-        u = torch.rand(md.num_rows, generator=generator, device=logits.device)
-        for row, g in md.generators.items():
-            u[row] = torch.rand(1, generator=g, device=logits.device)[0]
-        token_ids = sample_from_probs(processed.softmax(dim=-1), u)
+        token_ids = sample_from_probs(processed.softmax(dim=-1), _uniforms(md, generator, logits.device))
         if md.greedy is not None:
             token_ids = torch.where(md.greedy, logits.argmax(dim=-1), token_ids)
     out = SamplerOutput(token_ids=token_ids)
@@ -115,6 +114,45 @@ def sample(logits: torch.Tensor, md: SamplingMetadata, generator: torch.Generato
             vals, out.top_ids = src.topk(md.max_num_logprobs, dim=-1)
             out.top_logprobs = vals - lse
     return out
+
+
+def _uniforms(md: SamplingMetadata, generator: torch.Generator | None, device) -> torch.Tensor:
+    """One uniform number per row; a seeded row's from its own generator."""
+    u = torch.rand(md.num_rows, generator=generator, device=device)
+    for row, g in md.generators.items():
+        u[row] = torch.rand(1, generator=g, device=device)[0]
+    return u
+
+
+def _triton_sampler_fits(logits: torch.Tensor, md: SamplingMetadata) -> bool:
+    """The Triton sampler (CUDA) returns ids and the sampled token's logprob under the filtered
+    distribution: not top-k logprob lists, raw-logit logprobs or batch-invariant sums."""
+    return (logits.is_cuda and logits.ndim == 2 and logits.stride(-1) == 1 and not md.all_greedy
+            and not md.max_num_logprobs and md.raw_logprobs is None and not md.batch_invariant
+            and triton_available())
+
+
+def _sample_triton(logits: torch.Tensor, md: SamplingMetadata, generator: torch.Generator | None) -> SamplerOutput:
+    """sample() through kernels/triton_sampling.py: one pass set per row, no sort, no float32
+    copy of the logits. Greedy rows take the greedy kernel's argmax and logprob (their filters
+    are off, so the filtered distribution is the raw one)."""
+    from kernels import triton_sampling
+
+    for row, ids in md.banned_tokens.items():
+        logits[row, ids] = float("-inf")
+    N, dev = md.num_rows, logits.device
+    top_k = md.top_k if md.top_k is not None else torch.zeros(N, dtype=torch.int64, device=dev)
+    top_p = md.top_p if md.top_p is not None else torch.ones(N, device=dev)
+    min_p = md.min_p if md.min_p is not None else torch.zeros(N, device=dev)
+    with_logprobs = md.max_num_logprobs is not None
+    ids, lps = triton_sampling.sample(logits, md.temperature, top_k, top_p, min_p, _uniforms(md, generator, dev),
+                                      with_logprobs)
+    if md.greedy is not None:
+        g_ids, g_lps = triton_sampling.greedy(logits, with_logprobs)
+        ids = torch.where(md.greedy, g_ids, ids)
+        if with_logprobs:
+            lps = torch.where(md.greedy, g_lps, lps)
+    return SamplerOutput(token_ids=ids, logprobs=lps)
 
 
 def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -162,13 +200,16 @@ def filter_logits(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return x
 
 
-def sample_ref_filter(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Readable single-row reference of filter_logits (after temperature) for tests: (V,) -> (V,)."""
+def sample_ref_filter(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
+                      stable: bool = False) -> torch.Tensor:
+    """Readable single-row reference of filter_logits (after temperature) for tests: (V,) -> (V,).
+    stable: ties in top-p's sort keep vocabulary order (the Triton sampler's rule; torch's sort
+    leaves their order unspecified, so which of the tokens tied at the cut survive is too)."""
     x = logits / temperature
     if top_k > 0:
         x = torch.where(x < torch.topk(x, top_k).values[-1], torch.tensor(float("-inf")), x)
     if top_p < 1:
-        sorted_x, order = x.sort(descending=True)
+        sorted_x, order = x.sort(descending=True, stable=True) if stable else x.sort(descending=True)
         p = sorted_x.softmax(-1)
         keep_sorted = (p.cumsum(-1) - p) < top_p
         keep = torch.zeros_like(keep_sorted)
@@ -178,3 +219,19 @@ def sample_ref_filter(logits: torch.Tensor, temperature: float, top_k: int, top_
         p = x.softmax(-1)
         x = torch.where(p < min_p * p.max(), torch.tensor(float("-inf")), x)
     return x
+
+
+def sample_filtered_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                        min_p: torch.Tensor, u: torch.Tensor,
+                        with_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reference of the Triton sampler (kernels/triton_sampling.py `sample`, same arguments): per row
+    x = logits / temperature (float32), sample_ref_filter (ties at the k-th value kept, top-p ties in
+    vocabulary order), sample_from_probs at u, and the logprob under the filtered distribution."""
+    x = logits.float() / temperature[:, None]
+    V = x.shape[1]
+    x = torch.stack([sample_ref_filter(row, 1.0, min(k, V), p, mp, stable=True)
+                     for row, k, p, mp in zip(x, top_k.tolist(), top_p.tolist(), min_p.tolist())])
+    ids = sample_from_probs(x.softmax(dim=-1), u)
+    if not with_logprobs:
+        return ids, None
+    return ids, (x.gather(1, ids[:, None]) - torch.logsumexp(x, dim=-1, keepdim=True)).squeeze(1)
