@@ -2,9 +2,9 @@
 
 Weights live in plain tensors, projections fused: qkv = [q; k; v] rows, gate_up = [gate; up].
 `hf_views()` maps every Hugging Face parameter name onto a view of these tensors, so loading,
-weight pushes and checksums all speak HF names and write in place. On CPUs with bf16 matmul
-units the linear weights are also kept prepacked for oneDNN (~30% faster matmuls); `repack()`
-must run after any write to the plain tensors.
+weight pushes and checksums all speak HF names and write in place. On CPU the linear weights are
+also kept packed for the matmul kernel that reads them (see Linear); `repack()` must run after
+any write to the plain tensors.
 
 The forward pass takes a flat batch of T tokens from many sequences (see engine/attention.py)
 and avoids nn.Module: at this model size per-op overhead is the enemy.
@@ -25,28 +25,39 @@ from kernels.rotary import rope_and_cache, rope_cos_sin_cache, rope_inv_freq
 from weight_sync.checkpoint import load_safetensors_folder
 
 
-# Steps of at most this many rows run a C++ kernel that streams the weights once (float32:
-# kernels/csrc/invariant_ops.cpp, bf16: rows_linear.cpp) rather than oneDNN's prepacked GEMM,
-# which wins from there on (measured on an AVX-512 EPYC, benchmarks/throughput.py; README).
-ROWS_KERNEL_MAX_ROWS = {torch.float32: 7, torch.bfloat16: 2}
+# float32 steps of at most this many rows run the fixed-order C++ kernel that streams the weights
+# once (kernels/csrc/invariant_ops.cpp) rather than oneDNN's prepacked GEMM, which wins from there
+# on (measured on an AVX-512 EPYC, benchmarks/throughput.py; README).
+FP32_ROWS_KERNEL_MAX_ROWS = 7
+# bf16 on a CPU with AVX-512 BF16 runs kernels/csrc/vnni_linear.cpp at every row count (measured
+# on the EPYC: 2x oneDNN at 1-8 rows, 1.3x at 16, even at 512); where AMX exists oneDNN's AMX
+# GEMM should win for many rows, so the kernel takes steps of at most this many (not measured).
+BF16_VNNI_MAX_ROWS_WITH_AMX = 16
 
 
 class Linear:
-    """y = x @ weight.T (+ bias) through, in this order of preference: a oneDNN-prepacked copy of
-    the weight (bf16 and float32 on CPU; steps of few rows take `rows_kernel`); the fixed-order
-    kernel whose every output is one dot product (batch-invariant mode); F.linear."""
+    """y = x @ weight.T (+ bias) through, in this order of preference: the bf16 dot-product
+    kernel on its packed weight (`vnni`, steps of <= vnni_max rows); a oneDNN-prepacked copy of
+    the weight (float32 steps of few rows take `rows_kernel`); the fixed-order kernel whose every
+    output is one dot product (batch-invariant mode); F.linear. `weight` stays the plain tensor
+    that loads, pushes and checksums read and write (`pack()` after a write)."""
 
-    __slots__ = ("weight", "bias", "packed", "invariant", "rows_kernel", "rows_max")
+    __slots__ = ("weight", "bias", "vnni", "vnni_linear", "vnni_max", "packed", "rows_kernel", "rows_max",
+                 "invariant")
 
     def __init__(self, out_features: int, in_features: int, bias: bool, dtype, device):
         self.weight = torch.zeros(out_features, in_features, dtype=dtype, device=device)
         self.bias = torch.zeros(out_features, dtype=dtype, device=device) if bias else None
+        self.vnni = self.vnni_linear = None  # (ceil(N/32), ceil(K/2), 32, 2) bf16 and the kernel reading it
+        self.vnni_max = 0
         self.packed = None
-        self.invariant = None  # kernels' invariant_linear(x, weight, bias) in batch-invariant mode
         self.rows_kernel = None  # (x, weight, bias) for steps of <= rows_max rows (packed weights otherwise)
         self.rows_max = 0
+        self.invariant = None  # kernels' invariant_linear(x, weight, bias) in batch-invariant mode
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vnni is not None and x.shape[0] <= self.vnni_max:
+            return self.vnni_linear(x, self.vnni, self.weight.shape[0], self.bias)
         if self.packed is not None:
             if x.shape[0] <= self.rows_max:
                 return self.rows_kernel(x, self.weight, self.bias)
@@ -55,10 +66,22 @@ class Linear:
             return self.invariant(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def pack(self, enable: bool, rows_kernel=None) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32) if enable else None
-        self.rows_kernel = rows_kernel if enable else None
-        self.rows_max = ROWS_KERNEL_MAX_ROWS.get(self.weight.dtype, 0) if self.rows_kernel is not None else 0
+    def pack(self, ext, onednn: bool) -> None:
+        """Refresh the packed copies from `weight` (ext: the C++ kernels or None; onednn: whether
+        oneDNN's prepacked linear works here in this dtype). Packs nothing when neither applies."""
+        self.vnni = self.vnni_linear = self.packed = self.rows_kernel = None
+        self.vnni_max = self.rows_max = 0
+        bf16 = self.weight.dtype == torch.bfloat16
+        if bf16 and ext is not None and ext.bf16_vnni_supported():
+            self.vnni, self.vnni_linear = ext.bf16_vnni_pack(self.weight), ext.bf16_vnni_linear
+            if not cpu_ext.cpu_has("amx_bf16"):
+                self.vnni_max = 1 << 62  # every step
+                return
+            self.vnni_max = BF16_VNNI_MAX_ROWS_WITH_AMX
+        if onednn:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
+            if not bf16 and ext is not None:
+                self.rows_kernel, self.rows_max = ext.invariant_linear, FP32_ROWS_KERNEL_MAX_ROWS
 
 
 class Layer:
@@ -237,18 +260,17 @@ class LlamaModel:
 
     def drop_packed(self) -> None:
         for lin in self._linears():
-            lin.packed = None
+            lin.pack(None, False)
 
     def repack(self) -> None:
-        """Refresh the prepacked matmul weights from the plain tensors (after any weight write).
+        """Refresh the packed matmul weights from the plain tensors (after any weight write).
         Batch-invariant mode packs nothing: its kernel is the one that gives invariant results."""
         enable = (self.device.type == "cpu" and not self.batch_invariant
-                  and self.dtype in (torch.bfloat16, torch.float32) and _mkldnn_ok(self.dtype))
+                  and self.dtype in (torch.bfloat16, torch.float32))
         ext = cpu_ext.ops_for(self.device, self.dtype) if enable else None
-        rows_kernel = None if ext is None else (ext.invariant_linear if self.dtype == torch.float32
-                                                else ext.bf16_rows_linear)
+        onednn = enable and _mkldnn_ok(self.dtype)
         for lin in self._linears():
-            lin.pack(enable, rows_kernel)
+            lin.pack(ext, onednn)
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,

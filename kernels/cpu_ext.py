@@ -2,7 +2,7 @@
 they apply.
 
 `load()` compiles `csrc/paged_attention.cpp`, `csrc/fused_ops.cpp`, `csrc/invariant_ops.cpp`,
-`csrc/rows_linear.cpp` and their bindings (`csrc/bindings.cpp`, the one PYBIND11_MODULE; `csrc/ops.h` declares every
+`csrc/vnni_linear.cpp` and their bindings (`csrc/bindings.cpp`, the one PYBIND11_MODULE; `csrc/ops.h` declares every
 op) into one
 extension module on first use (~10-60 s, once per source version) into
 `$ROLLOUT_CACHE/torch_extensions/<name>/` (default `~/.cache/rollout/...`) and returns the
@@ -21,6 +21,7 @@ of that device and dtype (CPU, float32 / bfloat16), and `supports_head_dim(op, h
 head sizes the attention and rotary ops are built for. The per-call dispatchers in kernels/
 add only layout checks (contiguity); the model binds the ops once through the same rules.
 """
+import functools
 import hashlib
 import logging
 import os
@@ -35,7 +36,7 @@ logger = logging.getLogger("kernels")
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "invariant_ops.cpp",
-            _CSRC / "rows_linear.cpp", _CSRC / "bindings.cpp"]
+            _CSRC / "vnni_linear.cpp", _CSRC / "bindings.cpp"]
 _HEADERS = [_CSRC / "ops.h", _CSRC / "vec.h"]  # included by the sources: part of the hash
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
@@ -149,6 +150,12 @@ def ops_for(device, dtype):
     if getattr(device, "type", device) != "cpu" or str(dtype).removeprefix("torch.") not in _DTYPES:
         return None
     return load()
+
+
+@functools.cache
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists this CPU feature flag (e.g. "amx_bf16")."""
+    return flag in _cpu_flags().split()
 
 
 def supports_head_dim(op: str, head_dim: int) -> bool:

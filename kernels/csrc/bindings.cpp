@@ -44,7 +44,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("invariant_linear", &rollout_invariant::invariant_linear,
         "x (M, K) @ weight (N, K).T + bias, float32; each output one fixed-order dot product "
         "(batch-invariant)", py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
-  m.def("bf16_rows_linear", &rollout_rows::bf16_rows_linear,
-        "x (M, K) @ weight (N, K).T + bias, bfloat16, float32 sums: for steps of few rows",
-        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("bf16_vnni_supported", &rollout_vnni::bf16_vnni_supported,
+        "whether bf16_vnni_linear is built for this CPU (AVX-512 BF16)");
+  m.def("bf16_vnni_pack", &rollout_vnni::bf16_vnni_pack,
+        "weight (N, K) bf16 -> (ceil(N/32), ceil(K/2), 32, 2): the layout bf16_vnni_linear reads",
+        py::arg("weight"));
+  m.def("bf16_vnni_linear", &rollout_vnni::bf16_vnni_linear,
+        "x (M, K) @ weight.T + bias in bfloat16 (float32 sums) from bf16_vnni_pack(weight): for "
+        "decode steps", py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
 }

@@ -1,5 +1,5 @@
 // The C++ CPU ops of the extension module, declared once: defined in paged_attention.cpp,
-// fused_ops.cpp, invariant_ops.cpp and rows_linear.cpp, bound to Python in bindings.cpp (the
+// fused_ops.cpp, invariant_ops.cpp and vnni_linear.cpp, bound to Python in bindings.cpp (the
 // module's only PYBIND11_MODULE).
 #pragma once
 
@@ -46,8 +46,10 @@ at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias);
 }  // namespace rollout_invariant
 
-// rows_linear.cpp
-namespace rollout_rows {
-at::Tensor bf16_rows_linear(const at::Tensor& x, const at::Tensor& weight,
+// vnni_linear.cpp
+namespace rollout_vnni {
+bool bf16_vnni_supported();
+at::Tensor bf16_vnni_pack(const at::Tensor& weight);
+at::Tensor bf16_vnni_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                             const std::optional<at::Tensor>& bias);
-}  // namespace rollout_rows
+}  // namespace rollout_vnni

@@ -1,0 +1,156 @@
+// A bfloat16 matmul for decode steps (up to a few dozen rows), on CPUs with AVX-512 BF16:
+//
+//   bf16_vnni_pack(weight (N, K)) -> packed (ceil(N/32), ceil(K/2), 32, 2) bf16
+//   bf16_vnni_linear(x (M, K), packed, N, bias (N,) | None) -> x @ weight.T + bias  (M, N)
+//
+// In a decode step a projection is a read of its weights plus M * N * K multiply-adds, and at
+// 8-32 rows the two take about as long: the kernel must overlap them. The weights are packed
+// so one 64-byte load holds a pair of k values for 16 output columns (the dot-product
+// instruction's operand layout): a register tile of up to 16 rows x 16 columns takes one weight
+// load and 16 dot products (x's k pair broadcast from memory) per k pair, with no horizontal
+// sums. Each thread streams a contiguous run of 16-column panels once (every row chunk of x
+// passes under a panel while it is in L1/L2) and prefetches ahead of the stream. Sums run in
+// float32, the bias is added in float32 and each output is rounded to bf16 once (nearest even):
+// F.linear's result up to the order of the float32 sums.
+#include <ATen/EmptyTensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <utility>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define ROLLOUT_VNNI_BF16 1
+#endif
+
+#include "ops.h"
+
+namespace rollout_vnni {
+
+constexpr int64_t kPanel = 32;  // output columns per packed panel: two 16-float accumulators
+
+bool bf16_vnni_supported() {
+#if ROLLOUT_VNNI_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor bf16_vnni_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2,
+              "bf16_vnni_pack: a bfloat16 (N, K) CPU tensor");
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), NP = (N + kPanel - 1) / kPanel, KP = (K + 1) / 2;
+  at::Tensor packed = at::zeros({NP, KP, kPanel, 2}, w.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t c = 0; c < kPanel && p * kPanel + c < N; ++c)
+        for (int64_t k = 0; k < K; ++k) dst[((p * KP + k / 2) * kPanel + c) * 2 + k % 2] = src[(p * kPanel + c) * K + k];
+  });
+  return packed;
+}
+
+#if ROLLOUT_VNNI_BF16
+namespace {
+
+constexpr int64_t MR = 8;  // rows of x per register tile (x 32 columns: 16 accumulators)
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the panel stream to prefetch
+
+// out[i, 0:cols] for i < R rows of x (row stride sx) from one panel (KP k pairs x 32 columns,
+// 128 contiguous bytes per k pair); cols <= 32 counts its valid columns.
+template <int64_t R>
+void tile(const uint16_t* x, int64_t sx, int64_t K, const uint16_t* w, const float* bias, int64_t cols,
+          c10::BFloat16* out, int64_t so) {
+  __m512 acc[R][2];
+  for (int64_t i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  const int64_t pairs = (K + 1) / 2;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const uint16_t* wk = w + kp * 2 * kPanel;
+    const __m512i w0 = _mm512_loadu_si512(wk), w1 = _mm512_loadu_si512(wk + 32);
+    __builtin_prefetch(reinterpret_cast<const char*>(wk) + kPrefetchBytes);
+    __builtin_prefetch(reinterpret_cast<const char*>(wk) + kPrefetchBytes + 64);
+    const bool last_alone = 2 * kp + 1 == K;  // odd K: the packed panel holds a zero beside it
+    for (int64_t i = 0; i < R; ++i) {
+      int32_t pair = 0;
+      if (last_alone) pair = x[i * sx + 2 * kp];
+      else std::memcpy(&pair, x + i * sx + 2 * kp, 4);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, (__m512bh)w0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, (__m512bh)w1);
+    }
+  }
+  for (int64_t half = 0; half < 2; ++half) {
+    const int64_t c = std::min<int64_t>(16, cols - 16 * half);
+    if (c <= 0) break;
+    const __mmask16 mask = c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << c) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * half) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < R; ++i)
+      _mm256_mask_storeu_epi16(out + i * so + 16 * half, mask,
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][half], b)));
+  }
+}
+
+using TileFn = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, const float*, int64_t,
+                        c10::BFloat16*, int64_t);
+template <int64_t... Rs>
+constexpr std::array<TileFn, MR> make_tiles(std::integer_sequence<int64_t, Rs...>) {
+  return {&tile<Rs + 1>...};
+}
+constexpr auto kTiles = make_tiles(std::make_integer_sequence<int64_t, MR>{});  // [R - 1]
+
+}  // namespace
+#endif
+
+at::Tensor bf16_vnni_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                            const std::optional<at::Tensor>& bias) {
+#if ROLLOUT_VNNI_BF16
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+                  (x.size(1) <= 1 || x.stride(1) == 1),
+              "bf16_vnni_linear: x must be a bfloat16 (M, K) CPU tensor with a contiguous last dim");
+  const int64_t M = x.size(0), K = x.size(1), sx = x.stride(0), NP = (N + kPanel - 1) / kPanel, KP = (K + 1) / 2;
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.sizes() == at::IntArrayRef({NP, KP, kPanel, 2}),
+              "bf16_vnni_linear: packed must come from bf16_vnni_pack of an (", N, ", ", K, ") weight");
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bf16_vnni_linear: bias must be (N,)");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  at::Tensor out = at::Tensor(at::detail::empty_cpu({M, N}, at::kBFloat16));
+  if (M == 0 || N == 0) return out;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const int64_t panel = KP * 2 * kPanel;  // bf16 elements per panel
+  auto run = [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
+      for (int64_t m = 0; m < M; m += MR) {
+        const int64_t R = std::min(MR, M - m);
+        kTiles[R - 1](xp + m * sx, sx, K, wp + p * panel, bp ? bp + p * kPanel : nullptr, cols,
+                      op + m * N + p * kPanel, N);
+      }
+    }
+  };
+  // Each thread takes one contiguous run of panels (one stream); a small matrix stays on one thread.
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, NP * panel * 2 / (1 << 16)));
+  if (threads <= 1) run(0, NP);
+  else at::parallel_for(0, NP, (NP + threads - 1) / threads, run);
+  return out;
+#else
+  TORCH_CHECK(false, "bf16_vnni_linear: this CPU has no AVX-512 BF16 (see bf16_vnni_supported)");
+#endif
+}
+
+}  // namespace rollout_vnni
