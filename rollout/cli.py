@@ -49,7 +49,8 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--device", default="auto")
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--max-num-seqs", type=int, default=256)
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (prefill chunks + decodes); default 1024 on CPU, 2048 on CUDA")
     s.add_argument("--kv-cache-memory", type=_bytes, default=None, help="KV cache size, e.g. 2GiB or 512MiB")
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     s.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
