@@ -73,7 +73,7 @@ def main():
     rows = [
         ("matmuls: projections", TOTALS["projections"] - lm_head_in_projections),
         ("matmuls: LM head", TOTALS["lm_head"]),
-        ("attention (paged decode kernel / prefill SDPA)", TOTALS["attention"]),
+        ("attention (paged decode / prefill kernels)", TOTALS["attention"]),
         ("norms, rotary + KV write, SiLU*up", TOTALS["small fused ops"]),
         ("rest of forward (embedding, views, Python)",
          TOTALS["forward"] - (TOTALS["projections"] - lm_head_in_projections) - TOTALS["attention"]
