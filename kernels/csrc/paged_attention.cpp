@@ -331,6 +331,22 @@ void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   else run(decode_kernel<T, 0>);
 }
 
+// The layout both attention ops need of q (rows, H, D) and the cache (see the top of this file).
+void check_q_and_cache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const char* q_shape) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous ", q_shape, " tensor");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "k_cache/v_cache must be contiguous (num_blocks, block_size, KVH, D) tensors");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(),
+              "q, k_cache and v_cache must share a dtype");
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, "head_dim of q and the cache differ");
+  TORCH_CHECK(D % L == 0 && D <= 32 * L, "head_dim must be a multiple of 16, at most 512");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads must be a multiple of num_kv_heads");
+}
+
 }  // namespace
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -339,18 +355,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   int64_t sliding_window) {
   for (const auto* t : {&q, &k_cache, &v_cache, &block_table, &seq_lens})
     TORCH_CHECK(t->device().is_cpu(), "paged_decode_attention: all tensors must be on CPU");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous (B, H, D) tensor");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes(),
-              "k_cache/v_cache must be contiguous (num_blocks, block_size, KVH, D) tensors");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() &&
-                  v_cache.scalar_type() == q.scalar_type(),
-              "q, k_cache and v_cache must share a dtype");
+  check_q_and_cache(q, k_cache, v_cache, "(B, H, D)");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D, "head_dim of q and the cache differ");
-  TORCH_CHECK(D % L == 0 && D <= 32 * L, "head_dim must be a multiple of 16, at most 512");
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
                   block_table.size(0) == B && block_table.stride(1) == 1,
               "block_table must be int32 (B, max_blocks) with a contiguous last dim");
@@ -397,19 +404,10 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
                                    double scale, int64_t sliding_window) {
   for (const auto* t : {&q, &k_cache, &v_cache, &block_table, &cu_q_lens, &seq_lens})
     TORCH_CHECK(t->device().is_cpu(), "paged_prefill_attention: all tensors must be on CPU");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous (T, H, D) tensor");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes(),
-              "k_cache/v_cache must be contiguous (num_blocks, block_size, KVH, D) tensors");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() &&
-                  v_cache.scalar_type() == q.scalar_type(),
-              "q, k_cache and v_cache must share a dtype");
+  check_q_and_cache(q, k_cache, v_cache, "(T, H, D)");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t B = seq_lens.size(0);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D, "head_dim of q and the cache differ");
-  TORCH_CHECK(D % L == 0 && D <= 32 * L, "head_dim must be a multiple of 16, at most 512");
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
                   block_table.size(0) == B && block_table.stride(1) == 1,
               "block_table must be int32 (B, max_blocks) with a contiguous last dim");
