@@ -99,8 +99,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # the unrotated v of token t are stored in k_cache / v_cache (num_blocks, block_size, Hkv, D),
 # contiguous (e.g. kv[layer, 0]), at flat slot slot_mapping[t] = block * block_size + offset;
 # slots must be distinct. The dispatchers run the C++ op (kernels/csrc/fused_ops.cpp) on CPU when
-# the extension builds, the Triton kernel (kernels/triton_rotary.py) on CUDA for rope_and_cache
-# without q/k norms, else the reference.
+# the extension builds, the Triton kernel (kernels/triton_rotary.py) on CUDA for rope_and_cache,
+# else the reference.
 
 def _write_kv_ref(k_cache, v_cache, k, v, slot_mapping):
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -157,12 +157,12 @@ def rope_and_cache(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
             return ext.rope_and_cache(qkv, _long(positions), cos_sin_cache, k_cache, v_cache,
                                       _long(slot_mapping), num_heads, num_kv_heads, head_dim,
                                       q_norm, k_norm, eps)
-    if (qkv.is_cuda and q_norm is None and qkv.stride(-1) == 1 and head_dim & (head_dim - 1) == 0
+    if (qkv.is_cuda and qkv.stride(-1) == 1 and head_dim & (head_dim - 1) == 0
             and k_cache.is_contiguous() and v_cache.is_contiguous() and triton_available()):
         from kernels import triton_rotary
 
         return triton_rotary.rope_and_cache(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                                            num_heads, num_kv_heads, head_dim)
+                                            num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps)
     return rope_and_cache_ref(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
                               num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps)
 

@@ -168,21 +168,12 @@ def test_sliding_window_is_exercised():
 @pytest.mark.slow  # the interpreter: ~25-40 s a model family
 def test_triton_kernels_in_the_engine_match_hf(tiny, monkeypatch):
     """The CUDA path's Triton kernels (paged decode and varlen prefill attention, residual +
-    RMSNorm, rotary + KV write; here in Triton's interpreter on CPU tensors) inside the engine:
-    HF's tokens and logprobs through prefix-cache hits, chunked prefill and the sliding window,
-    i.e. the kernels take the engine's own metadata. As kernels.rotary.rope_and_cache does on
-    CUDA, Qwen3's q/k norms take the torch reference."""
+    RMSNorm, rotary + KV write with Qwen3's q/k norms; here in Triton's interpreter on CPU
+    tensors) inside the engine: HF's tokens and logprobs through prefix-cache hits, chunked
+    prefill and the sliding window, i.e. the kernels take the engine's own metadata."""
     pytest.importorskip("triton")
     import engine.attention as attention
     from kernels import triton_attention, triton_norm, triton_rotary
-    from kernels.rotary import rope_and_cache_ref
-
-    def rope(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps):
-        if q_norm is not None:
-            return rope_and_cache_ref(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads, num_kv_heads,
-                                      head_dim, q_norm, k_norm, eps)
-        return triton_rotary.rope_and_cache(qkv, positions, cos_sin, k_cache, v_cache, slots, num_heads,
-                                            num_kv_heads, head_dim)
 
     name, _, llm, prompts, refs = tiny
     ops = llm.client.core.executor.workers[0].model.ops
@@ -190,7 +181,7 @@ def test_triton_kernels_in_the_engine_match_hf(tiny, monkeypatch):
     monkeypatch.setattr(attention, "paged_decode_attention", triton_attention.paged_decode_attention)
     monkeypatch.setattr(ops, "decode_attention", None)  # all-decode steps through attention() too
     monkeypatch.setattr(ops, "add_norm", triton_norm.fused_add_rms_norm)
-    monkeypatch.setattr(ops, "rope_and_cache", rope)
+    monkeypatch.setattr(ops, "rope_and_cache", triton_rotary.rope_and_cache)
     llm.reset_prefix_cache()
     outs = llm.generate(prompts, PARAMS, use_tqdm=False)
     compare(name, prompts, refs, outs)
