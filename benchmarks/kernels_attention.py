@@ -1,7 +1,10 @@
-"""Paged decode attention: pure-torch reference vs the C++ CPU op, ms per call.
+"""Paged attention on CPU, ms per call: decode (pure-torch reference vs the C++ op), then prefill
+(torch's SDPA one prompt at a time over its gathered blocks, the engine's path before the C++
+op and its fallback without a compiler, vs the C++ paged_prefill_attention over the whole step).
 
-Shape: the engine's typical decode call (num_heads=9, num_kv_heads=3, head_dim=64,
-block_size=16), every sequence at the same length, blocks scattered at random.
+Shape: the engine's (num_heads=9, num_kv_heads=3, head_dim=64, block_size=16), blocks scattered
+at random; decode: every sequence at the same length; prefill: B prompts of L new tokens after
+C cached ones.
 Run from the repo root:  .venv/bin/python benchmarks/kernels_attention.py [--threads N]
 Timings are only meaningful on an otherwise idle machine: with more busy threads than cores,
 every OpenMP-parallel call (torch's and ours) waits for descheduled threads (~100x slower).
@@ -15,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from kernels import cpu_ext  # noqa: E402
-from kernels.attention import paged_decode_attention_ref  # noqa: E402
-from timing import ms_per_call  # noqa: E402  (benchmarks/timing.py)
+from kernels.attention import _prefill_sdpa, paged_decode_attention_ref  # noqa: E402
+from timing import machine_line, ms_per_call  # noqa: E402  (benchmarks/timing.py)
 
 H, KVH, D, BS = 9, 3, 64, 16
 
@@ -39,6 +42,7 @@ def main():
     ext = cpu_ext.load()
     gen = torch.Generator().manual_seed(0)
     scale = D ** -0.5
+    print(machine_line())
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"H={H} KVH={KVH} D={D} block_size={BS}")
     print(f"{'dtype':>8} {'B':>4} {'seq':>4} {'torch ms':>9} {'C++ ms':>8} {'speedup':>8}")
@@ -53,6 +57,18 @@ def main():
                 t_ext = ms_per_call(lambda: ext.paged_decode_attention(*args, scale, 0))
                 print(f"{str(dtype)[6:]:>8} {B:>4} {seq_len:>4} {t_ref:>9.3f} {t_ext:>8.3f} "
                       f"{t_ref / t_ext:>7.1f}x")
+    print(f"\nprefill\n{'dtype':>8} {'B':>4} {'L':>5} {'C':>5} {'SDPA ms':>9} {'C++ ms':>8} {'speedup':>8}")
+    for dtype in (torch.bfloat16, torch.float32):
+        for B, new_tokens, cached in ((16, 128, 0), (4, 512, 512), (1, 2048, 0), (1, 2048, 2048)):
+            q, k_cache, v_cache, table, _ = make_inputs(B, cached + new_tokens, dtype, gen)
+            q = torch.randn(B * new_tokens, H, D, generator=gen).to(dtype)
+            cu = torch.arange(0, B * new_tokens + 1, new_tokens, dtype=torch.int32)
+            lens = torch.full((B,), cached + new_tokens, dtype=torch.int32)
+            args = (q, k_cache, v_cache, table, cu, lens, scale)
+            t_sdpa = ms_per_call(lambda: _prefill_sdpa(*args))
+            t_ext = ms_per_call(lambda: ext.paged_prefill_attention(*args, 0)) if ext is not None else float("nan")
+            print(f"{str(dtype)[6:]:>8} {B:>4} {new_tokens:>5} {cached:>5} {t_sdpa:>9.2f} {t_ext:>8.2f} "
+                  f"{t_sdpa / t_ext:>7.1f}x")
 
 
 if __name__ == "__main__":
