@@ -13,6 +13,7 @@ Face names (`tensors`), loaded and pushed like the decoder's.
 import torch
 import torch.nn.functional as F
 
+
 def tokens_per_tile(vc: dict) -> int:
     """Placeholder tokens (encoder output rows) per image tile: patches / scale_factor^2."""
     return (vc["image_size"] // vc["patch_size"]) ** 2 // vc["scale_factor"] ** 2

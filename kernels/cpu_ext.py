@@ -2,9 +2,8 @@
 they apply.
 
 `load()` compiles `csrc/paged_attention.cpp`, `csrc/fused_ops.cpp`, `csrc/invariant_ops.cpp`,
-`csrc/vnni_linear.cpp` and their bindings (`csrc/bindings.cpp`, the one PYBIND11_MODULE; `csrc/ops.h` declares every
-op) into one
-extension module on first use (~10-60 s, once per source version) into
+`csrc/vnni_linear.cpp` and their bindings (`csrc/bindings.cpp`, the one PYBIND11_MODULE;
+`csrc/ops.h` declares every op) into one extension module on first use (~10-60 s, once per source version) into
 `$ROLLOUT_CACHE/torch_extensions/<name>/` (default `~/.cache/rollout/...`) and returns the
 module, or None with one warning on the "kernels" logger if it cannot be built (no compiler,
 compile error); callers then fall back to pure torch. The module name carries a hash of the

@@ -11,6 +11,8 @@ dispatchers run the C++ op of kernels/csrc/fused_ops.cpp on CPU when the extensi
 reproduces the references bit for bit on AVX-512 CPUs, see the .cpp), the Triton kernel of
 kernels/triton_norm.py on CUDA (when triton is installed), else the reference.
 """
+import functools
+
 import torch
 
 from . import cpu_ext
@@ -64,8 +66,10 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     return fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
+@functools.cache
 def triton_available() -> bool:
-    """Whether the Triton kernels (kernels/triton_*.py; CUDA) can run: triton is installed."""
+    """Whether the Triton kernels (kernels/triton_*.py; CUDA) can run: triton is installed. Asked
+    by every CUDA dispatch (each layer's ops), so looked up once."""
     import importlib.util
 
     return importlib.util.find_spec("triton") is not None
