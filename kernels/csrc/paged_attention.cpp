@@ -13,12 +13,17 @@
 // Returns a new out (B, H, D) in q's dtype:
 //   out[b, h] = softmax(scale * q[b, h] . K[b, kvh, t]) @ V[b, kvh, t] over the window.
 //
-// Algorithm: one work item per (sequence, kv head), scheduled dynamically over
-// at::get_num_threads() OpenMP threads; the G = H / KVH query heads of the kv head are done
-// together so each K/V row is loaded (and widened) once. Tokens are walked in chunks of <= 16
-// rows of one block. Pass 1 computes the scores q_g . k_i (16 horizontal sums at a time) into a
-// per-thread row, while prefetching the next chunk's K and V rows (blocks are scattered);
-// then a softmax with max subtraction; pass 2 accumulates p_gi * v_i. All math is float32
+// Algorithm: one work item per sequence (all its kv heads: each token's K and V rows are read
+// whole, contiguous) or, with fewer sequences than 4 per thread, per (sequence, kv head). Each
+// of at::get_num_threads() OpenMP threads takes one contiguous run of items holding about its
+// share of the tokens, so it knows what it reads next: a prefetch cursor runs kPrefetchAhead
+// tokens ahead through its items into L2 (the cache is cold in a decode step: the matmuls
+// before flushed it, and blocks are scattered). The G = H / KVH query heads of a kv head are
+// done together so each K/V row is loaded (and widened) once. Tokens are walked in chunks of
+// <= 16 rows of one block. Pass 1 computes the scores q_g . k_i (16 horizontal sums at a time)
+// into a per-thread row; then a softmax with max subtraction; pass 2 accumulates p_gi * v_i.
+// Each head's arithmetic is the same whatever the item shape, so results do not depend on the
+// batch (batch-invariant mode relies on it). All math is float32
 // (bf16 is widened on load), written with GCC/Clang vector extensions of 16 floats, so
 // -march=native picks the SIMD instructions (AVX-512 here) without intrinsics.
 #include <ATen/Parallel.h>
@@ -30,6 +35,8 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include <omp.h>
 
 #include "ops.h"
 #include "vec.h"
@@ -86,6 +93,10 @@ inline vfloat vexp(vfloat x) {
 
 // NV = D / L vectors per head row; a compile-time NV (> 0) lets the row loops unroll into
 // registers, NV = 0 reads it from D at run time.
+// How many tokens ahead of pass 1 the prefetch cursor runs (one chunk behind it was ~1.5x
+// slower from a cold cache; 16-64 measured the same).
+constexpr int64_t kPrefetchAhead = 32;
+
 template <typename T, int64_t NV_FIXED>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_table,
                    int64_t bt_stride, const int32_t* seq_lens, T* out, int64_t B, int64_t H,
@@ -97,67 +108,93 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
   const int64_t G = H / KVH;
   const int64_t tok_stride = KVH * D;          // between consecutive tokens of a block
   const int64_t blk_stride = bs * tok_stride;  // between physical blocks
-  const int64_t n_items = B * KVH;
+  // An item is `hpi` kv heads of one sequence: all of them when there are enough sequences to
+  // keep the threads busy (whole K/V rows stream faster than every third 128 bytes).
+  const int64_t hpi = B >= 4 * n_threads ? KVH : 1;
+  const int64_t GH = hpi * G;  // query heads per item
+  const int64_t n_items = B * (KVH / hpi);
   const int64_t s_stride = (max_len / L + 2) * L;  // a score row, with room for a full-vector store
+
+  const int64_t ipb = KVH / hpi;  // items per sequence
+  auto item_range = [&](int64_t item, int64_t& lo) {  // an item's window: tokens [lo, return value)
+    const int64_t len = seq_lens[item / ipb];
+    lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    return len;
+  };
+  std::vector<int64_t> cum(n_items + 1, 0);  // tokens in items before item i
+  for (int64_t it = 0, lo; it < n_items; ++it) cum[it + 1] = cum[it] + item_range(it, lo) - lo;
 
 #pragma omp parallel num_threads(n_threads)
   {
-    std::vector<vfloat> qv(G * NV), acc(G * NV), part(G * L), vbuf(kIsFloat ? 0 : L * NV);
-    std::vector<float> scores(G * s_stride), inv_sum(G);  // scores: G rows of s_stride
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < n_items; ++item) {
-      const int64_t b = item / KVH, kvh = item % KVH;
+    std::vector<vfloat> qv(GH * NV), acc(GH * NV), part(GH * L), vbuf(kIsFloat ? 0 : L * hpi * NV);
+    std::vector<float> scores(GH * s_stride), inv_sum(GH);  // scores: GH rows of s_stride
+    // This thread's items: [first, last), about 1 / team of the tokens.
+    const int64_t team = omp_get_num_threads(), tid = omp_get_thread_num();
+    auto split = [&](int64_t i) {
+      return std::lower_bound(cum.begin(), cum.end(), cum[n_items] * i / team) - cum.begin();
+    };
+    const int64_t first = split(tid), last = tid + 1 == team ? n_items : split(tid + 1);
+    int64_t pf_item = first, pf_t = 0, pf_len = 0;  // the prefetch cursor: token pf_t of pf_item
+    if (pf_item < last) pf_len = item_range(pf_item, pf_t);
+    auto advance_prefetch = [&](int64_t budget) {  // K and V rows of the next `budget` tokens
+      while (budget > 0 && pf_item < last) {
+        if (pf_t >= pf_len) {
+          if (++pf_item >= last) break;
+          pf_len = item_range(pf_item, pf_t);
+          continue;
+        }
+        const int64_t pb = pf_item / ipb, ph = pf_item % ipb * hpi;
+        const int64_t off = block_table[pb * bt_stride + pf_t / bs] * blk_stride + (pf_t % bs) * tok_stride + ph * D;
+        for (int64_t c = 0; c < hpi * D; c += 64 / int64_t(sizeof(T)))
+          __builtin_prefetch(k_cache + off + c, 0, 1), __builtin_prefetch(v_cache + off + c, 0, 1);  // into L2
+        ++pf_t, --budget;
+      }
+    };
+    advance_prefetch(kPrefetchAhead);
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t b = item / ipb, kvh0 = item % ipb * hpi;
       const int64_t len = seq_lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - start, n_pad = (n + L - 1) / L * L;
       const int32_t* blocks = block_table + b * bt_stride;
 
       // Calls fn(i0, cnt, offset) for each chunk: tokens i0 .. i0+cnt-1 of the window (cnt <= L,
-      // all in one block), whose rows start at cache + offset, tok_stride apart. If `prefetch`,
-      // first prefetches the next chunk's K and V rows.
+      // all in one block), whose rows (of kv head kvh0) start at cache + offset, tok_stride
+      // apart. If `prefetch`, first moves the prefetch cursor on by cnt tokens.
       auto for_each_chunk = [&](bool prefetch, auto&& fn) {
-        auto chunk_at = [&](int64_t t, int64_t& cnt) {
+        for (int64_t t = start; t < len;) {
           const int64_t j = t / bs, off = t - j * bs;
-          cnt = std::min({L, len - t, bs - off});
-          return blocks[j] * blk_stride + off * tok_stride + kvh * D;
-        };
-        int64_t cnt, next_cnt = 0;
-        for (int64_t t = start, offset = chunk_at(t, cnt); t < len;) {
-          const int64_t next = t + cnt < len ? chunk_at(t + cnt, next_cnt) : 0;
-          // Every cache line of each row (leaving the second to the adjacent-line prefetcher
-          // made the kernel ~20% slower when the cache is cold, as it is in a decode step).
-          if (prefetch)
-            for (int64_t i = 0; i < next_cnt; ++i)
-              for (int64_t c = 0; c < D; c += 64 / int64_t(sizeof(T)))
-                __builtin_prefetch(k_cache + next + i * tok_stride + c),
-                __builtin_prefetch(v_cache + next + i * tok_stride + c);
-          fn(t - start, cnt, offset);
-          t += cnt, offset = next, cnt = next_cnt, next_cnt = 0;
+          const int64_t cnt = std::min({L, len - t, bs - off});
+          if (prefetch) advance_prefetch(cnt);
+          fn(t - start, cnt, blocks[j] * blk_stride + off * tok_stride + kvh0 * D);
+          t += cnt;
         }
       };
 
-      // Query heads kvh*G .. kvh*G+G-1 (contiguous in q), pre-scaled.
-      const T* q_grp = q + (b * H + kvh * G) * D;
-      for (int64_t c = 0; c < G * NV; ++c) qv[c] = load(q_grp + c * L) * scale;
+      // Query heads kvh0*G .. kvh0*G+GH-1 (contiguous in q), pre-scaled.
+      const T* q_grp = q + (b * H + kvh0 * G) * D;
+      for (int64_t c = 0; c < GH * NV; ++c) qv[c] = load(q_grp + c * L) * scale;
 
-      // Pass 1: scores[g * s_stride + i] = q_g . k_i, 16 tokens per vector store.
+      // Pass 1: scores[r * s_stride + i] = q_r . k_i (r = hh * G + g), 16 tokens per vector store.
       for_each_chunk(true, [&](int64_t i0, int64_t cnt, int64_t offset) {
-        for (int64_t i = 0; i < cnt; ++i) {
-          vfloat k[kMaxNV];
-          for (int64_t c = 0; c < NV; ++c) k[c] = load(k_cache + offset + i * tok_stride + c * L);
-          for (int64_t g = 0; g < G; ++g) {
-            vfloat dot = qv[g * NV] * k[0];
-            for (int64_t c = 1; c < NV; ++c) dot += qv[g * NV + c] * k[c];
-            part[g * L + i] = dot;
+        for (int64_t i = 0; i < cnt; ++i)
+          for (int64_t hh = 0; hh < hpi; ++hh) {
+            vfloat k[kMaxNV];
+            for (int64_t c = 0; c < NV; ++c) k[c] = load(k_cache + offset + i * tok_stride + hh * D + c * L);
+            for (int64_t g = 0; g < G; ++g) {
+              const vfloat* qr = &qv[(hh * G + g) * NV];
+              vfloat dot = qr[0] * k[0];
+              for (int64_t c = 1; c < NV; ++c) dot += qr[c] * k[c];
+              part[(hh * G + g) * L + i] = dot;
+            }
           }
-        }
         // Lanes >= cnt hold stale sums; the next chunk (or the -inf padding) overwrites them.
-        for (int64_t g = 0; g < G; ++g) store(&scores[g * s_stride + i0], sum_lanes(&part[g * L]));
+        for (int64_t r = 0; r < GH; ++r) store(&scores[r * s_stride + i0], sum_lanes(&part[r * L]));
       });
 
       // Softmax numerators in place (padding lanes are -inf -> 0); keep 1 / denominator.
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * s_stride;
+      for (int64_t r = 0; r < GH; ++r) {
+        float* s = scores.data() + r * s_stride;
         std::fill(s + n, s + n_pad, -std::numeric_limits<float>::infinity());
         vfloat mv = load(s);
         for (int64_t i = L; i < n_pad; i += L) mv = maximum(mv, load(s + i));
@@ -168,10 +205,10 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
           store(s + i, e);
           sum += e;
         }
-        inv_sum[g] = 1.0f / reduce(sum, plus);
+        inv_sum[r] = 1.0f / reduce(sum, plus);
       }
 
-      // Pass 2: acc_g = sum_i p_gi * v_i (bf16 rows are widened once into vbuf).
+      // Pass 2: acc_r = sum_i p_ri * v_i (bf16 rows are widened once into vbuf).
       std::fill(acc.begin(), acc.end(), vfloat{});
       for_each_chunk(false, [&](int64_t i0, int64_t cnt, int64_t offset) {
         const float* rows;
@@ -180,23 +217,24 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
           rows = v_cache + offset, row_stride = tok_stride;
         } else {
           for (int64_t i = 0; i < cnt; ++i)
-            for (int64_t c = 0; c < NV; ++c)
-              vbuf[i * NV + c] = load(v_cache + offset + i * tok_stride + c * L);
-          rows = reinterpret_cast<const float*>(vbuf.data()), row_stride = D;
+            for (int64_t c = 0; c < hpi * NV; ++c)
+              vbuf[i * hpi * NV + c] = load(v_cache + offset + i * tok_stride + c * L);
+          rows = reinterpret_cast<const float*>(vbuf.data()), row_stride = hpi * D;
         }
-        for (int64_t g = 0; g < G; ++g) {
-          const float* p = &scores[g * s_stride + i0];
+        for (int64_t r = 0; r < GH; ++r) {
+          const float* p = &scores[r * s_stride + i0];
+          const float* vr = rows + r / G * D;
           vfloat a[kMaxNV];
-          for (int64_t c = 0; c < NV; ++c) a[c] = acc[g * NV + c];
+          for (int64_t c = 0; c < NV; ++c) a[c] = acc[r * NV + c];
           for (int64_t i = 0; i < cnt; ++i)
-            for (int64_t c = 0; c < NV; ++c) a[c] += p[i] * load(rows + i * row_stride + c * L);
-          for (int64_t c = 0; c < NV; ++c) acc[g * NV + c] = a[c];
+            for (int64_t c = 0; c < NV; ++c) a[c] += p[i] * load(vr + i * row_stride + c * L);
+          for (int64_t c = 0; c < NV; ++c) acc[r * NV + c] = a[c];
         }
       });
 
-      T* o = out + (b * H + kvh * G) * D;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t c = 0; c < NV; ++c) store(o + g * D + c * L, acc[g * NV + c] * inv_sum[g]);
+      T* o = out + (b * H + kvh0 * G) * D;
+      for (int64_t r = 0; r < GH; ++r)
+        for (int64_t c = 0; c < NV; ++c) store(o + r * D + c * L, acc[r * NV + c] * inv_sum[r]);
     }
   }
 }

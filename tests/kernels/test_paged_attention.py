@@ -48,6 +48,7 @@ def check_close(out, ref, dtype):
     (37, 12, 12, 128, 16, 300),    # MHA, head_dim 128
     (5, 6, 2, 64, 32, 33),         # short sequences, lengths near block edges
     (3, 4, 1, 96, 16, 100),        # generic head_dim path (not 64 / 128)
+    (12, 6, 2, 96, 16, 100),       # generic head_dim, several kv heads per work item
 ])
 def test_matches_reference(ext, dtype, sliding_window, B, num_heads, num_kv_heads, head_dim,
                            block_size, max_len):
@@ -60,6 +61,19 @@ def test_matches_reference(ext, dtype, sliding_window, B, num_heads, num_kv_head
     check_close(out, ref, dtype)
     # The public entry point routes CPU tensors to the same op.
     check_close(paged_decode_attention(q, k, v, table, lens, scale, sliding_window), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_each_sequence_same_alone_as_in_a_batch(ext, dtype):
+    """A big batch runs whole sequences as work items and a lone sequence runs (sequence, kv head)
+    items, on a different number of threads: every head's output must still be bit-identical
+    (batch-invariant mode relies on it)."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, table, lens = make_inputs(gen, 37, 9, 3, 64, 16, 300, dtype)
+    batch = ext.paged_decode_attention(q, k, v, table, lens, 0.125, 0)
+    for b in (0, 11, 36):
+        alone = ext.paged_decode_attention(q[b:b + 1], k, v, table[b:b + 1], lens[b:b + 1], 0.125, 0)
+        assert torch.equal(alone, batch[b:b + 1])
 
 
 def test_window_larger_than_sequence_and_block_edges(ext):
