@@ -1,4 +1,5 @@
-"""Paged attention on CPU, ms per call: decode (pure-torch reference vs the C++ op), then prefill
+"""Paged attention on CPU, ms per call: decode (pure-torch reference vs the C++ op, the op also
+from a cold cache, as it runs in a decode step after the layer's matmuls), then prefill
 (torch's SDPA one prompt at a time over its gathered blocks, the engine's path before the C++
 op and its fallback without a compiler, vs the C++ paged_prefill_attention over the whole step).
 
@@ -19,7 +20,7 @@ import torch  # noqa: E402
 
 from kernels import cpu_ext  # noqa: E402
 from kernels.attention import _prefill_sdpa, paged_decode_attention_ref  # noqa: E402
-from timing import machine_line, ms_per_call  # noqa: E402  (benchmarks/timing.py)
+from timing import machine_line, ms_per_call, ms_per_cold_call  # noqa: E402  (benchmarks/timing.py)
 
 H, KVH, D, BS = 9, 3, 64, 16
 
@@ -45,7 +46,7 @@ def main():
     print(machine_line())
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"H={H} KVH={KVH} D={D} block_size={BS}")
-    print(f"{'dtype':>8} {'B':>4} {'seq':>4} {'torch ms':>9} {'C++ ms':>8} {'speedup':>8}")
+    print(f"{'dtype':>8} {'B':>4} {'seq':>4} {'torch ms':>9} {'C++ ms':>8} {'speedup':>8} {'C++ cold':>9}")
     for dtype in (torch.bfloat16, torch.float32):
         for B in (1, 32, 128):
             for seq_len in (64, 128, 256):
@@ -55,8 +56,9 @@ def main():
                     print(f"{str(dtype)[6:]:>8} {B:>4} {seq_len:>4} {t_ref:>9.3f} {'n/a':>8}")
                     continue
                 t_ext = ms_per_call(lambda: ext.paged_decode_attention(*args, scale, 0))
+                t_cold = ms_per_cold_call(lambda: ext.paged_decode_attention(*args, scale, 0))
                 print(f"{str(dtype)[6:]:>8} {B:>4} {seq_len:>4} {t_ref:>9.3f} {t_ext:>8.3f} "
-                      f"{t_ref / t_ext:>7.1f}x")
+                      f"{t_ref / t_ext:>7.1f}x {t_cold:>9.3f}")
     print(f"\nprefill\n{'dtype':>8} {'B':>4} {'L':>5} {'C':>5} {'SDPA ms':>9} {'C++ ms':>8} {'speedup':>8}")
     for dtype in (torch.bfloat16, torch.float32):
         for B, new_tokens, cached in ((16, 128, 0), (4, 512, 512), (1, 2048, 0), (1, 2048, 2048)):

@@ -39,3 +39,19 @@ def ms_per_call(fn, batch_s=0.01, total_s=0.3):
             fn()
         best = min(best, (time.perf_counter() - t0) / n)
     return best * 1e3
+
+
+def ms_per_cold_call(fn, n=30, flush_mb=256):
+    """Median ms of `fn` right after reading `flush_mb` MB (evicting L1-L3, as a decode step's
+    matmuls do before each attention or norm call)."""
+    import torch
+
+    flush = torch.ones(flush_mb << 18)  # float32: flush_mb MB
+    fn()
+    times = []
+    for _ in range(n):
+        flush.sum()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[n // 2] * 1e3

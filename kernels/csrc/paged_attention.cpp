@@ -91,12 +91,12 @@ inline vfloat vexp(vfloat x) {
   return (vfloat)((vint)(p * (vfloat)two_n) & ~under);
 }
 
-// NV = D / L vectors per head row; a compile-time NV (> 0) lets the row loops unroll into
-// registers, NV = 0 reads it from D at run time.
-// How many tokens ahead of pass 1 the prefetch cursor runs (one chunk behind it was ~1.5x
-// slower from a cold cache; 16-64 measured the same).
+// How many tokens ahead of pass 1 the prefetch cursor runs (one chunk ahead, into L1, was ~1.5x
+// slower from a cold cache; 16-64 tokens into L2 measured the same).
 constexpr int64_t kPrefetchAhead = 32;
 
+// NV = D / L vectors per head row; a compile-time NV (> 0) lets the row loops unroll into
+// registers, NV = 0 reads it from D at run time.
 template <typename T, int64_t NV_FIXED>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_table,
                    int64_t bt_stride, const int32_t* seq_lens, T* out, int64_t B, int64_t H,
