@@ -1,7 +1,8 @@
 """Where one decode step's time goes (batch 32, bfloat16 by default, greedy, the engine core in
-process; the step that prefills the prompts is left out): wall time of the engine step split into matmuls (every projection and the LM head),
-attention, the small fused ops (norms, rotary + KV write, SiLU), the rest of the forward pass
-(embedding, views, Python), sampling, input preparation, and scheduling + output assembly.
+process; the step that prefills the prompts is left out): wall time of the engine step split
+into matmuls (every projection and the LM head), attention, the small fused ops (norms, rotary +
+KV write, SiLU), the rest of the forward pass (embedding, views, Python), sampling, input
+preparation, and scheduling + output assembly.
 
     python benchmarks/step_profile.py [--dtype bfloat16] [--batch 32] [--tokens 128]
 
