@@ -17,15 +17,15 @@
 // whole, contiguous) or, with fewer sequences than 4 per thread, per (sequence, kv head). Each
 // of at::get_num_threads() OpenMP threads takes one contiguous run of items holding about its
 // share of the tokens, so it knows what it reads next: a prefetch cursor runs kPrefetchAhead
-// tokens ahead through its items into L2 (the cache is cold in a decode step: the matmuls
-// before flushed it, and blocks are scattered). The G = H / KVH query heads of a kv head are
-// done together so each K/V row is loaded (and widened) once. Tokens are walked in chunks of
-// <= 16 rows of one block. Pass 1 computes the scores q_g . k_i (16 horizontal sums at a time)
-// into a per-thread row; then a softmax with max subtraction; pass 2 accumulates p_gi * v_i.
-// Each head's arithmetic is the same whatever the item shape, so results do not depend on the
-// batch (batch-invariant mode relies on it). All math is float32
-// (bf16 is widened on load), written with GCC/Clang vector extensions of 16 floats, so
-// -march=native picks the SIMD instructions (AVX-512 here) without intrinsics.
+// tokens ahead of pass 1 through its items, into L2, one token's rows per token scored (the
+// cache is cold in a decode step: the matmuls before flushed it, and blocks are scattered). The
+// G = H / KVH query heads of a kv head are done together so each K/V row is loaded (and
+// widened) once. Tokens are walked in chunks of <= 16 rows of one block. Pass 1 computes the
+// scores q_g . k_i (16 horizontal sums at a time) into a per-thread row; then a softmax with max
+// subtraction; pass 2 accumulates p_gi * v_i. Each head's arithmetic is the same whatever the
+// item shape, so results do not depend on the batch (batch-invariant mode relies on it). All
+// math is float32 (bf16 is widened on load), written with GCC/Clang vector extensions of 16
+// floats, so -march=native picks the SIMD instructions (AVX-512 here) without intrinsics.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -159,13 +159,11 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
       const int32_t* blocks = block_table + b * bt_stride;
 
       // Calls fn(i0, cnt, offset) for each chunk: tokens i0 .. i0+cnt-1 of the window (cnt <= L,
-      // all in one block), whose rows (of kv head kvh0) start at cache + offset, tok_stride
-      // apart. If `prefetch`, first moves the prefetch cursor on by cnt tokens.
-      auto for_each_chunk = [&](bool prefetch, auto&& fn) {
+      // all in one block), whose rows (of kv head kvh0) start at cache + offset, tok_stride apart.
+      auto for_each_chunk = [&](auto&& fn) {
         for (int64_t t = start; t < len;) {
           const int64_t j = t / bs, off = t - j * bs;
           const int64_t cnt = std::min({L, len - t, bs - off});
-          if (prefetch) advance_prefetch(cnt);
           fn(t - start, cnt, blocks[j] * blk_stride + off * tok_stride + kvh0 * D);
           t += cnt;
         }
@@ -176,8 +174,11 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
       for (int64_t c = 0; c < GH * NV; ++c) qv[c] = load(q_grp + c * L) * scale;
 
       // Pass 1: scores[r * s_stride + i] = q_r . k_i (r = hh * G + g), 16 tokens per vector store.
-      for_each_chunk(true, [&](int64_t i0, int64_t cnt, int64_t offset) {
-        for (int64_t i = 0; i < cnt; ++i)
+      for_each_chunk([&](int64_t i0, int64_t cnt, int64_t offset) {
+        for (int64_t i = 0; i < cnt; ++i) {
+          // One token's rows per token done: a burst of a whole chunk's prefetches (192 lines)
+          // overflowed the miss buffers and stalled the loop (~20% slower).
+          advance_prefetch(1);
           for (int64_t hh = 0; hh < hpi; ++hh) {
             vfloat k[kMaxNV];
             for (int64_t c = 0; c < NV; ++c) k[c] = load(k_cache + offset + i * tok_stride + hh * D + c * L);
@@ -188,6 +189,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
               part[(hh * G + g) * L + i] = dot;
             }
           }
+        }
         // Lanes >= cnt hold stale sums; the next chunk (or the -inf padding) overwrites them.
         for (int64_t r = 0; r < GH; ++r) store(&scores[r * s_stride + i0], sum_lanes(&part[r * L]));
       });
@@ -210,7 +212,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
 
       // Pass 2: acc_r = sum_i p_ri * v_i (bf16 rows are widened once into vbuf).
       std::fill(acc.begin(), acc.end(), vfloat{});
-      for_each_chunk(false, [&](int64_t i0, int64_t cnt, int64_t offset) {
+      for_each_chunk([&](int64_t i0, int64_t cnt, int64_t offset) {
         const float* rows;
         int64_t row_stride;
         if constexpr (kIsFloat) {
