@@ -36,6 +36,7 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled (no filters)")
     args = ap.parse_args()
 
     import engine.core as core_mod
@@ -49,7 +50,7 @@ def main():
     llm = LLM(dtype=args.dtype, multiprocess=False, enable_prefix_caching=False, max_num_seqs=256,
               max_num_batched_tokens=8192)
     prompts = prompt_texts(llm.tokenizer, (QUESTIONS * 8)[:args.batch])
-    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
 
     # wrap: the step, the runner's pieces, the model's pieces
@@ -93,7 +94,7 @@ def main():
         ("input preparation", TOTALS["execute"] - TOTALS["forward"] - TOTALS["lm_head"] - TOTALS["sampling"]),
         ("scheduler, outputs, detokenize", wall - TOTALS["execute"]),
     ]
-    print(f"decode step breakdown: batch {args.batch}, {args.dtype}, {steps} steps, "
+    print(f"decode step breakdown: batch {args.batch}, {args.dtype}, temperature {args.temperature}, {steps} steps, "
           f"{wall / steps * 1e3:.1f} ms/step, {args.batch * steps / wall:.0f} tok/s")
     print(f"{'part':50s} {'ms/step':>8s} {'share':>6s}")
     for name, secs in rows:

@@ -92,6 +92,8 @@ def sample(logits: torch.Tensor, md: SamplingMetadata, generator: torch.Generato
         return SamplerOutput(token_ids=ids, logprobs=lps)
     if _triton_sampler_fits(logits, md):
         return _sample_triton(logits, md, generator)
+    if (ext := _cpu_sampler(logits, md)) is not None:
+        return _sample_cpu(ext, logits, md, generator)
     logits = logits.float()
     for row, ids in md.banned_tokens.items():
         logits[row, ids] = float("-inf")
@@ -153,6 +155,31 @@ def _sample_triton(logits: torch.Tensor, md: SamplingMetadata, generator: torch.
         if with_logprobs:
             lps = torch.where(md.greedy, g_lps, lps)
     return SamplerOutput(token_ids=ids, logprobs=lps)
+
+
+def _cpu_sampler(logits: torch.Tensor, md: SamplingMetadata):
+    """The C++ op module when its sample_rows serves this batch (CPU; temperature only, no top-k /
+    top-p / min-p; no logprobs or only the sampled token's, and then no greedy rows among the
+    sampled ones; not batch-invariant mode, whose logprobs take logsumexp_rows), else None."""
+    if (logits.ndim != 2 or logits.stride(-1) != 1 or md.all_greedy or md.top_k is not None
+            or md.top_p is not None or md.min_p is not None or md.max_num_logprobs not in (None, 0)
+            or md.raw_logprobs is not None or md.batch_invariant
+            or (md.greedy is not None and md.max_num_logprobs is not None)):
+        return None
+    return cpu_ext.ops_for(logits.device, logits.dtype)
+
+
+def _sample_cpu(ext, logits: torch.Tensor, md: SamplingMetadata, generator: torch.Generator | None) -> SamplerOutput:
+    """sample() through the C++ op: the torch path's draw (same u, same two-level CDF search) in
+    three passes over each row, without float32 copies of the logits (~4 ms -> ~0.5 ms a step
+    at 32 x 49152)."""
+    for row, ids in md.banned_tokens.items():
+        logits[row, ids] = float("-inf")
+    with_logprobs = md.max_num_logprobs is not None
+    ids, lps = ext.sample_rows(logits, md.temperature, _uniforms(md, generator, logits.device), with_logprobs)
+    if md.greedy is not None:  # (no logprobs then: see _cpu_sampler)
+        ids = torch.where(md.greedy, logits.argmax(dim=-1), ids)
+    return SamplerOutput(token_ids=ids, logprobs=lps if with_logprobs else None)
 
 
 def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

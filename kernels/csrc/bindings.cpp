@@ -41,6 +41,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logsumexp_rows", &logsumexp_rows,
         "(x (N, V)) -> (N,) float32 logsumexp of each row, one fixed order per row "
         "(batch-invariant)", py::arg("x"));
+  m.def("sample_rows", &sample_rows,
+        "(logits (N, V), temperature (N,), u (N,) in [0, 1), with_logprobs) -> (ids (N,) int64, "
+        "logprobs (N,) float32): the token at u of softmax(logits / temperature) by inverse CDF, and its "
+        "logprob; no top-k/top-p/min-p", py::arg("logits"), py::arg("temperature"), py::arg("u"),
+        py::arg("with_logprobs") = false);
   m.def("invariant_linear", &rollout_invariant::invariant_linear,
         "x (M, K) @ weight (N, K).T + bias, float32; each output one fixed-order dot product "
         "(batch-invariant)", py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());

@@ -9,6 +9,7 @@
 //   rope_and_cache_qk(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> (q, k)
 //   greedy_logprobs(logits (N, V), with_logprobs) -> (argmax ids (N,), their log-softmax (N,))
 //   logsumexp_rows(x (N, V)) -> (N,)                    (batch-invariant: one fixed order per row)
+//   sample_rows(logits (N, V), temperature (N,), u (N,), with_logprobs) -> (ids (N,), logprobs (N,))
 //
 // Rounding points follow the torch ops of Hugging Face's Llama (see kernels/norm.py,
 // kernels/activation.py, kernels/rotary.py for the reference formulas): a bf16 result is rounded
@@ -711,6 +712,94 @@ std::tuple<at::Tensor, at::Tensor> greedy_logprobs(const at::Tensor& logits, boo
     const T_* x = logits.data_ptr<T_>();
     for_rows(N, V * (with_logprobs ? 4 : 1), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) greedy_row(x + r * stride, V, with_logprobs, id[r], lp[r]);
+    });
+  });
+  return {ids, lps};
+}
+
+// ---- sampling without filters --------------------------------------------------------------------
+// Per row: x = logits / temperature (float32 division, as torch), then the token where the CDF of
+// softmax(x) first exceeds u, searched in two levels as kernels/sampling.py sample_from_probs does
+// (sums of kCdfChunk tokens, then the running sum inside the chunk the target falls in), on the
+// unnormalized weights exp(x - max), and the token's logprob x_t - max - log(sum). Three passes
+// over the row (max; exp sums; one chunk) instead of torch's float32 copy, division, softmax and
+// the sampler's sums: no (N, V) temporaries. A row with a NaN gives its first NaN (as greedy);
+// one of only -inf gives token 0 and a NaN logprob.
+constexpr int64_t kCdfChunk = 1024;  // kernels/sampling.py CDF_CHUNK
+
+template <typename T>
+void sample_row(const T* x, int64_t n, float temp, float u, bool with_logprob, std::vector<float>& cum,
+                int64_t& id, float& logprob) {
+  const vfloat t = splat(temp);
+  auto at = [&](int64_t c) { return row_at(x, n, c) / t; };  // lanes past n: -inf
+  vfloat mv = splat(-__builtin_inff());
+  vint nan = {};
+  for (int64_t c = 0; c < n; c += L) {
+    const vfloat v = at(c);
+    nan |= (v != v);
+    mv = v > mv ? v : mv;
+  }
+  bool has_nan = false;
+  for (int64_t i = 0; i < L; ++i) has_nan |= nan[i] != 0;
+  if (has_nan) {
+    for (int64_t i = 0; i < n; ++i)
+      if (float v = static_cast<float>(x[i]); v != v) { id = i, logprob = v; return; }
+  }
+  const float m = reduce(mv, maximum);
+  if (m == -__builtin_inff()) { id = 0, logprob = __builtin_nanf(""); return; }
+  const vfloat mvec = splat(m);
+  const int64_t n_chunks = (n + kCdfChunk - 1) / kCdfChunk;
+  cum.resize(n_chunks);
+  float total = 0.0f;
+  for (int64_t ch = 0; ch < n_chunks; ++ch) {  // cum[ch] = sum of the weights of chunks 0..ch
+    vfloat sum = {};
+    for (int64_t c = ch * kCdfChunk; c < std::min(n, (ch + 1) * kCdfChunk); c += L) sum += sleef_expf(at(c) - mvec);
+    cum[ch] = total += reduce(sum, plus);
+  }
+  const float target = u * total;
+  int64_t ch = 0;
+  while (ch < n_chunks - 1 && !(cum[ch] > target)) ++ch;  // searchsorted(right=True), clamped
+  const float rest = target - (ch > 0 ? cum[ch - 1] : 0.0f);
+  const int64_t c0 = ch * kCdfChunk, c1 = std::min(n, c0 + kCdfChunk);
+  id = c1 - 1;  // the sampler's clamp when rounding leaves the target past the chunk
+  float run = 0.0f, w_id = -1.0f;
+  for (int64_t c = c0; c < c1 && w_id < 0; c += L) {
+    const vfloat w = sleef_expf(at(c) - mvec);
+    for (int64_t i = 0; i < L && c + i < c1; ++i)
+      if ((run += w[i]) > rest) { id = c + i, w_id = w[i]; break; }
+  }
+  if (w_id < 0) w_id = sleef_expf(splat(static_cast<float>(x[id]) / temp - m))[0];
+  if (!(w_id > 0)) {  // as the sampler: a token of probability 0 is replaced by the argmax
+    for (int64_t i = 0; i < n; ++i)
+      if (static_cast<float>(x[i]) / temp == m) { id = i; break; }
+  }
+  logprob = with_logprob ? static_cast<float>(x[id]) / temp - m - std::log(total) : 0.0f;
+}
+
+std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
+                                               const at::Tensor& u, bool with_logprobs) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1 &&
+                  dtype_ok(logits.scalar_type()) && logits.size(1) > 0,
+              "sample_rows: logits must be a CPU (N, V) float32/bfloat16 tensor with a contiguous last dim");
+  const int64_t N = logits.size(0), V = logits.size(1), stride = logits.stride(0);
+  for (const auto* t : {&temperature, &u})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == N &&
+                    t->is_contiguous(),
+                "sample_rows: temperature and u must be contiguous float32 (N,) CPU tensors");
+  const float* temp = temperature.data_ptr<float>();
+  const float* up = u.data_ptr<float>();
+  for (int64_t r = 0; r < N; ++r)
+    TORCH_CHECK(temp[r] > 0 && up[r] >= 0 && up[r] < 1, "sample_rows: row ", r, " has temperature ", temp[r],
+                " (must be > 0) and u ", up[r], " (must be in [0, 1))");
+  at::Tensor ids = new_tensor({N}, at::kLong), lps = new_tensor({N}, at::kFloat);
+  int64_t* id = ids.data_ptr<int64_t>();
+  float* lp = lps.data_ptr<float>();
+  dispatch_dtype(logits.scalar_type(), "sample_rows", [&](auto tag) {
+    using T_ = decltype(tag);
+    const T_* x = logits.data_ptr<T_>();
+    for_rows(N, V * 8, [&](int64_t r0, int64_t r1) {
+      std::vector<float> cum;
+      for (int64_t r = r0; r < r1; ++r) sample_row(x + r * stride, V, temp[r], up[r], with_logprobs, cum, id[r], lp[r]);
     });
   });
   return {ids, lps};

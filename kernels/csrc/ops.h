@@ -38,6 +38,8 @@ std::tuple<at::Tensor, at::Tensor> rope_and_cache_qk(
     const at::Tensor& slot_mapping);
 std::tuple<at::Tensor, at::Tensor> greedy_logprobs(const at::Tensor& logits, bool with_logprobs);
 at::Tensor logsumexp_rows(const at::Tensor& x);
+std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
+                                               const at::Tensor& u, bool with_logprobs);
 }  // namespace rollout_fused
 
 // invariant_ops.cpp

@@ -334,3 +334,47 @@ def test_plain_greedy_batch_takes_bf16_logits_as_they_are():
     md.max_num_logprobs = 2  # top-k logprobs: the general path, in float32
     out = sample(logits, md)
     assert out.top_ids.shape == (6, 2) and out.top_logprobs.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 15, 777, 2048, 49152])
+def test_cpu_sampler_op_draws_the_torch_paths_tokens(ext, dtype, vocab, monkeypatch):
+    """sample() through the C++ op (temperature only) against its torch path at the same u: the
+    same tokens, except where u lies within float rounding of a token's CDF boundary, and the same
+    logprobs (1e-5). Greedy rows in the batch stay argmax."""
+    import kernels.sampling as sampling
+
+    rows = 64
+    logits = random_logits(rows, vocab, seed=vocab).to(dtype)
+    temps = (torch.rand(rows, generator=torch.Generator().manual_seed(1)) * 1.5 + 0.2).tolist()
+    for md_kw in (dict(logprobs=0), dict(greedy=[i % 5 == 0 for i in range(rows)])):
+        md = metadata(rows, temperature=temps, **md_kw)
+        assert sampling._cpu_sampler(logits, md) is ext
+        got = sample(logits.clone(), md, torch.Generator().manual_seed(3))
+        with monkeypatch.context() as m:
+            m.setattr(sampling, "_cpu_sampler", lambda *_: None)
+            want = sample(logits.clone(), md, torch.Generator().manual_seed(3))
+        u = torch.rand(rows, generator=torch.Generator().manual_seed(3))
+        probs = (logits.float() / md.temperature[:, None]).softmax(-1).double()
+        for r in (got.token_ids != want.token_ids).nonzero().flatten().tolist():
+            cdf = probs[r].cumsum(0)
+            near = cdf[min(got.token_ids[r], want.token_ids[r])]  # the boundary between the two
+            assert abs(near.item() - u[r].item()) < 1e-5, (r, got.token_ids[r], want.token_ids[r])
+        if "logprobs" in md_kw:
+            same = got.token_ids == want.token_ids
+            torch.testing.assert_close(got.logprobs[same], want.logprobs[same], atol=1e-5, rtol=0)
+        else:
+            assert got.logprobs is None
+            assert torch.equal(got.token_ids[md.greedy], logits.float().argmax(-1)[md.greedy])
+
+
+def test_cpu_sampler_op_rejects_bad_rows(ext):
+    logits = torch.randn(2, 10)
+    with pytest.raises(RuntimeError, match="temperature"):
+        ext.sample_rows(logits, torch.tensor([1.0, 0.0]), torch.tensor([0.5, 0.5]))
+    with pytest.raises(RuntimeError, match="u"):
+        ext.sample_rows(logits, torch.ones(2), torch.tensor([0.5, 1.0]))
+    with pytest.raises(RuntimeError, match=r"\(N,\)"):
+        ext.sample_rows(logits, torch.ones(3), torch.rand(3))
+    ids, _ = ext.sample_rows(torch.full((1, 20), float("-inf")), torch.ones(1), torch.rand(1), True)
+    assert ids.item() == 0
