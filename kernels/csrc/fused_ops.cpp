@@ -658,25 +658,31 @@ inline vfloat row_at(const T* x, int64_t n, int64_t c) {  // the vector at c, la
   return c + L <= n ? load(x + c) : (lane < int32_t(n - c) ? load_n(x + c, n - c) : splat(-__builtin_inff()));
 }
 
-template <typename T>
-void greedy_row(const T* x, int64_t n, bool with_logprob, int64_t& id, float& logprob) {
-  const vfloat neg_inf = splat(-__builtin_inff());
-  auto at = [&](int64_t c) { return row_at(x, n, c); };
-  vfloat mv = neg_inf;
+// The maximum of at(c) over a row's vectors (c = 0, L, ... < n; lanes past n must be -inf) and
+// whether any value is NaN.
+template <typename At>
+inline float row_max(const At& at, int64_t n, bool& has_nan) {
+  vfloat mv = splat(-__builtin_inff());
   vint nan = {};
   for (int64_t c = 0; c < n; c += L) {
     const vfloat v = at(c);
     nan |= (v != v);
     mv = v > mv ? v : mv;
   }
-  bool has_nan = false;
+  has_nan = false;
   for (int64_t i = 0; i < L; ++i) has_nan |= nan[i] != 0;
+  return reduce(mv, maximum);
+}
+
+template <typename T>
+void greedy_row(const T* x, int64_t n, bool with_logprob, int64_t& id, float& logprob) {
+  auto at = [&](int64_t c) { return row_at(x, n, c); };
+  bool has_nan;
+  const float m = row_max(at, n, has_nan);
   if (has_nan) {
     for (int64_t i = 0; i < n; ++i)
       if (float v = static_cast<float>(x[i]); v != v) { id = i, logprob = v; return; }
   }
-  float m = mv[0];
-  for (int64_t i = 1; i < L; ++i) m = std::max(m, mv[i]);
   id = -1;
   vfloat sum = {};
   for (int64_t c = 0; c < n; c += L) {
@@ -732,20 +738,12 @@ void sample_row(const T* x, int64_t n, float temp, float u, bool with_logprob, s
                 int64_t& id, float& logprob) {
   const vfloat t = splat(temp);
   auto at = [&](int64_t c) { return row_at(x, n, c) / t; };  // lanes past n: -inf
-  vfloat mv = splat(-__builtin_inff());
-  vint nan = {};
-  for (int64_t c = 0; c < n; c += L) {
-    const vfloat v = at(c);
-    nan |= (v != v);
-    mv = v > mv ? v : mv;
-  }
-  bool has_nan = false;
-  for (int64_t i = 0; i < L; ++i) has_nan |= nan[i] != 0;
+  bool has_nan;
+  const float m = row_max(at, n, has_nan);
   if (has_nan) {
     for (int64_t i = 0; i < n; ++i)
       if (float v = static_cast<float>(x[i]); v != v) { id = i, logprob = v; return; }
   }
-  const float m = reduce(mv, maximum);
   if (m == -__builtin_inff()) { id = 0, logprob = __builtin_nanf(""); return; }
   const vfloat mvec = splat(m);
   const int64_t n_chunks = (n + kCdfChunk - 1) / kCdfChunk;
@@ -811,16 +809,9 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits, const a
 // with a NaN gives NaN, one of only -inf gives -inf, one with +inf gives +inf (as torch).
 template <typename T>
 float logsumexp_row(const T* x, int64_t n) {
-  vfloat mv = splat(-__builtin_inff());
-  vint nan = {};
-  for (int64_t c = 0; c < n; c += L) {
-    const vfloat v = row_at(x, n, c);
-    nan |= (v != v);
-    mv = v > mv ? v : mv;
-  }
-  for (int64_t i = 0; i < L; ++i)
-    if (nan[i]) return __builtin_nanf("");
-  const float m = reduce(mv, maximum);
+  bool has_nan;
+  const float m = row_max([&](int64_t c) { return row_at(x, n, c); }, n, has_nan);
+  if (has_nan) return __builtin_nanf("");
   if (m == -__builtin_inff() || m == __builtin_inff()) return m;
   vfloat sum = {};
   for (int64_t c = 0; c < n; c += L) sum += sleef_expf(row_at(x, n, c) - m);
