@@ -4,7 +4,7 @@ into matmuls (every projection and the LM head), attention, the small fused ops 
 KV write, SiLU), the rest of the forward pass (embedding, views, Python), sampling, input
 preparation, and scheduling + output assembly.
 
-    python benchmarks/step_profile.py [--dtype bfloat16] [--batch 32] [--tokens 128]
+    python benchmarks/step_profile.py [--dtype bfloat16] [--batch 32] [--tokens 128] [--temperature 0]
 
 The functions are wrapped with perf_counter accumulators in this script only (~0.3 us a call,
 ~100 us a step); the decode matmul floor for comparison is measured by benchmarks in
@@ -56,11 +56,11 @@ def main():
     # wrap: the step, the runner's pieces, the model's pieces
     # Decode steps only: the step that prefills every prompt (the token budget below fits them
     # all) is timed but then dropped from the totals.
-    first_step = timed("step", core_mod.EngineCore.step)
+    timed_step = timed("step", core_mod.EngineCore.step)
     decode_start = []
 
     def step(self, *a, **kw):
-        out = first_step(self, *a, **kw)
+        out = timed_step(self, *a, **kw)
         if not decode_start:
             TOTALS.clear()
             decode_start.append(time.perf_counter())
