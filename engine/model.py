@@ -27,8 +27,9 @@ from weight_sync.checkpoint import load_safetensors_folder
 
 # float32 steps of at most this many rows run the fixed-order C++ kernel that streams the weights
 # once (kernels/csrc/invariant_ops.cpp) rather than oneDNN's prepacked GEMM, which wins from there
-# on (measured on an AVX-512 EPYC, benchmarks/throughput.py; README).
-FP32_ROWS_KERNEL_MAX_ROWS = 7
+# on (the model's 121 matmuls on an AVX-512 EPYC: 20.7 vs 24.3 ms at 8 rows, even at 10, 28.3 vs
+# 26.7 at 12; README).
+FP32_ROWS_KERNEL_MAX_ROWS = 9
 # bf16 on a CPU with AVX-512 BF16 runs kernels/csrc/vnni_linear.cpp at every row count (measured
 # on the EPYC: 2x oneDNN at 1-8 rows, 1.3x at 16, even at 512); where AMX exists oneDNN's AMX
 # GEMM should win for many rows, so the kernel takes steps of at most this many (not measured).
