@@ -75,7 +75,7 @@ void tile(const float* x, int64_t sx, const float* w, int64_t K, const float* bi
     for (int64_t j = 0; j < C; ++j) acc[i][j] = vfloat{};
   int64_t k = 0;
   for (; k + L <= K; k += L) {
-    for (int64_t j = 0; j < C; ++j) __builtin_prefetch(next + (j * K + k) * 4, 0, 1);
+    for (int64_t j = 0; j < C; ++j) __builtin_prefetch(next + (j * K + k) * sizeof(float), 0, 1);
     vfloat xv[R];
     for (int64_t i = 0; i < R; ++i) xv[i] = load(x + i * sx + k);
     for (int64_t j = 0; j < C; ++j) {
