@@ -147,7 +147,8 @@ at::Tensor bf16_vnni_linear(const at::Tensor& x, const at::Tensor& packed, int64
   // several, the panel is already in cache after pass 0, so pass j prefetches the j-th slice of
   // the thread's next panel: the next panel's weights arrive while this one's arithmetic runs
   // (at 32 rows the weight stream had been ~5 ms of a 26 ms step on top of the arithmetic). A
-  // thread's first panel prefetches ahead of itself on pass 0.
+  // thread's first panel prefetches ahead of itself on pass 0. (Past 128 passes, i.e. prefill,
+  // a slice is under a line and slice_step is 0: each pass fetches the line of its slice.)
   const int64_t passes = (M + MR - 1) / MR, panel_bytes = panel * 2, slice_step = 128 / passes;
   auto run = [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
