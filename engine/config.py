@@ -133,6 +133,8 @@ class EngineConfig:
         the recompute a trainer runs to get the same bits). dtype "auto" becomes float32.
     enable_lora: LoRA adapters (engine/lora.py: add_lora, per-request lora_request); at most
         max_loras resident (the least recently used unpinned one is evicted), ranks <= max_lora_rank.
+        max_loras also bounds the adapters of the running requests, pinned ones counted: a request
+        for another waits for a slot, and an evicted adapter is reloaded when a request needs it.
     log_stats_interval_s: LLM / AsyncLLM log do_log_stats()'s line (logger "engine", INFO) this often
         while they run; None = only when called.
     profiler_dir: where start_profile() / stop_profile() write torch-profiler traces of the engine

@@ -104,7 +104,8 @@ class EngineCore:
             config.max_model_len = capacity
         self.max_model_len = config.max_model_len
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                   config.max_loras if config.enable_lora else 0)
         self.weight_version = 0
         self.num_generated_tokens = 0
         self.paused_since: float | None = None  # time.monotonic() of the pause now in force
@@ -117,7 +118,8 @@ class EngineCore:
         self.needs_weights = False  # a level-2 sleep dropped the weights: a push or reload refills them
         self._pending_outputs: list[EngineCoreOutput] = []  # produced outside step() (aborts, stream input)
         self.profiler = StepProfiler(config.profiler_dir, config.data_parallel_rank, config.device)
-        self.lora_paths: dict[int, str] = {}  # every LoRA id ever loaded -> its folder
+        self.lora_names: dict[int, str] = {}  # the registered LoRA adapters (add_lora .. remove_lora): id -> name
+        self.lora_paths: dict[int, str] = {}  # every LoRA id ever registered -> its folder
         self.lora_versions: dict[int, int] = {}  # LoRA id -> the version of its weights (pushes bump it)
         self.lora_pushed: set[int] = set()  # ids whose resident weights came from a push
 
@@ -131,8 +133,13 @@ class EngineCore:
         self._check_prompt(request.prompt_token_ids, request.request_id)
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", "request_id")
-        if request.lora_id and request.lora_id not in self.list_loras():
-            raise InvalidRequestError(f"LoRA adapter {request.lora_id} is not loaded (add_lora first)", "lora_request")
+        if request.lora_id:
+            self._check_lora(request.lora_id, "lora_request")
+            pinned = self.scheduler.pinned_loras
+            if request.lora_id not in pinned and len(pinned) >= self.config.max_loras:
+                raise EngineStateError(f"LoRA adapter {request.lora_id} cannot run: every LoRA slot (max_loras "
+                                       f"{self.config.max_loras}) holds a pinned adapter {sorted(pinned)}",
+                                       "lora_request")
         self.scheduler.add_request(Request(request))
 
     def add_stream_input(self, chunk: StreamInput) -> None:
@@ -199,6 +206,7 @@ class EngineCore:
             return outputs
         with phase("schedule"):
             scheduler_output = self.scheduler.schedule()
+            outputs += self._load_step_loras(scheduler_output)
         result = self.executor.execute_model(scheduler_output)
         with phase("outputs"):
             outputs += self.scheduler.update_from_output(scheduler_output, result, self.weight_version,
@@ -370,8 +378,10 @@ class EngineCore:
         Returns its stats and the current weight_version. With `lora_id`: an update of that
         loaded LoRA adapter's tensors (PEFT names; "disk": a PEFT folder), its version instead."""
         self._check_can_update()
-        if lora_id and lora_id not in self.list_loras():
-            raise InvalidRequestError(f"LoRA adapter {lora_id} is not loaded (add_lora first)", "lora")
+        if lora_id:  # the update pins it: it must be resident, and its pin must strand no request
+            self._check_lora(lora_id, "lora")
+            self._check_pin(lora_id)
+            self._make_resident(lora_id)
         try:
             stats = self.executor.collective_rpc("stage_weights", [source, args, lora_id])[0]
         except (ValueError, TypeError, KeyError) as e:
@@ -397,6 +407,7 @@ class EngineCore:
         if lora_id:
             self.lora_versions[lora_id] = int(version)
             self.lora_pushed.add(lora_id)
+            self.scheduler.pinned_loras.add(lora_id)  # (the worker pinned it)
             if lora_path is not None:
                 self.lora_paths[lora_id] = lora_path
             return int(version)
@@ -420,8 +431,7 @@ class EngineCore:
     def get_weight_version(self, lora_id: int = 0) -> int:
         """The live weights' version, or that of the loaded LoRA adapter `lora_id`."""
         if lora_id:
-            if lora_id not in self.list_loras():
-                raise InvalidRequestError(f"LoRA adapter {lora_id} is not loaded", "lora")
+            self._check_lora(lora_id, "lora")
             return self.lora_versions[lora_id]
         return self.weight_version
 
@@ -469,36 +479,84 @@ class EngineCore:
                     **(self.executor.collective_rpc("encoder_cache_stats")[0] if self.config.model_config.vision
                        else {}))
 
-    # ---- LoRA adapters (engine/lora.py; the worker's runner holds them) ----------------------
+    # ---- LoRA adapters (engine/lora.py: the residency rule; the worker's runner holds them) --------
     def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> bool:
-        """Load a PEFT adapter under this id (False if it is already loaded)."""
+        """Register a PEFT adapter under this id; False if the id is registered already (it keeps
+        its adapter, as in vLLM). It is checked now (a bad one is refused and nothing changes) and
+        loaded if a slot is free or can be freed; otherwise it loads when a request needs it."""
         if not isinstance(lora_int_id, int) or isinstance(lora_int_id, bool) or lora_int_id < 1:
             raise InvalidRequestError(f"lora_int_id must be an int >= 1, got {lora_int_id!r}", "lora_int_id")
+        if not self.config.enable_lora:
+            raise EngineStateError("LoRA is off: start the engine with enable_lora=True (--enable-lora)")
+        if lora_int_id in self.lora_names:
+            return False
         in_use = sorted({r.lora_id for r in self.scheduler.requests.values() if r.lora_id})
-        loaded = self.executor.collective_rpc("add_lora", [lora_name, lora_int_id, lora_path, in_use])[0]
-        if loaded:  # (an id already loaded keeps its adapter, as in vLLM)
-            if lora_int_id not in self.lora_versions:
-                self.lora_versions[lora_int_id] = 0
-            elif self.lora_paths[lora_int_id] != lora_path or lora_int_id in self.lora_pushed:
-                # the id names other weights now: a new version, and no KV of the old ones is reused
-                self.lora_versions[lora_int_id] += 1
-                self.lora_pushed.discard(lora_int_id)
-                self.kv.reset_prefix_cache()  # (cached blocks are keyed by adapter id)
-            self.lora_paths[lora_int_id] = lora_path
-        return loaded
+        try:
+            self.executor.collective_rpc("add_lora", [lora_name, lora_int_id, lora_path, in_use])
+        except EngineStateError:
+            pass  # every slot is pinned or in use: the runner checked the adapter before it looked for one
+        if lora_int_id not in self.lora_versions:
+            self.lora_versions[lora_int_id] = 0
+        elif self.lora_paths[lora_int_id] != lora_path or lora_int_id in self.lora_pushed:
+            # the id names other weights now: a new version, and no KV of the old ones is reused
+            self.lora_versions[lora_int_id] += 1
+            self.lora_pushed.discard(lora_int_id)
+            self.kv.reset_prefix_cache()  # (cached blocks are keyed by adapter id)
+        self.lora_names[lora_int_id] = lora_name
+        self.lora_paths[lora_int_id] = lora_path
+        return True
+
+    def _check_lora(self, lora_id: int, param: str) -> None:
+        if lora_id not in self.lora_names:
+            raise InvalidRequestError(f"LoRA adapter {lora_id} is not loaded (add_lora first)", param)
+
+    def _make_resident(self, lora_id: int) -> None:
+        """Load a registered adapter that was evicted (from its folder), evicting the least recently
+        used adapter that is neither pinned nor used by a running request. EngineStateError when
+        every slot is."""
+        if lora_id not in self.list_loras():
+            running = sorted({r.lora_id for r in self.scheduler.running if r.lora_id})
+            self.executor.collective_rpc("add_lora", [self.lora_names[lora_id], lora_id, self.lora_paths[lora_id],
+                                                      running])
+
+    def _load_step_loras(self, so) -> list[EngineCoreOutput]:
+        """Make the adapters of the step's requests resident (the scheduler admitted no more than
+        max_loras of them with the pinned ones, so slots exist). An adapter whose folder no longer
+        loads fails its requests (an error output each) and leaves the step."""
+        needed = {self.scheduler.requests[sr.request_id].lora_id for sr in so.scheduled} - {0}
+        if not needed or needed <= set(self.list_loras()):
+            return []
+        failed: dict[str, Exception] = {}
+        for lora_id in sorted(needed):
+            try:
+                self._make_resident(lora_id)
+            except InvalidRequestError as e:
+                failed.update({sr.request_id: e for sr in so.scheduled
+                               if self.scheduler.requests[sr.request_id].lora_id == lora_id})
+        if not failed:
+            return []
+        so.scheduled = [sr for sr in so.scheduled if sr.request_id not in failed]
+        self.scheduler.abort(failed)
+        return [EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason=FinishReason.ABORT, error=str(e),
+                                 error_type=type(e).__name__) for rid, e in failed.items()]
 
     def export_loras(self) -> list[dict]:
-        """The resident adapters as a new replica needs them (scaling up): name, id, folder,
-        version, pin, and a pushed adapter's tensors (they exist nowhere else)."""
-        return [dict(a, path=self.lora_paths[a["id"]], version=self.lora_versions[a["id"]],
-                     tensors=a["tensors"] if a["id"] in self.lora_pushed else None)
-                for a in self.executor.collective_rpc("lora_state")[0]]
+        """The registered adapters as a new replica needs them (scaling up): name, id, folder,
+        version, pin, and a pushed adapter's tensors (they exist nowhere else; it is pinned, so
+        resident)."""
+        resident = {a["id"]: a for a in self.executor.collective_rpc("lora_state")[0]}
+        return [dict(name=name, id=i, path=self.lora_paths[i], version=self.lora_versions[i],
+                     pinned=i in self.scheduler.pinned_loras,
+                     tensors=resident[i]["tensors"] if i in self.lora_pushed else None)
+                for i, name in self.lora_names.items()]
 
     def import_loras(self, loras: list[dict]) -> bool:
-        """Load what export_loras gave (a replica that joins by scaling)."""
-        for a in loras:
+        """Register what export_loras gave (a replica that joins by scaling); pinned ones first,
+        so that they get their slots."""
+        for a in sorted(loras, key=lambda a: not a["pinned"]):
             self.add_lora(a["name"], a["id"], a["path"])
             if a["tensors"] is not None:
+                self._make_resident(a["id"])
                 self.executor.collective_rpc("stage_weights", ["tensors", [a["tensors"]], a["id"]])
                 self.executor.collective_rpc("commit_staged")
                 self.lora_pushed.add(a["id"])
@@ -508,14 +566,39 @@ class EngineCore:
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
+        """Unregister an adapter (False if it is not registered); refused while requests use it."""
+        if lora_id not in self.lora_names:
+            return False
         if any(r.lora_id == lora_id for r in self.scheduler.requests.values()):
             raise EngineStateError(f"LoRA adapter {lora_id} is in use by requests in the engine")
-        return self.executor.collective_rpc("remove_lora", [lora_id])[0]
+        del self.lora_names[lora_id]
+        self.scheduler.pinned_loras.discard(lora_id)
+        self.executor.collective_rpc("remove_lora", [lora_id])
+        return True
 
     def pin_lora(self, lora_id: int) -> bool:
-        return self.executor.collective_rpc("pin_lora", [lora_id])[0]
+        """Keep this adapter resident (it holds one of the max_loras slots from now on)."""
+        self._check_lora(lora_id, "lora_id")
+        self._check_pin(lora_id)
+        self._make_resident(lora_id)
+        self.executor.collective_rpc("pin_lora", [lora_id])
+        self.scheduler.pinned_loras.add(lora_id)
+        return True
+
+    def _check_pin(self, lora_id: int) -> None:
+        """A pin must leave a slot for every adapter that requests in the engine use (else they
+        would wait forever)."""
+        if lora_id in self.scheduler.pinned_loras:
+            return
+        pinned = self.scheduler.pinned_loras | {lora_id}
+        stranded = sorted({r.lora_id for r in self.scheduler.requests.values()} - pinned - {0})
+        if stranded and len(pinned) >= self.config.max_loras:
+            raise EngineStateError(f"pinning LoRA adapter {lora_id} would leave no slot (max_loras "
+                                   f"{self.config.max_loras}) for the adapters {stranded} that requests in the "
+                                   "engine use", "lora_id")
 
     def list_loras(self) -> list[int]:
+        """The resident adapters (at most max_loras); registered ones beyond them load on demand."""
         return self.executor.collective_rpc("list_loras")[0]
 
     def start_profile(self) -> bool:

@@ -148,8 +148,8 @@ class LLM:
         return self.client.call_utility("get_stats")
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load a PEFT LoRA adapter (engine/lora.py; needs enable_lora); False if already loaded.
-        generate(..., lora_request=) loads it on first use."""
+        """Register a PEFT LoRA adapter (engine/lora.py; needs enable_lora); False if the id is
+        registered already. generate(..., lora_request=) registers it on first use."""
         r = lora_request
         return self.client.call_utility("add_lora", r.lora_name, r.lora_int_id, r.lora_path)
 

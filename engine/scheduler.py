@@ -10,6 +10,12 @@ recently admitted running request is preempted (its blocks freed, recomputed lat
 Queues: waiting -> running; idle (streaming-input requests between chunks, holding their
 blocks: engine/streaming.py); held (requests that arrived while generation is paused).
 The pause state lives here and nowhere else (the engine core sets it, everyone else asks).
+
+LoRA slots (vLLM's rule): the running requests use at most max_loras adapters, pinned ones
+counted (they keep their slot), so the worker can hold every adapter of a step. A waiting request
+whose adapter has no slot waits; so do the requests behind it that would keep an unpinned
+adapter's slot busy (otherwise a stream of them could starve it), while base-model requests and
+those of pinned adapters pass it.
 """
 import enum
 from collections import deque
@@ -40,10 +46,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 max_loras: int = 0):
         self.kv = kv
         self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len = (
             max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.max_loras = max_loras  # LoRA slots (0: no adapters)
+        self.pinned_loras: set[int] = set()  # adapters that keep a slot (the engine core keeps this)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.idle: dict[str, Request] = {}  # streaming-input requests waiting for their next chunk
@@ -121,8 +130,15 @@ class Scheduler:
                 i += 1
         if out.num_preempted:
             return out  # admit nothing while memory is short
+        loras = {r.lora_id for r in self.running if r.lora_id} | self.pinned_loras  # the slots in use
+        skipped: list[Request] = []  # waiting for a LoRA slot, in queue order
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.lora_id and req.lora_id not in self.pinned_loras and (
+                    skipped  # one ahead waits for a slot
+                    or req.lora_id not in loras and len(loras) >= self.max_loras):
+                skipped.append(self.waiting.popleft())
+                continue
             if req.num_computed_tokens == 0 and req.params.pooling != "mean":
                 computed, num_hit = self.kv.get_computed_blocks(req)
             elif req.num_computed_tokens == 0:  # mean pooling needs every prompt token's hidden state
@@ -142,6 +158,9 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
+            if req.lora_id:
+                loras.add(req.lora_id)
+        self.waiting.extendleft(reversed(skipped))
         return out
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:

@@ -51,11 +51,21 @@ class ServerState:
         self._lora_ids = itertools.count(1)
 
     def new_lora(self, name: str, path: str) -> LoRARequest:
+        """A LoRA adapter's request under a new id. Its name must not be one the model answers to
+        (resolve_model would never reach it, /v1/models would list the id twice): 400."""
+        if name in self.model_names:
+            raise APIError(400, f"lora_name {name!r} is a name of the served model (it answers to "
+                                f"{sorted(self.model_names)}): give the adapter another name", "lora_name")
         return LoRARequest(name, next(self._lora_ids), path)
+
+    @property
+    def model_names(self) -> set[str]:
+        """What a request's `model` may say to mean the served model itself."""
+        return {name for name in (self.model_name, self.model_path) if name}
 
     def resolve_model(self, model: str | None) -> LoRARequest | None:
         """The `model` field of a request: the served model (None) or a loaded LoRA adapter; 404 otherwise."""
-        if model is None or model in (self.model_name, self.model_path):
+        if model is None or model in self.model_names:
             return None
         if model in self.loras:
             return self.loras[model]

@@ -4,6 +4,7 @@ the prefix cache keyed by adapter; bad adapters refused with nothing changed; ma
 (least recently used, never a pinned one)."""
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import peft
@@ -165,7 +166,7 @@ def test_a_lora_push_changes_only_that_adapter(models, default_model_path, tmp_p
         assert llm.list_loras() == [1, 3]
 
         # refused, nothing changes: unknown tensor, wrong shape, a version that does not increase,
-        # an adapter that is not loaded, a folder that is not an adapter
+        # an adapter that was never registered, a folder that is not an adapter
         name, t = lora_tensors(trained)[0]
         with pytest.raises(InvalidRequestError, match="has no tensor"):
             llm.update_weights_from_tensors([(name.replace("q_proj", "k_proj"), t)], lora_id=1)
@@ -174,7 +175,7 @@ def test_a_lora_push_changes_only_that_adapter(models, default_model_path, tmp_p
         with pytest.raises(EngineStateError, match="must increase"):
             llm.update_weights_from_tensors([(name, t * 0)], version=5, lora_id=1)
         with pytest.raises(InvalidRequestError, match="not loaded"):
-            llm.update_weights_from_tensors([(name, t)], lora_id=2)
+            llm.update_weights_from_tensors([(name, t)], lora_id=9)
         with pytest.raises(InvalidRequestError, match="adapter_config.json"):
             llm.update_weights_from_disk(str(tmp_path), lora_id=1)
         assert llm.get_weight_version(lora_id=1) == 5
@@ -194,5 +195,52 @@ def test_a_lora_push_changes_only_that_adapter(models, default_model_path, tmp_p
             assert llm.update_weights_from_ipc(handles, lora_id=1)["weight_version"] == 7
         out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY, use_tqdm=False, lora_request=a)[0].outputs[0]
         assert out.token_ids == reference(trained, PROMPTS[1]) and out.lora_versions == [7] * 12
+    finally:
+        llm.shutdown()
+
+
+def test_more_adapters_in_use_than_max_loras_wait_for_a_slot(models, default_model_path, tmp_path):
+    """Three registered adapters over max_loras 2, nine requests naming them in turn, all in one
+    batch: every request runs (an evicted adapter is reloaded from its folder when a request needs
+    it; a request whose adapter has no free slot waits), each token-exact with its run alone. Then
+    the same with one adapter pinned (it keeps a slot, the other two take turns in the last one).
+    An evicted adapter whose folder went away fails its requests with the loader's error; the engine
+    serves on."""
+    folder, _, adapters = models
+    llm = LLM(folder, tokenizer=default_model_path, multiprocess=False, dtype="float32", enable_lora=True,
+              max_loras=2)
+    try:
+        loras = [LoRARequest(f"a{k}", k + 1, path) for k, (path, _) in enumerate(adapters)]
+        alone = {r.lora_int_id: llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY, use_tqdm=False,
+                                             lora_request=r)[0].outputs[0].token_ids for r in loras}
+        assert len(set(map(tuple, alone.values()))) == 3  # the adapters differ
+        lora_of = [loras[i % 3] for i in range(9)] + [None]
+        for pin in (None, 2):
+            if pin is not None:
+                assert llm.pin_lora(pin)
+            outs = llm.generate([{"prompt_token_ids": PROMPTS[1]}] * len(lora_of), GREEDY, use_tqdm=False,
+                                lora_request=lora_of)
+            for r, o in zip(lora_of, outs):
+                if r is not None:
+                    assert o.outputs[0].token_ids == alone[r.lora_int_id], (pin, r)
+            assert len(llm.list_loras()) <= 2
+            if pin is None:
+                gone = tmp_path / "gone"
+                shutil.copytree(adapters[2][0], gone)
+                assert llm.add_lora(LoRARequest("gone", 4, str(gone)))
+                llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 2, GREEDY, use_tqdm=False, lora_request=loras[:2])
+                assert 4 not in llm.list_loras()  # evicted
+                shutil.rmtree(gone)
+                with pytest.raises(InvalidRequestError, match="no adapter_config.json"):
+                    llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY, use_tqdm=False,
+                                 lora_request=LoRARequest("gone", 4, str(gone)))
+                assert llm.remove_lora(4)
+        # every slot pinned: a request for a third adapter could never run, so it is refused
+        assert llm.pin_lora(1)
+        with pytest.raises(EngineStateError, match="pinned"):
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False, lora_request=loras[2])
+        assert llm.remove_lora(3)  # unregistered: the engine no longer knows the id
+        with pytest.raises(InvalidRequestError, match="not loaded"):
+            llm.get_weight_version(lora_id=3)
     finally:
         llm.shutdown()

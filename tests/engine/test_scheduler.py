@@ -283,3 +283,37 @@ def test_finish_rules_through_the_scheduler():
     run_to_completion(sched)
     assert length.finish_reason == FinishReason.LENGTH and length.num_output_tokens == 3
     check_pool_idle(sched)
+
+
+def test_a_request_whose_lora_adapter_has_no_slot_waits():
+    """max_loras 2: the running requests use at most two adapters, pinned ones counted (they keep
+    their slot). A request for a third waits until every running request of one adapter is done;
+    requests behind it that would keep an unpinned adapter's slot busy wait too (so it cannot
+    starve), base-model requests pass it."""
+
+    def with_lora(lora_id: int, max_tokens: int) -> Request:
+        return Request(EngineCoreRequest(f"r{next(_ids)}", [1, 2, 3], SamplingParams(max_tokens=max_tokens), EOS,
+                                         lora_id=lora_id))
+
+    sched = Scheduler(KVCacheManager(100, 4, True), 16, 64, 1000, max_loras=2)
+    a, b, c, a2, base = with_lora(1, 2), with_lora(2, 4), with_lora(3, 2), with_lora(1, 2), with_lora(0, 2)
+    for r in (a, b, c, a2, base):
+        sched.add_request(r)
+    order = [set(step(sched)[0]) for _ in range(5)]
+    assert order == [{a.request_id, b.request_id, base.request_id}, {a.request_id, b.request_id, base.request_id},
+                     {b.request_id, c.request_id}, {b.request_id, c.request_id}, {a2.request_id}]
+    run_to_completion(sched)
+    check_pool_idle(sched)
+
+    sched.pinned_loras.add(1)  # adapter 1 keeps a slot: 2 and 3 take turns in the other
+    reqs = [with_lora(lora_id, 2) for lora_id in (2, 3, 1, 2, 3, 1)]
+    for r in reqs:
+        sched.add_request(r)
+    while sched.has_unfinished():
+        out = sched.schedule()
+        used = {sched.requests[s.request_id].lora_id for s in out.scheduled}
+        assert len(used | sched.pinned_loras) <= 2, used
+        sampled = {s.request_id: 7 for s in out.scheduled if s.sample}
+        sched.update_from_output(out, ModelRunnerOutput(sampled=sampled), weight_version=0)
+    assert all(r.is_finished for r in reqs)
+    check_pool_idle(sched)

@@ -103,3 +103,48 @@ def test_a_lora_push_over_gloo_changes_only_that_adapter(setup):
     assert client.push_weights_from_disk(Path(adapters[2][0]).parent / "pushed_step",
                                          lora_name="pushed")["weight_version"] == 8
     client.unload_lora_adapter("pushed")
+
+
+def test_an_adapter_cannot_take_a_name_the_model_answers_to(setup):
+    client, url, _, adapters = setup
+    models = client.model_info()
+    for name in (models[0]["id"], client.server_info()["model_path"]):
+        with pytest.raises(RolloutAPIError) as e:
+            client.load_lora_adapter(name, adapters[1][0])
+        assert e.value.status == 400 and e.value.param == "lora_name" and repr(name) in e.value.message
+    assert [(m["id"], m["root"]) for m in client.model_info()] == [(m["id"], m["root"]) for m in models]
+
+
+def test_more_adapters_in_use_than_max_loras(tmp_path_factory, default_model_path):
+    """Three adapters over --max-loras 2, twelve /v1/completions naming them in turn sent at once:
+    every one is a 200 (a request whose adapter has no slot waits for one in the engine; an
+    evicted adapter is reloaded), token-exact with the same request run alone."""
+    import asyncio
+
+    root = tmp_path_factory.mktemp("lora_http_slots")
+    folder, _, adapters = build_models(root)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(default_model_path) / name, Path(folder) / name)
+    names = [f"a{k}" for k in range(3)]
+    modules = [f"{n}={path}" for n, (path, _) in zip(names, adapters)]
+    with served(folder, "--dtype", "float32", "--max-loras", "2", "--lora-modules", *modules,
+                log_path=root / "serve.log") as server:
+
+        def body(model):
+            return {"model": model, "prompt": PROMPT, "return_token_ids": True, **GREEDY}
+
+        alone = {}
+        for n in names:
+            r = httpx.post(server.url + "/v1/completions", json=body(n), timeout=60)
+            assert r.status_code == 200, r.text
+            alone[n] = r.json()["choices"][0]["token_ids"]
+        assert len({tuple(v) for v in alone.values()}) == 3
+
+        async def at_once():
+            async with httpx.AsyncClient(timeout=120) as http:
+                return await asyncio.gather(*[http.post(server.url + "/v1/completions", json=body(names[i % 3]))
+                                              for i in range(12)])
+
+        for i, r in enumerate(asyncio.run(at_once())):
+            assert r.status_code == 200, (i, r.text)
+            assert r.json()["choices"][0]["token_ids"] == alone[names[i % 3]], i
