@@ -8,11 +8,12 @@ scheduler hands the workers a SchedulerOutput and gets a ModelRunnerOutput back
 text. This package never imports `rollout`.
 """
 from engine.async_llm import AsyncLLM
-from engine.errors import EngineDeadError, EngineStateError, InvalidRequestError, UnsupportedModelError
+from engine.errors import EngineDeadError, EngineStartError, EngineStateError, InvalidRequestError, UnsupportedModelError
 from engine.llm import LLM
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.streaming import StreamingInput
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-           "StreamingInput", "EngineDeadError", "EngineStateError", "InvalidRequestError", "UnsupportedModelError"]
+           "StreamingInput", "EngineDeadError", "EngineStartError", "EngineStateError", "InvalidRequestError",
+           "UnsupportedModelError"]

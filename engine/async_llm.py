@@ -286,7 +286,8 @@ class AsyncLLM:
     # ---- RL control: weights and sleep ------------------------------------------------------------
     async def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
                                    backend: str = "gloo", timeout_s: float = 60.0) -> list[int]:
-        return await self._call("init_weight_transfer", master_address, master_port, world_size, backend, timeout_s)
+        return await self._call("init_weight_transfer", master_address, master_port, world_size, backend, timeout_s,
+                                replica_ranks=self.client.replica_ranks())
 
     # `lora_id`: update that loaded LoRA adapter instead (see LLM.update_weights).
     async def update_weights(self, version: int | None = None, lora_id: int = 0) -> dict:
@@ -347,6 +348,10 @@ class AsyncLLM:
         "removed"}."""
         self._start_output_handler()
         return await self.client.scale_async(data_parallel_size, drain_timeout_s)
+
+    def cancel_scale(self) -> None:
+        """Make a running scale-up fail now (a server shutting down): its new replicas are stopped."""
+        self.client.cancel_scale()
 
     # ---- control --------------------------------------------------------------------------------
     async def _call(self, method: str, *args, timeout: float | None = None, **kwargs) -> Any:

@@ -128,6 +128,10 @@ class EngineConfig:
         its own cores: N replicas never oversubscribe the machine).
     data_parallel_size: engine-core replicas, each with its own scheduler, KV cache and worker;
         data_parallel_backend: "mp" (local processes) or "ray" (Ray actors, any node of a cluster).
+    max_data_parallel_size: the most replicas start-up or scale() may ask for. None = what the
+        machine holds: one replica per num_threads cores on CPU (at least one core each), one
+        per GPU on CUDA, the Ray cluster's CPUs / GPUs under Ray. Setting it replaces that
+        bound (oversubscribing cores on purpose); scale() still refuses what memory cannot hold.
     batch_invariant: a token's logits and logprobs do not depend on the rest of the batch (fixed
         reduction orders; float32 on CPU; see engine/batch_invariant.py for the guarantee and
         the recompute a trainer runs to get the same bits). dtype "auto" becomes float32.
@@ -163,6 +167,7 @@ class EngineConfig:
     data_parallel_size: int = 1
     data_parallel_backend: str = "mp"
     data_parallel_rank: int = 0  # set per replica by the process / actor manager
+    max_data_parallel_size: int | None = None
     batch_invariant: bool = False
     profiler_dir: str | None = None
     log_stats_interval_s: float | None = None
@@ -222,6 +227,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be a positive int, got {self.data_parallel_size!r}")
+        if self.max_data_parallel_size is not None and (not isinstance(self.max_data_parallel_size, int)
+                                                        or self.max_data_parallel_size < 1):
+            raise ValueError(f"max_data_parallel_size must be a positive int, got {self.max_data_parallel_size!r}")
         if self.data_parallel_backend not in ("mp", "ray"):
             raise ValueError(f"data_parallel_backend must be 'mp' or 'ray', got {self.data_parallel_backend!r}")
         if self.num_threads is None and self.data_parallel_size > 1 and self.device == "cpu":

@@ -331,10 +331,18 @@ class EngineCore:
             raise EngineStateError("requests are running: pause generation before updating the weights")
 
     def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
-                             backend: str = "gloo", timeout_s: float = 60.0) -> list[int]:
-        """Every worker joins the trainer's group: the trainer is rank 0, then the workers of
-        replica 0, replica 1, ... Returns the workers' ranks."""
-        rank_offset = 1 + self.config.data_parallel_rank * len(self.executor.workers)
+                             backend: str = "gloo", timeout_s: float = 60.0,
+                             replica_ranks: list[int] | None = None) -> list[int]:
+        """Every worker joins the trainer's group: the trainer is rank 0, then the workers of the
+        live replicas in the order of `replica_ranks` (their data_parallel_ranks, as the frontend
+        sees them now: replicas come and go, so positions are counted afresh at every init; None:
+        this replica alone). Returns the workers' ranks."""
+        if replica_ranks is None:
+            replica_ranks = [self.config.data_parallel_rank]
+        if self.config.data_parallel_rank not in replica_ranks:
+            raise InvalidRequestError(f"replica {self.config.data_parallel_rank} is not among the live replicas "
+                                      f"{replica_ranks}", "replica_ranks")
+        rank_offset = 1 + replica_ranks.index(self.config.data_parallel_rank) * len(self.executor.workers)
         if self.group_cancel.is_set():  # a cancelled forming stops within a connect attempt
             deadline = time.monotonic() + 2.0
             while not self.forming_group.done() and time.monotonic() < deadline:

@@ -37,7 +37,8 @@ from engine.coordinator import DPCoordinator, DPLoads
 from engine.core import stale_version
 from engine.core_proc import HANDSHAKE_TIMEOUT_MS, EngineAddresses, engine_identity
 from engine.errors import EngineDeadError, EngineStateError, InvalidRequestError, remote_error
-from engine.managers import CoreEngineActorManager, CoreEngineProcManager, EngineWatcher
+from engine.managers import (CoreEngineActorManager, CoreEngineProcManager, EngineWatcher, available_memory,
+                             replica_limit)
 from engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, RequestType,
                              StreamInput, UtilityOutput, UtilityRequest)
 from engine.serial import MsgpackDecoder, MsgpackEncoder
@@ -88,6 +89,29 @@ def combine_stats(stats: list[dict]) -> dict:
     out["is_sleeping"] = any(s["is_sleeping"] for s in stats)
     out["paused_seconds"] = max(s["paused_seconds"] for s in stats)
     return out
+
+
+def check_replica_count(config: EngineConfig, size: int) -> None:
+    """InvalidRequestError (data_parallel_size) if `size` replicas are more than may run at once."""
+    limit, why = replica_limit(config)
+    if size > limit:
+        raise InvalidRequestError(f"data_parallel_size {size} is more than this deployment holds: at most {limit} "
+                                  f"({why})", "data_parallel_size")
+
+
+def check_room_for(config: EngineConfig, num_new: int, stats: dict) -> None:
+    """InvalidRequestError (data_parallel_size) if this machine's free memory cannot hold `num_new`
+    more local replicas like the one whose get_stats() is `stats` (its peak RSS plus the whole KV
+    cache, whose pages it touches only as they fill)."""
+    kv_bytes = stats["num_blocks"] * config.block_size * config.kv_bytes_per_token()
+    on_host = 0 if config.device.startswith("cuda") else kv_bytes
+    each = int(stats["peak_rss_mb"] * 2**20) + on_host
+    free = available_memory()
+    if num_new * each > free:
+        raise InvalidRequestError(
+            f"{num_new} more replica(s) need about {num_new * each / 2**30:.1f} GiB ({each / 2**30:.2f} GiB each: "
+            f"a replica's peak RSS and its KV cache); this machine has {free / 2**30:.1f} GiB available",
+            "data_parallel_size")
 
 
 def weight_update_plan(source: str, args: list, version: int | None, lora_id: int = 0) -> Generator:
@@ -185,6 +209,9 @@ class InprocClient(_SyncPlans):
     def check_health(self) -> dict:
         return {"replicas": [0], "alive": [0], "stalled": []}
 
+    def replica_ranks(self) -> list[int]:
+        return [0]
+
     def shutdown(self) -> None:
         self.core.shutdown()
 
@@ -225,6 +252,7 @@ class EngineState:
 
     index: int
     identity: bytes
+    rank: int = 0  # its data_parallel_rank: its slot among the live replicas (pinning, group ranks)
     alive: bool = True
     routable: bool = True  # new requests may go there (not while joining or draining)
     num_in_flight: int = 0  # this frontend's unfinished requests there
@@ -254,6 +282,8 @@ class _MPClientBase:
     def __init__(self, config: EngineConfig, ctx: zmq.Context, with_coordinator: bool = False,
                  connection: EngineConnection | None = None):
         self.config = config
+        if connection is None:  # before any socket or process exists
+            check_replica_count(config, config.data_parallel_size)
         self.client_index, self.client_count = (0, 1) if connection is None else (connection.client_index,
                                                                                    connection.client_count)
         self._tmpdir = tempfile.mkdtemp(prefix="rollout-io-")
@@ -275,7 +305,7 @@ class _MPClientBase:
         self.decoder = MsgpackDecoder(EngineCoreOutputs)
         self.dead_reason: str | None = None
         self._call_ids = itertools.count()
-        self.engines = {i: EngineState(i, engine_identity(i)) for i in range(config.data_parallel_size)}
+        self.engines = {i: EngineState(i, engine_identity(i), rank=i) for i in range(config.data_parallel_size)}
         self._indices_used = set(self.engines)
         self.owner: dict[str, EngineState] = {}  # request id -> its replica (until its final output)
         self._next_engine = 0  # round-robin start among equally loaded replicas
@@ -302,6 +332,9 @@ class _MPClientBase:
         except BaseException:
             if self.coordinator is not None:
                 self.coordinator.shutdown()
+            # open sockets would make the context's garbage collection (zmq term) block forever
+            self.input_socket.close(linger=0)
+            self.output_socket.close(linger=0)
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             raise
         if self.coordinator is not None:
@@ -320,6 +353,10 @@ class _MPClientBase:
             left.discard(sync_view.recv_multipart()[0])
 
     # ---- routing ------------------------------------------------------------------------------
+    def replica_ranks(self) -> list[int]:
+        """The live replicas' data_parallel_ranks, in the order their workers join a weight group."""
+        return [e.rank for e in self._live()]
+
     def _live(self, routable: bool = False) -> list[EngineState]:
         live = [e for e in self.engines.values() if e.alive and (e.routable or not routable)]
         if not live:
@@ -671,8 +708,15 @@ class AsyncMPClient(_MPClientBase):
     async def _call(self, engine: EngineState, method: str, args, kwargs, timeout: float | None) -> Any:
         call_id = next(self._call_ids)
         fut = self._loop.create_future()
+        # A replica's death fails its calls' futures, also those whose caller already left (a
+        # failed send, a timeout): mark the failure seen, or asyncio logs each one at ERROR.
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._pending[call_id] = (fut, engine.index)
-        await self._send(engine, RequestType.UTILITY, UtilityRequest(call_id, method, list(args), kwargs))
+        try:
+            await self._send(engine, RequestType.UTILITY, UtilityRequest(call_id, method, list(args), kwargs))
+        except BaseException:
+            self._pending.pop(call_id, None)
+            raise
         try:
             result: UtilityOutput = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
@@ -718,35 +762,44 @@ class AsyncMPClient(_MPClientBase):
         if isinstance(self.manager, EngineWatcher):
             raise EngineStateError("the engine cores belong to the launcher of several API servers: "
                                    "scaling is not supported there")
+        check_replica_count(self.config, size)  # before anything starts or stops
         await self._ensure_ready()
+        live = sorted(i for i, e in self.engines.items() if e.alive)
+        if not live:
+            raise EngineDeadError(self.dead_reason or "no engine core is alive")
+        state = None
+        if size > len(live):
+            state = await self._call(self.engines[live[0]], "get_stats", [], {}, None)
+            if state["is_sleeping"]:
+                raise EngineStateError("the engine is asleep: wake it up before scaling")
+            if self.config.data_parallel_backend == "mp":
+                check_room_for(self.config, size - len(live), state)
         dropped = [i for i, e in self.engines.items() if not e.alive]
         for i in dropped:
             del self.engines[i]
             self.manager.stop(i)
-        live = sorted(self.engines)
-        if not live:
-            raise EngineDeadError(self.dead_reason or "no engine core is alive")
         added, removed = [], []
         if size > len(live):
-            added = await self._scale_up(size - len(live))
+            added = await self._scale_up(size - len(live), state)
         elif size < len(live):
             removed = await self._scale_down(live[size:], drain_timeout_s)
         return {"data_parallel_size": len(self.engines), "added": added, "removed": removed + dropped}
 
-    async def _scale_up(self, n: int) -> list[int]:
+    async def _scale_up(self, n: int, state: dict) -> list[int]:
+        """Start n replicas, copy `state`'s replica (its get_stats()) into them, then route to them;
+        a failure at any point stops every new one and leaves the others as they were."""
         from weight_sync import find_free_port
 
         source = self.engines[min(self.engines)]
-        state = await self._call(source, "get_stats", [], {}, None)
-        if state["is_sleeping"]:
-            raise EngineStateError("the engine is asleep: wake it up before scaling")
         first = max(self._indices_used) + 1
         new = list(range(first, first + n))  # an index is never reused: identities stay unique
         self._indices_used.update(new)
-        for i in new:
-            self.engines[i] = EngineState(i, engine_identity(i), routable=False)
+        taken = {e.rank for e in self.engines.values()}
+        ranks = [r for r in range(len(self.engines) + n) if r not in taken][:n]  # the slots the dead left first
+        for i, rank in zip(new, ranks):
+            self.engines[i] = EngineState(i, engine_identity(i), rank=rank, routable=False)
         try:
-            await asyncio.to_thread(self.manager.start, new)
+            await asyncio.to_thread(self.manager.start, new, ranks)
             await self._await_registrations({engine_identity(i) for i in new})
             host = await self._call(source, "collective_rpc", ["node_ip_address"], {}, None)
             port = find_free_port(host[0])
@@ -770,6 +823,11 @@ class AsyncMPClient(_MPClientBase):
         for i in new:
             self.engines[i].routable = True
         return new
+
+    def cancel_scale(self) -> None:
+        """Make a scale-up that is starting engines fail now (they are stopped; the others serve on)."""
+        if not isinstance(self.manager, EngineWatcher):
+            self.manager.cancel_start()
 
     async def _await_registrations(self, identities: set[bytes], timeout_s: float = HANDSHAKE_TIMEOUT_MS / 1000):
         """New engines' DEALERs announce themselves on our ROUTER (nothing else arrives there)."""

@@ -28,9 +28,14 @@ class EngineDeadError(RuntimeError):
     """The engine core is gone; every pending and later call fails with this."""
 
 
+class EngineStartError(RuntimeError):
+    """Engine cores failed to start (one exited, or reported why); none of them is left running.
+    A scale-up that raises it leaves the replicas that were serving as they were."""
+
+
 # types a caller may catch, re-raised as themselves when they cross the process boundary
 _REMOTE_TYPES = {c.__name__: c for c in (InvalidRequestError, EngineStateError, UnsupportedModelError, EngineDeadError,
-                                         ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryError,
+                                         EngineStartError, ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryError,
                                          IsADirectoryError, TimeoutError, NotImplementedError)}
 
 

@@ -211,7 +211,7 @@ class LLM:
     def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
                              backend: str = "gloo", timeout_s: float = 60.0) -> list[int]:
         return self.client.call_utility("init_weight_transfer", master_address, master_port, world_size,
-                                        backend, timeout_s)
+                                        backend, timeout_s, replica_ranks=self.client.replica_ranks())
 
     # Every update_weights* takes `lora_id`: then it updates that loaded LoRA adapter instead
     # (tensors by PEFT names, a subset is fine; "disk": a PEFT folder), atomically, under the

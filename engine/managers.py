@@ -10,6 +10,16 @@ Handshake, per engine (its DEALER identity is its index): HELLO -> Startup {addr
 config with data_parallel_rank set} -> READY {num_blocks, max_model_len} or the failure. All
 engines start in parallel; any failure shuts every one of them down and raises. Engines can be
 added and removed later (elastic scaling) with `start` and `stop`.
+
+An engine's index names it for the frontend's lifetime (a replacement gets a new one); its
+data_parallel_rank is its slot among the live replicas when it starts (which cores it is pinned
+to), and a replacement takes the slot its predecessor left. How many replicas a machine holds
+(`replica_limit`, `available_memory`) is checked before any process starts.
+
+An engine that is still starting belongs to the manager from its first instant: shutdown() (a
+SIGTERM to the server) stops it and makes a running start() raise, and the child itself sets
+its parent-death signal before it imports anything, so a parent that dies at any point of a
+start-up leaves no process behind.
 """
 import logging
 import os
@@ -25,8 +35,9 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, available_cpus
 from engine.core_proc import HANDSHAKE_TIMEOUT_MS, EngineAddresses, Hello, Ready, Startup
+from engine.errors import EngineStartError
 
 logger = logging.getLogger("engine")
 STARTUP_TIMEOUT_S = 600  # model conversion / loading can take a while on a cold cache
@@ -34,10 +45,61 @@ SHUTDOWN_GRACE_S = 5
 MONITOR_INTERVAL_S = 0.2
 
 
-def replica_config(config: EngineConfig, index: int) -> dict:
-    """The init fields of replica `index`'s EngineConfig (what travels in the handshake)."""
+class StartCancelled(EngineStartError):
+    """start() gave up because the manager is shutting down."""
+
+
+def replica_config(config: EngineConfig, rank: int) -> dict:
+    """The init fields of the EngineConfig of the replica in slot `rank` (what travels in the handshake)."""
     fields = {f: getattr(config, f) for f in config.__dataclass_fields__ if f != "model_config"}
-    return dict(fields, data_parallel_rank=index)
+    return dict(fields, data_parallel_rank=rank)
+
+
+def replica_limit(config: EngineConfig) -> tuple[int, str]:
+    """How many replicas may run at once, and what sets that bound (see EngineConfig's
+    max_data_parallel_size). Under Ray before the cluster is joined: no bound yet (the actors'
+    placement groups wait for resources instead)."""
+    if config.max_data_parallel_size is not None:
+        return config.max_data_parallel_size, "max_data_parallel_size (--max-data-parallel-size)"
+    on_gpu = config.device.startswith("cuda")
+    if config.data_parallel_backend == "ray":
+        import ray
+
+        if not ray.is_initialized():
+            return sys.maxsize, ""
+        have = ray.cluster_resources()
+        if on_gpu:
+            return int(have.get("GPU", 0)), f"the Ray cluster's {have.get('GPU', 0):g} GPU(s), one per replica"
+        threads = config.num_threads or 1
+        return int(have.get("CPU", 0) // threads), f"the Ray cluster's {have.get('CPU', 0):g} CPU(s), {threads} per replica"
+    if on_gpu:
+        import torch
+
+        return torch.cuda.device_count(), f"this machine's {torch.cuda.device_count()} GPU(s), one per replica"
+    cores, threads = len(available_cpus()), config.num_threads or 1
+    return max(cores // threads, 1), f"this machine's {cores} CPU core(s), {threads} per replica"
+
+
+def available_memory() -> int:
+    """Bytes this process's machine (or its cgroup) can still give: MemAvailable, capped by the
+    cgroup's memory.max less its current use."""
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    free = info.get("MemAvailable", info["MemFree"])
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int(open("/sys/fs/cgroup/memory.current").read()))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+# The child's first statements: die with the parent (PR_SET_PDEATHSIG = 1) before the seconds of
+# imports, during which nothing else would notice the parent's death.
+_BOOTSTRAP = ("import ctypes, os, signal; ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL); "
+              "os.getppid() == {parent} or os._exit(1); "
+              "from engine.core_proc import run_engine_core; run_engine_core({handshake!r}, {parent}, {index})")
 
 
 class CoreEngineProcManager:
@@ -45,6 +107,7 @@ class CoreEngineProcManager:
                  indices: list[int] | None = None):
         self.config, self.addresses, self.on_death = config, addresses, on_death
         self.procs: dict[int, subprocess.Popen] = {}
+        self._starting: dict[int, subprocess.Popen] = {}  # started, not READY yet (shutdown stops them too)
         self._reported: set[int] = set()  # deaths already reported (or expected: stop / shutdown)
         self._lock = threading.Lock()
         self._shutting_down = False
@@ -53,8 +116,9 @@ class CoreEngineProcManager:
         self.start(list(range(config.data_parallel_size)) if indices is None else indices)
         threading.Thread(target=self._monitor, daemon=True, name="core-monitor").start()
 
-    def start(self, indices: list[int]) -> None:
-        """Start engines `indices` and wait until every one is READY (or raise, leaving none of them)."""
+    def start(self, indices: list[int], ranks: list[int] | None = None) -> None:
+        """Start engines `indices` (in slots `ranks`, default their indices) and wait until every
+        one is READY; or raise, leaving none of them (StartCancelled when shutdown() came first)."""
         handshake = f"ipc://{self._tmp}/handshake-{indices[0]}"
         hs = zmq.Context.instance().socket(zmq.ROUTER)
         hs.setsockopt(zmq.LINGER, 0)
@@ -64,33 +128,43 @@ class CoreEngineProcManager:
         started = {}
         try:
             for i in indices:
-                entry = (f"from engine.core_proc import run_engine_core; "
-                         f"run_engine_core({handshake!r}, {os.getpid()}, {i})")
-                started[i] = subprocess.Popen([sys.executable, "-c", entry], stdin=subprocess.DEVNULL, env=env)
-            readies = self._handshake(hs, started)
+                self._check_not_cancelled()
+                entry = _BOOTSTRAP.format(parent=os.getpid(), handshake=handshake, index=i)
+                with self._lock:
+                    started[i] = self._starting[i] = subprocess.Popen([sys.executable, "-c", entry],
+                                                                      stdin=subprocess.DEVNULL, env=env)
+            readies = self._handshake(hs, started, dict(zip(indices, ranks or indices)))
         except BaseException:
-            self._stop_procs(started)
+            self._stop_procs(started.values())
             raise
         finally:
             hs.close()
+            with self._lock:
+                for i in started:
+                    self._starting.pop(i, None)
         with self._lock:
             self.procs.update(started)
         self.num_blocks = min(r.num_blocks for r in readies)
         self.max_model_len = min(r.max_model_len for r in readies)
 
-    def _handshake(self, hs, procs: dict[int, subprocess.Popen]) -> list[Ready]:
+    def _check_not_cancelled(self) -> None:
+        if self._shutting_down:
+            raise StartCancelled("the engine cores' start was cancelled: shutting down")
+
+    def _handshake(self, hs, procs: dict[int, subprocess.Popen], ranks: dict[int, int]) -> list[Ready]:
         waiting = {i.to_bytes(2, "little"): i for i in procs}
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_MS / 1000
         hello_left = set(waiting)
         readies = []
         while len(readies) < len(procs):
+            self._check_not_cancelled()
             if hello_left and time.monotonic() > deadline:
                 raise TimeoutError(f"engine cores {sorted(waiting[x] for x in hello_left)} sent no HELLO "
                                    f"within {HANDSHAKE_TIMEOUT_MS / 1000:.0f} s")
-            if not hs.poll(500):
+            if not hs.poll(200):
                 for i, p in procs.items():
                     if p.poll() is not None:
-                        raise RuntimeError(f"engine core {i} exited (code {p.returncode}) during start-up")
+                        raise EngineStartError(f"engine core {i} exited (code {p.returncode}) during start-up")
                 if time.monotonic() > deadline + STARTUP_TIMEOUT_S:
                     raise TimeoutError(f"the engine cores were not ready within {STARTUP_TIMEOUT_S} s")
                 continue
@@ -98,12 +172,12 @@ class CoreEngineProcManager:
             if ident in hello_left:
                 msgspec.msgpack.decode(msg, type=Hello)
                 hello_left.discard(ident)
-                startup = Startup(self.addresses, replica_config(self.config, waiting[ident]))
+                startup = Startup(self.addresses, replica_config(self.config, ranks[waiting[ident]]))
                 hs.send_multipart([ident, msgspec.msgpack.encode(startup)])
                 continue
             ready = msgspec.msgpack.decode(msg, type=Ready)
             if ready.failure:
-                raise RuntimeError(f"engine core {waiting[ident]} failed to start: {ready.failure}")
+                raise EngineStartError(f"engine core {waiting[ident]} failed to start: {ready.failure}")
             readies.append(ready)
         return readies
 
@@ -127,20 +201,29 @@ class CoreEngineProcManager:
         return {i: p.pid for i, p in self.procs.items()}
 
     def stop(self, index: int) -> None:
-        """Stop one engine (scaling down); its death is expected, not reported."""
+        """Stop one engine (scaling down); its death is expected, not reported. One still starting
+        is stopped too, which makes its start() fail and stop the rest of that start."""
         with self._lock:
             self._reported.add(index)
-            proc = self.procs.pop(index, None)
+            proc = self.procs.pop(index, None) or self._starting.get(index)
         if proc is not None:
-            self._stop_procs({index: proc})
+            self._stop_procs([proc])
+
+    def cancel_start(self) -> None:
+        """Stop the engines a start() is waiting for: it raises and leaves none of them."""
+        with self._lock:
+            starting = list(self._starting)
+        for i in starting:
+            self.stop(i)
 
     @staticmethod
-    def _stop_procs(procs: dict[int, subprocess.Popen]) -> None:
-        for p in procs.values():
+    def _stop_procs(procs) -> None:
+        procs = list(procs)
+        for p in procs:
             if p.poll() is None:
                 p.terminate()
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
-        for p in procs.values():
+        for p in procs:
             try:
                 p.wait(max(deadline - time.monotonic(), 0.01))
             except subprocess.TimeoutExpired:
@@ -150,7 +233,7 @@ class CoreEngineProcManager:
     def shutdown(self) -> None:
         self._shutting_down = True
         with self._lock:
-            procs = dict(self.procs)
+            procs = [*self.procs.values(), *self._starting.values()]
         self._stop_procs(procs)
         shutil.rmtree(self._tmp, ignore_errors=True)
 
@@ -198,6 +281,7 @@ class CoreEngineActorManager:
         self.groups: dict[int, Any] = {}
         self.runs: dict[int, Any] = {}  # replica -> ObjectRef of its run(): it errors when the actor dies
         self._pids: dict[int, int] = {}
+        self._starting_actors: dict[int, Any] = {}  # the actors a start() is waiting for
         self._lock = threading.Lock()
         self._shutting_down = False
         self.num_blocks = self.max_model_len = 0
@@ -214,13 +298,14 @@ class CoreEngineActorManager:
             bundle["GPU"] = 1.0
         return bundle
 
-    def start(self, indices: list[int]) -> None:
+    def start(self, indices: list[int], ranks: list[int] | None = None) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = self._bundle()
-        actors, groups = {}, {}
+        rank_of = dict(zip(indices, ranks or indices))
+        actors, groups = self._starting_actors, {}
         try:
             for i in indices:
                 groups[i] = placement_group([bundle], strategy="STRICT_PACK", name=f"rollout-replica-{i}-{os.getpid()}")
@@ -229,14 +314,16 @@ class CoreEngineActorManager:
                 strategy = PlacementGroupSchedulingStrategy(groups[i], placement_group_bundle_index=0)
                 actors[i] = ray.remote(EngineCoreActor).options(
                     num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy,
-                ).remote(replica_config(self.config, i), self.addresses, i)
+                ).remote(replica_config(self.config, rank_of[i]), self.addresses, i)
             readies = dict(zip(actors, ray.get([a.ready.remote() for a in actors.values()],
                                                timeout=STARTUP_TIMEOUT_S)))
         except BaseException as e:
             for a in actors.values():
                 ray.kill(a)
             _remove_groups(groups.values())
-            raise RuntimeError(f"the Ray engine-core actors failed to start: {e}") from e
+            raise EngineStartError(f"the Ray engine-core actors failed to start: {e}") from e
+        finally:
+            self._starting_actors = {}
         with self._lock:
             self.actors.update(actors)
             self.groups.update(groups)
@@ -270,6 +357,13 @@ class CoreEngineActorManager:
     def pids(self) -> dict[int, int]:
         return dict(self._pids)
 
+    def cancel_start(self) -> None:
+        """Kill the actors a start() is waiting for: it raises and leaves none of them."""
+        import ray
+
+        for actor in list(self._starting_actors.values()):
+            ray.kill(actor)
+
     def stop(self, index: int) -> None:
         import ray
 
@@ -284,6 +378,7 @@ class CoreEngineActorManager:
         import ray
 
         self._shutting_down = True
+        self.cancel_start()
         with self._lock:
             actors, groups = list(self.actors.values()), list(self.groups.values())
             self.actors, self.groups, self.runs = {}, {}, {}

@@ -77,6 +77,9 @@ def _add_serve_parser(sub) -> None:
                    help="torch threads per engine core (default: the cores split between replicas)")
     s.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine-core replicas, each with its own scheduler, KV cache and worker")
+    s.add_argument("--max-data-parallel-size", type=int, default=None,
+                   help="the most replicas start-up or /scale may ask for (default: one per --num-threads "
+                        "cores, or per GPU); /scale still refuses what memory cannot hold")
     s.add_argument("--data-parallel-backend", default="mp", choices=["mp", "ray"],
                    help="replicas as local processes (mp) or Ray actors (ray: any node of a Ray cluster)")
     s.add_argument("--stay-up-when-engine-dies", action="store_true",
@@ -131,6 +134,7 @@ def _serve(args) -> int:
                          enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                          num_threads=args.num_threads, worker_extension_cls=args.worker_extension_cls,
                          data_parallel_size=args.data_parallel_size,
+                         max_data_parallel_size=args.max_data_parallel_size,
                          data_parallel_backend=args.data_parallel_backend, batch_invariant=args.batch_invariant,
                          profiler_dir=args.profiler_dir, log_stats_interval_s=args.log_stats_interval_s,
                          enable_lora=args.enable_lora or bool(args.lora_modules), max_loras=args.max_loras,

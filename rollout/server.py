@@ -314,6 +314,7 @@ async def serve(config: ServerConfig, sock: socket.socket | None = None, connect
             if state is None:
                 return
             state.shutting_down.set()
+            engine.cancel_scale()  # a scale-up would hold the shutdown until its new replicas are up
             await state.sessions.close_all("the server is shutting down")
             _log(f"shutting down: {len(state.in_flight)} request(s) in flight get {config.shutdown_grace_s:g} s")
             deadline = time.monotonic() + config.shutdown_grace_s

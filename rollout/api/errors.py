@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import EngineDeadError, EngineStateError, InvalidRequestError
+from engine.errors import EngineDeadError, EngineStartError, EngineStateError, InvalidRequestError
 from weight_sync.group import WeightGroupError, WeightPushRefused, WeightTransferError
 
 logger = logging.getLogger("rollout")
@@ -54,6 +54,8 @@ def engine_error(e: BaseException, param: str | None = None) -> APIError:
         return e
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine is dead: {e}")
+    if isinstance(e, EngineStartError):  # a scale-up whose new replicas failed: the others serve on
+        return APIError(503, f"new engine replicas failed to start: {e}")
     if isinstance(e, TimeoutError):
         return APIError(504, str(e) or "the engine did not answer in time")
     text = str(e)

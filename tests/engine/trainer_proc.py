@@ -1,8 +1,8 @@
 """A real trainer process for weight-push tests: rank 0 of a gloo group with the engine.
 
-    python -m tests.engine.trainer_proc PORT MODE [WORLD_SIZE]
+    python -m tests.engine.trainer_proc PORT MODE [WORLD_SIZE [SEED]]
 
-It perturbs every parameter of the default model (tests.engine.perturb), pushes them with
+It perturbs every parameter of the default model (tests.engine.perturb, with SEED), pushes them with
 WeightSender, and prints one JSON line: {"ok": ..., "error": ..., "checksum": ...}.
 MODE: full | subset | wrong_shape | unknown_name | wrong_dtype | die (after the first bucket).
 """
@@ -18,8 +18,8 @@ from tests.weight_sync.partial_push import send_first_bucket_only
 from weight_sync import WeightSender, WeightTransferGroup, weights_checksum
 
 
-def main(port: int, mode: str, world_size: int) -> None:
-    state = perturbed_state(str(default_model_path()))
+def main(port: int, mode: str, world_size: int, seed: int) -> None:
+    state = perturbed_state(str(default_model_path()), seed=seed)
     if mode == "subset":
         state = {"model.norm.weight": state["model.norm.weight"],
                  "model.layers.3.mlp.down_proj.weight": state["model.layers.3.mlp.down_proj.weight"]}
@@ -45,4 +45,5 @@ def main(port: int, mode: str, world_size: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 2)
+    main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 2,
+         int(sys.argv[4]) if len(sys.argv) > 4 else 0)

@@ -2,10 +2,13 @@
 processes: 64 concurrent streams are answered by both servers (x-rollout-api-server header)
 and served by both replicas; a /pause through one server holds generation through the other;
 /metrics aggregates the servers' counters; SIGKILL of one API server makes the launcher stop
-everything: no process is left."""
+everything: no process is left. /scale grows and shrinks while requests stream; a size the
+machine cannot hold is a 400 before anything starts; a server stopped (SIGTERM, SIGKILL) during
+a scale-up or while its engine cores start leaves no process behind."""
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -140,3 +143,103 @@ def test_scale_1_2_1_while_32_requests_stream():
     finally:
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(60) == 0, server.log()
+
+
+def engine_cores_under(pid: int) -> list[int]:
+    return [p for p in descendants(pid) if "run_engine_core" in _cmdline(p)]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return ""
+
+
+def all_gone(pids: list[int], within_s: float) -> list[int]:
+    """The processes of `pids` still alive (not zombies) after `within_s` seconds ([] once all exit)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        left = [p for p in pids if Path(f"/proc/{p}").exists() and "zombie" not in _state(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def test_scale_beyond_the_machine_then_sigterm_during_a_scale_up():
+    """/scale to 1000 replicas: 400 naming data_parallel_size within a second, nothing started; a
+    SIGTERM while a scale-up starts its replica: the whole process tree is gone within 10 s."""
+    server = start_server()
+    try:
+        before = descendants(server.proc.pid)
+        t0 = time.monotonic()
+        r = httpx.post(server.url + "/scale", json={"data_parallel_size": 1000}, headers=ADMIN, timeout=30)
+        assert time.monotonic() - t0 < 1.0
+        assert r.status_code == 400 and r.json()["error"]["param"] == "data_parallel_size", r.text
+        assert "CPU core" in r.json()["error"]["message"]
+        assert descendants(server.proc.pid) == before
+
+        scaling = threading.Thread(target=lambda: httpx.post(server.url + "/scale", json={"data_parallel_size": 2},
+                                                             headers=ADMIN, timeout=120), daemon=True)
+        scaling.start()
+        deadline = time.monotonic() + 30
+        while len(engine_cores_under(server.proc.pid)) < 2:  # the new replica is starting
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.02)
+        tree = descendants(server.proc.pid)
+        server.proc.send_signal(signal.SIGTERM)
+        assert all_gone([server.proc.pid, *tree], 10) == [], server.log()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+        server.proc.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_server_stopped_while_its_cores_start_leaves_nothing(sig, tmp_path):
+    from rollout.subprocess_server import rollout_command
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    with open(tmp_path / "serve.log", "w") as log:
+        proc = subprocess.Popen(rollout_command() + ["serve", "--port", "0", "-dp", "2", "--dtype", "float32"],
+                                stdout=log, stderr=log, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while len(engine_cores_under(proc.pid)) < 2:  # both are importing, loading or in the handshake
+            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "serve.log").read_text()
+            time.sleep(0.02)
+        tree = descendants(proc.pid)
+        proc.send_signal(sig)
+        assert all_gone([proc.pid, *tree], 10) == [], (tmp_path / "serve.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_each_dead_replica_logs_one_line():
+    """Both replicas of -dp 2 killed one after the other under load and polling: the log says
+    "engine core N died" once for each, and no "Future exception was never retrieved" at all."""
+    server = start_server("-dp", "2", "--stay-up-when-engine-dies", "--stats-interval-s", "0.2")
+    try:
+        streams = [threading.Thread(target=stream, args=(server.url, i, {}), daemon=True) for i in range(8)]
+        for t in streams:
+            t.start()
+        for _ in range(2):
+            time.sleep(1.0)
+            os.kill(engine_cores_under(server.proc.pid)[0], signal.SIGKILL)
+            for _ in range(20):  # what a trainer and Prometheus keep asking meanwhile
+                httpx.get(server.url + "/metrics", headers=USER, timeout=30)
+                httpx.get(server.url + "/health", timeout=30)
+                httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers=USER,
+                           timeout=30)
+                time.sleep(0.05)
+        for t in streams:
+            t.join(60)
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(60)
+    log = Path(server.log_path).read_text()
+    assert "never retrieved" not in log, log[-4000:]
+    assert sorted(line.split("engine core ")[1].split()[0] for line in log.splitlines()
+                  if "died (exit code" in line and "ERROR" in line) == ["0", "1"], log[-4000:]
