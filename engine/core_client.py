@@ -38,7 +38,7 @@ from engine.core import stale_version
 from engine.core_proc import HANDSHAKE_TIMEOUT_MS, EngineAddresses, engine_identity
 from engine.errors import EngineDeadError, EngineStateError, InvalidRequestError, remote_error
 from engine.managers import (CoreEngineActorManager, CoreEngineProcManager, EngineWatcher, available_memory,
-                             replica_limit)
+                             check_replica_count)
 from engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, RequestType,
                              StreamInput, UtilityOutput, UtilityRequest)
 from engine.serial import MsgpackDecoder, MsgpackEncoder
@@ -89,14 +89,6 @@ def combine_stats(stats: list[dict]) -> dict:
     out["is_sleeping"] = any(s["is_sleeping"] for s in stats)
     out["paused_seconds"] = max(s["paused_seconds"] for s in stats)
     return out
-
-
-def check_replica_count(config: EngineConfig, size: int) -> None:
-    """InvalidRequestError (data_parallel_size) if `size` replicas are more than may run at once."""
-    limit, why = replica_limit(config)
-    if size > limit:
-        raise InvalidRequestError(f"data_parallel_size {size} is more than this deployment holds: at most {limit} "
-                                  f"({why})", "data_parallel_size")
 
 
 def check_room_for(config: EngineConfig, num_new: int, stats: dict) -> None:

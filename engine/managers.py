@@ -37,7 +37,7 @@ import zmq
 
 from engine.config import EngineConfig, available_cpus
 from engine.core_proc import HANDSHAKE_TIMEOUT_MS, EngineAddresses, Hello, Ready, Startup
-from engine.errors import EngineStartError
+from engine.errors import EngineStartError, InvalidRequestError
 
 logger = logging.getLogger("engine")
 STARTUP_TIMEOUT_S = 600  # model conversion / loading can take a while on a cold cache
@@ -78,6 +78,14 @@ def replica_limit(config: EngineConfig) -> tuple[int, str]:
         return torch.cuda.device_count(), f"this machine's {torch.cuda.device_count()} GPU(s), one per replica"
     cores, threads = len(available_cpus()), config.num_threads or 1
     return max(cores // threads, 1), f"this machine's {cores} CPU core(s), {threads} per replica"
+
+
+def check_replica_count(config: EngineConfig, size: int) -> None:
+    """InvalidRequestError (data_parallel_size) if `size` replicas are more than may run at once."""
+    limit, why = replica_limit(config)
+    if size > limit:
+        raise InvalidRequestError(f"data_parallel_size {size} is more than this deployment holds: at most {limit} "
+                                  f"({why})", "data_parallel_size")
 
 
 def available_memory() -> int:

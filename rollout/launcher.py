@@ -40,11 +40,12 @@ def run_api_servers(config: ServerConfig) -> int:
     from engine.core_client import EngineConnection
     from engine.core_proc import EngineAddresses
     from engine.default_model import resolve_model
-    from engine.managers import CoreEngineProcManager
+    from engine.managers import CoreEngineProcManager, check_replica_count
 
     k = config.api_server_count
     try:
         engine_config = EngineConfig(model=resolve_model(config.model), **config.engine_kwargs)
+        check_replica_count(engine_config, engine_config.data_parallel_size)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -208,8 +208,9 @@ def test_the_weight_group_forms_after_replace_shrink_grow_and_grow():
         versions = iter(range(1, 10))
         os.kill(llm.client.manager.pids()[1], signal.SIGKILL)  # kill + replace
         deadline = time.monotonic() + 10
-        while llm.client.engines[1].alive:
+        while llm.client.engines[1].alive:  # (calls run the output handler, which learns of the death)
             assert time.monotonic() < deadline
+            await asyncio.gather(llm.get_stats(), return_exceptions=True)
             await asyncio.sleep(0.05)
         assert (await llm.scale(2))["added"] == [2]
         assert await push(llm, 3, 1, next(versions)) == await llm.weights_checksum()
@@ -228,5 +229,5 @@ def test_the_weight_group_forms_after_replace_shrink_grow_and_grow():
     finally:
         llm.shutdown()
     path = str(default_model_path())
-    reference = hf_greedy(hf_model_with(path, perturbed_state(path, seed=3)), [prompt], 8)[0]
-    assert outs == {tuple(reference)}
+    tokens, _, gaps = hf_greedy(hf_model_with(path, perturbed_state(path, seed=3)), [prompt], 8)[0]
+    assert outs == {tuple(tokens)}, (outs, tokens, gaps)

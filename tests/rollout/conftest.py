@@ -39,10 +39,14 @@ def wandb_history(wandb_dir) -> list[dict]:
 
 
 def children_of(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
+    """`pid`'s child processes, started from any of its threads (each thread lists its own)."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return kids
 
 
 def stop_server(server: ServerProcess, timeout: float = 60.0) -> int:
