@@ -15,16 +15,24 @@ request over the whole conversation (greedy; tested against that). A turn's answ
 turn's own input as prompt_token_ids and its new tokens with logprobs and weight versions.
 
 The rules, each an explicit choice:
-- One turn at a time (a second one meanwhile: 409). n = 1; no stop strings (the engine keeps
-  every token it generated: a stop string would cut text the context still holds); stop on
-  token ids (stop_token_ids, EOS) instead. A turn that would overflow the context is a 400 and
-  leaves the session as it was.
+- One turn at a time (a second one meanwhile: 409, the session untouched). The turn that passes
+  the check claims the session before anything awaits, so of turns sent at once exactly one
+  runs; only that turn reads the engine request's output stream (the stream's one consumer).
+- n = 1; no stop strings (the engine keeps every token it generated: a stop string would cut
+  text the context still holds); stop on token ids (stop_token_ids, EOS) instead. A turn that
+  would overflow the context is a 400 and leaves the session as it was.
+- A turn that leaves no room for another (cut off at max_model_len, finish_reason "length",
+  or ending one token short of it) closes the session at once and frees its KV: no later turn
+  could pass the check above, so keeping it would only hold KV until the idle timeout. The
+  turn's answer says so ("session": {"closed": why}, unless streamed); the next turn or close
+  is a 404 that says it filled the context.
 - A session idle for longer than its timeout_s (--session-timeout-s by default) is closed and
   its KV freed; so is one whose turn's client went away mid-turn (the client lost tokens the
   context holds), and every session at shutdown. A turn on a closed session: 404.
 - Pause mode keep or wait leaves sessions open (a turn sent while paused runs after resume);
-  mode abort ends them (their engine requests are aborted): 409 afterwards; /abort_requests
-  ends those in the middle of a turn.
+  mode abort ends them (their engine requests are aborted, their KV freed): an idle one answers
+  409 afterwards; one in the middle of a turn gets its tokens so far (finish_reason "abort")
+  and is closed (404 afterwards). /abort_requests ends those in the middle of a turn.
 - Weights: after a push an idle session's KV is the one the old weights computed (vLLM's keep;
   the next turn's tokens carry the new version); push or pause with recompute_kv=true makes it
   recompute under the new weights first. Sleep frees it; the next turn recomputes it.
@@ -35,6 +43,7 @@ import asyncio
 import collections
 import time
 import uuid
+import weakref
 from typing import AsyncGenerator
 
 from fastapi import APIRouter, Request
@@ -71,10 +80,17 @@ class Session:
         self.opened = self.last_used = time.monotonic()
         self.inputs: asyncio.Queue[StreamingInput] = asyncio.Queue()
         self.stream: AsyncGenerator[RequestOutput, None] | None = None  # the engine request, from turn 1 on
-        self.busy = False
+        self.turn_ref: weakref.ref | None = None  # the turn (its generator) that holds the session
         self.num_tokens = 0  # the conversation so far: every turn's input and output
         self.num_turns = 0
         self.ended: str | None = None  # why it takes no more turns
+
+    @property
+    def busy(self) -> bool:
+        """A turn holds the session: from the check that admitted it until it ends. A weak
+        reference, so a turn whose generator never started (its client left before the
+        response began; nothing reached the engine) lets go when it is dropped."""
+        return self.turn_ref is not None and self.turn_ref() is not None
 
     async def _chunks(self):
         while True:
@@ -126,15 +142,20 @@ class Sessions:
         return s
 
     async def close(self, s: Session, reason: str = "closed") -> dict:
-        """End the session's engine request (its KV is freed) and forget it."""
-        self.open.pop(s.id, None)
+        """End the session's engine request (its KV is freed) and forget it. A stream that a turn
+        is reading cannot be closed from here: its request is aborted, and the turn, which sees
+        the abort, closes the stream as it ends."""
         s.ended = s.ended or reason
-        self.closed[s.id] = s.ended
-        while len(self.closed) > MAX_CLOSED_REMEMBERED:
-            self.closed.popitem(last=False)
-        if s.stream is not None:
-            await s.stream.aclose()  # aborts the engine request unless it already ended
-            s.stream = None
+        if self.open.get(s.id) is s:  # (not a session opened since under the same id)
+            del self.open[s.id]
+            self.closed[s.id] = s.ended
+            while len(self.closed) > MAX_CLOSED_REMEMBERED:
+                self.closed.popitem(last=False)
+        if s.stream is not None and s.stream.ag_running:
+            await self.state.engine.abort(s.request_id)
+        elif s.stream is not None:
+            stream, s.stream = s.stream, None
+            await stream.aclose()  # aborts the engine request unless it already ended
         return {"session_id": s.id, "num_tokens": s.num_tokens, "num_turns": s.num_turns}
 
     async def close_all(self, reason: str) -> None:
@@ -151,6 +172,14 @@ class Sessions:
                     await self.close(s, f"idle for more than {s.timeout_s:g} s")
 
     # ---- one turn ---------------------------------------------------------------------------------
+    def start_turn(self, s: Session, ids: list[int], params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
+        """Check the turn and claim the session for it, without awaiting: of turns sent at once,
+        the first here runs and the others get 409. Returns the turn's outputs (see turn())."""
+        self.check_turn(s, ids, params)
+        turn = self.turn(s, ids, params)
+        s.turn_ref = weakref.ref(turn)
+        return turn
+
     def check_turn(self, s: Session, ids: list[int], params: SamplingParams) -> None:
         if s.busy:
             raise APIError(409, f"session {s.id!r} is generating a turn; one turn at a time", "session_params.id")
@@ -166,11 +195,13 @@ class Sessions:
                                 f"context length ({limit} tokens, max_model_len)", "prompt")
 
     async def turn(self, s: Session, ids: list[int], params: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
-        """Send one turn's input and yield the turn's outputs (deltas) until it ends. If the
-        caller stops early (its client went away), the session ends: its context holds tokens
-        the client never saw."""
+        """Send one turn's input and yield the turn's outputs (deltas) until it ends; start_turn
+        claimed the session for it. If the caller stops early (its client went away), the
+        session ends: its context holds tokens the client never saw."""
         state = self.state
-        s.busy = True
+        if s.ended is not None:  # closed between the claim and the first step (shutdown)
+            s.turn_ref = None
+            raise self.missing(s.id, "session_params.id")
         done = False
         arrival = time.monotonic()
         num_new, first_token, reason = 0, None, None
@@ -188,30 +219,39 @@ class Sessions:
                 if c.finish_reason is not None:
                     done, reason = True, c.finish_reason
                     if out.finished:  # ended for good: aborted (pause mode abort, /abort_requests)
-                        s.ended = f"its engine request ended ({c.finish_reason})"
+                        s.ended = s.ended or f"its engine request ended ({c.finish_reason})"
                 yield out
                 if done:
                     break
             else:
-                s.ended = "its engine request ended"
+                s.ended = s.ended or "its engine request ended"
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:
-            s.ended = f"its engine request failed: {e}"
+            s.ended = s.ended or f"its engine request failed: {e}"
             raise engine_error(e, "prompt") from e
         finally:
             state.in_flight.pop(s.request_id, None)
             state.metrics.request_ended()
-            s.busy = False
+            s.turn_ref = None
             s.last_used = time.monotonic()
             if done:
                 s.num_tokens += len(ids) + num_new
                 s.num_turns += 1
                 state.metrics.observe_request(arrival, first_token, len(ids), num_new, [reason])
+                s.ended = s.ended or self.full(s)
             elif s.ended is None:
                 s.ended = "a turn's client went away before the turn ended"
-            if s.ended is not None and s.id in self.open:
-                await self.close(s)
+            if s.ended is not None:
+                await self.close(s)  # (again, if closed meanwhile: the stream is this turn's to close)
+
+    def full(self, s: Session) -> str | None:
+        """Why the session takes no more turns if it has no room left: a turn needs one token of
+        input and one of output (check_turn)."""
+        limit = self.state.engine.max_model_len
+        if s.num_tokens + 2 > limit:
+            return f"it filled the context ({s.num_tokens} of {limit} tokens, max_model_len)"
+        return None
 
 
 def merge_turn(outs: list[RequestOutput], ids: list[int]) -> RequestOutput:
@@ -234,8 +274,7 @@ async def generate_turn(request: Request, session_id: str, field: str, ids: list
     if field == "messages" and s.num_turns:
         raise APIError(400, "only a session's first turn may be 'messages' (a chat template renders a whole "
                             "conversation); send later turns as prompt_token_ids", "messages")
-    sessions.check_turn(s, ids, params)
-    turn = sessions.turn(s, ids, params)
+    turn = sessions.start_turn(s, ids, params)  # no await since get(): one turn passes
     if not stream:
         async def collect():
             try:
@@ -244,8 +283,9 @@ async def generate_turn(request: Request, session_id: str, field: str, ids: list
                 await turn.aclose()
 
         out = merge_turn(await until_disconnect(request, collect()), ids)
+        session = {"id": s.id, "num_tokens": s.num_tokens, "num_turns": s.num_turns}
         return {"results": [request_output_json(out)], "usage": usage_json([out]),
-                "session": {"id": s.id, "num_tokens": s.num_tokens, "num_turns": s.num_turns}}
+                "session": dict(session, closed=s.ended) if s.ended else session}
 
     async def events():
         try:

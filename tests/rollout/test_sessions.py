@@ -3,14 +3,19 @@ float32): token-exact against one request over the whole conversation, the rules
 timeouts, client disconnects, pause modes and weight pushes.
 """
 import asyncio
+import re
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from rollout.client import AsyncRolloutClient, RolloutAPIError
-from tests.rollout.conftest import ADMIN_KEY, API_KEY, MAX_MODEL_LEN
+from engine.sampling_params import SamplingParams
+from rollout.api.errors import APIError
+from rollout.api.sessions import Sessions
+from rollout.client import AsyncRolloutClient, RolloutAPIError, RolloutClient
+from tests.rollout.conftest import ADMIN_KEY, API_KEY, MAX_MODEL_LEN, start_server, stop_server
 
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "logprobs": 0}
 
@@ -180,3 +185,146 @@ def test_a_session_across_sleep_and_wake(client):
         second = s.generate([5, 6], GREEDY)
         context = [1, 2, 3, 4] + first.token_ids + [5, 6]
         assert second.token_ids == client.generate(context, GREEDY)[0].token_ids
+
+
+OWN_MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def own_server():
+    """A server of their own for the tests below, which check that the engine runs nothing and holds
+    no KV once their sessions end: a session another test left open (one that failed midway) would
+    spoil that on the shared server. A short context makes filling it cheap."""
+    s = start_server("--max-model-len", str(OWN_MAX_MODEL_LEN))  # (the last --max-model-len wins)
+    yield s
+    code = stop_server(s)
+    assert code == 0, f"rollout serve exited with {code}:\n{s.log()}"
+
+
+@pytest.fixture(scope="module")
+def own_client(own_server) -> RolloutClient:
+    with RolloutClient(own_server.url, api_key=API_KEY, admin_api_key=ADMIN_KEY, timeout=120) as c:
+        yield c
+
+
+def engine_load(client) -> dict:
+    """The engine's running requests and KV usage, read from /metrics."""
+    text = client.metrics()
+    found = {}
+    for name in ("num_requests_running", "kv_cache_usage_ratio"):
+        m = re.search(rf"^rollout_{name} ([0-9.e+-]+)$", text, re.M)
+        assert m, f"rollout_{name} missing from /metrics"
+        found[name] = float(m.group(1))
+    return found
+
+
+def engine_idle(client, timeout_s: float = 10.0) -> bool:
+    """Wait until the engine runs no request and holds no KV block (aborts reach the core
+    asynchronously, hence the wait)."""
+    deadline = time.monotonic() + timeout_s
+    while any(engine_load(client).values()):
+        if time.monotonic() > deadline:
+            print(f"engine load: {engine_load(client)}")
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_concurrent_turns_one_runs_the_rest_get_409(own_client, own_server):
+    """Turns sent at once on a session that already had one: exactly one runs, the others get 409
+    and change nothing; the session goes on token-exact and leaves no engine request behind."""
+    client, headers = own_client, {"Authorization": f"Bearer {API_KEY}"}
+    sid = client.open_session()
+    context = [1, 2, 3]
+    context += client.generate_turn(sid, context, GREEDY).token_ids
+
+    async def burst(round_: int) -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120, headers=headers) as http:
+            bodies = [{"prompt_token_ids": [20 + round_, 40 + k], "session_params": {"id": sid},
+                       "sampling_params": GREEDY} for k in range(4)]
+            return await asyncio.gather(*(http.post(own_server.url + "/generate", json=b) for b in bodies))
+
+    for round_ in range(5):
+        rs = asyncio.run(burst(round_))
+        codes = [r.status_code for r in rs]
+        assert sorted(codes) == [200, 409, 409, 409], [(r.status_code, r.text[:300]) for r in rs]
+        for r in rs:
+            if r.status_code == 409:
+                assert r.json()["error"]["param"] == "session_params.id", r.text
+        won = rs[codes.index(200)].json()["results"][0]
+        context += won["prompt_token_ids"]
+        ref = client.generate(context, GREEDY)[0]
+        assert won["outputs"][0]["token_ids"] == ref.token_ids, f"round {round_}: the winning turn is not token-exact"
+        context += won["outputs"][0]["token_ids"]
+        assert engine_load(client)["num_requests_running"] == 0, "a request kept running after the burst"
+    last = client.generate_turn(sid, [7, 8], GREEDY)  # the session goes on
+    assert last.token_ids == client.generate(context + [7, 8], GREEDY)[0].token_ids
+    assert client.close_session(sid)["num_turns"] == 7
+    assert engine_idle(client), "the session's engine request outlived it"
+
+
+def test_a_turn_that_fills_the_context_closes_the_session(own_client):
+    """A turn cut off at max_model_len leaves no room for another: the session closes at once (its
+    KV freed), its answer says so, and the next turn or close says why."""
+    client = own_client
+    sid = client.open_session()
+    prompt = [(17 * i) % 4000 + 100 for i in range(OWN_MAX_MODEL_LEN - 20)]
+    r = httpx.post(client.url + "/generate", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120,
+                   json={"prompt_token_ids": prompt, "session_params": {"id": sid},
+                         "sampling_params": {"temperature": 0.0, "max_tokens": 100, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    out = r.json()["results"][0]["outputs"][0]
+    assert out["finish_reason"] == "length" and len(prompt) + len(out["token_ids"]) == OWN_MAX_MODEL_LEN
+    assert "filled the context" in r.json()["session"]["closed"]
+    assert sid not in {x["session_id"] for x in client.list_sessions()}, "a full session kept its slot"
+    assert engine_idle(client), "a full session kept its KV"
+    for call in (lambda: client.generate_turn(sid, [1], GREEDY), lambda: client.close_session(sid)):
+        with pytest.raises(RolloutAPIError) as e:
+            call()
+        assert e.value.status == 404 and "filled the context" in e.value.message, e.value.message
+
+
+def test_a_pause_in_mode_abort_frees_every_session(own_client):
+    """Pause mode abort ends an idle session, one in the middle of a turn and one whose context is
+    full: their engine requests end and free their KV; the next turn says why."""
+    client = own_client
+    with client.session() as idle, client.session() as busy, client.session() as full:
+        idle.generate([1, 2, 3], GREEDY)
+        full.generate([9] * (OWN_MAX_MODEL_LEN - 4), {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True})
+        busy.generate([4, 5, 6], GREEDY)
+        held = {}
+        t = threading.Thread(target=lambda: held.setdefault(
+            "out", busy.generate([7], {"max_tokens": 200, "ignore_eos": True})))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not any(x["busy"] for x in client.list_sessions() if x["session_id"] == busy.id):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        client.pause(mode="abort")
+        try:
+            t.join(60)
+            assert held["out"].finish_reason == "abort" and len(held["out"].token_ids) < 200
+            assert engine_idle(client), "a pause in mode abort left a session's engine request holding KV"
+        finally:
+            client.resume()
+        for s, why in ((idle, "abort"), (busy, "abort"), (full, "")):
+            with pytest.raises(RolloutAPIError) as e:
+                s.generate([8], GREEDY)
+            assert e.value.status in (404, 409) and why in e.value.message, e.value.message
+    assert engine_idle(client)
+
+def test_a_claim_whose_turn_never_starts_lets_go():
+    """start_turn claims the session synchronously (so concurrent turns get 409); if its turn is
+    dropped before it ever ran (the client left before the response began), the claim goes with
+    it instead of leaving the session busy for good. No server: nothing reaches an engine."""
+    state = SimpleNamespace(engine=SimpleNamespace(max_model_len=64), check_can_generate=lambda: None)
+    sessions = Sessions(state, default_timeout_s=60.0, max_sessions=4)
+    s = sessions.create(None, None)
+    turn = sessions.start_turn(s, [1, 2], SamplingParams(max_tokens=2))
+    assert s.busy
+    with pytest.raises(APIError) as e:
+        sessions.start_turn(s, [3], SamplingParams(max_tokens=2))
+    assert e.value.status == 409
+    del turn
+    assert not s.busy and s.stream is None and s.inputs.empty()
+    sessions.start_turn(s, [3], SamplingParams(max_tokens=2))
