@@ -24,7 +24,8 @@ class Block:
 
 class FreeBlockQueue:
     """Doubly linked list of free blocks threaded through the blocks: O(1) removal from the
-    middle (a cache hit revives a freed block), LRU order, no allocation on the hot path."""
+    middle (a cache hit revives a freed block), LRU order, no allocation on the hot path.
+    popleft() hands out the head: blocks pushed there with appendleft() go out first."""
 
     def __init__(self, blocks: list[Block]):
         self.head, self.tail = Block(-1), Block(-1)  # sentinels
@@ -36,6 +37,11 @@ class FreeBlockQueue:
     def append(self, b: Block) -> None:
         last = self.tail.prev
         last.next, b.prev, b.next, self.tail.prev = b, last, self.tail, b
+        self.num_free += 1
+
+    def appendleft(self, b: Block) -> None:
+        first = self.head.next
+        self.head.next, b.prev, b.next, first.prev = b, self.head, first, b
         self.num_free += 1
 
     def remove(self, b: Block) -> None:
@@ -156,13 +162,21 @@ class KVCacheManager:
         return True
 
     def free(self, req: Request) -> None:
-        """Release req's blocks; the tail goes to the free queue first, so it is evicted first."""
+        """Release req's blocks; the tail goes to the free queue first, so it is evicted first.
+        A block without a hash (a partial block, a duplicate, caching off) holds nothing a later
+        prompt can find: it goes to the head, to be reused before any other. Appended, it would
+        wait behind every block never used yet, so each short request (an encode input) would
+        take a fresh block and commit its pages: on CPU one call of 10k inputs made the whole
+        2 GiB pool resident although it never needed more than a few hundred blocks at once."""
         blocks = self.req_blocks.pop(req.request_id, [])
         self.req_num_hashed.pop(req.request_id, None)
         for b in reversed(blocks):
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                self.free_queue.append(b)
+                if b.block_hash is None:
+                    self.free_queue.appendleft(b)
+                else:
+                    self.free_queue.append(b)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (after a weight update no old KV may be reused)."""

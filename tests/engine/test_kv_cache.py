@@ -193,6 +193,26 @@ def test_lru_eviction_reuses_least_recently_freed_block_first():
     assert num_hit == 8 and [blk.block_id for blk in computed] == b_ids
 
 
+def test_freed_blocks_without_a_hash_are_reused_first():
+    """A freed block that holds nothing a prompt can find (here a partial one) goes out before the
+    blocks never used (on CPU their pages are not committed yet) and before cached ones: short
+    requests one after another keep taking the same block."""
+    kv = KVCacheManager(num_blocks=8, block_size=BS, enable_caching=True)
+    a = make_request(range(0, 6))  # one full block (cached) and a partial one
+    admit(kv, a)
+    full, partial = kv.block_ids(a.request_id)
+    full_hash = a.block_hashes[0]
+    kv.free(a)
+    order = free_order(kv.free_queue)
+    assert order[0] == partial and order[-1] == full
+    for i in range(3):
+        r = make_request(range(100 + 10 * i, 103 + 10 * i))
+        admit(kv, r)
+        assert kv.block_ids(r.request_id) == [partial]
+        kv.free(r)
+    assert kv.cached[full_hash] is kv.blocks[full] and kv.num_free_blocks == 8
+
+
 def test_hit_on_freed_block_moves_it_out_of_eviction_order():
     kv = KVCacheManager(num_blocks=4, block_size=BS, enable_caching=True)
     a = make_request(range(0, 8))
