@@ -51,7 +51,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--max-num-seqs", type=int, default=256)
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step (prefill chunks + decodes); default 1024 on CPU, 2048 on CUDA")
-    s.add_argument("--kv-cache-memory", type=_bytes, default=None, help="KV cache size, e.g. 2GiB or 512MiB")
+    s.add_argument("--kv-cache-memory", type=_bytes, default=None,
+                   help="KV cache size, e.g. 2GiB or 512MiB (CPU default 2GiB: its pages are committed as blocks are "
+                        "first used, so RSS climbs towards it and stays)")
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     s.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     s.add_argument("--seed", type=int, default=0)
@@ -94,6 +96,12 @@ def _add_serve_parser(sub) -> None:
                    help="Bearer key for control and weight routes, also accepted by the others "
                         "(env ROLLOUT_ADMIN_API_KEY)")
     s.add_argument("--max-body-bytes", type=_bytes, default=16 << 20, help="larger bodies get 413 (default 16MiB)")
+    s.add_argument("--max-encode-inputs", type=int, default=2048,
+                   help="inputs one /v1/embeddings, /pooling or /classify call may carry; more is a 400 "
+                        "(default 2048, as OpenAI's embeddings API)")
+    s.add_argument("--max-request-tokens", type=int, default=1 << 21,
+                   help="tokens one generation request may ask to sample, prompts x n x max_tokens (unset "
+                        "max_tokens: the context's room); more is a 400 (default 2097152)")
     s.add_argument("--collective-rpc-method", action="append", default=[], metavar="NAME",
                    help="allow /collective_rpc to call this worker method (repeatable)")
     s.add_argument("--shutdown-grace-s", type=float, default=5.0,
@@ -143,7 +151,8 @@ def _serve(args) -> int:
     try:
         config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                               api_key=args.api_key, admin_api_key=args.admin_api_key,
-                              max_body_bytes=args.max_body_bytes,
+                              max_body_bytes=args.max_body_bytes, max_encode_inputs=args.max_encode_inputs,
+                              max_request_tokens=args.max_request_tokens,
                               collective_rpc_methods=tuple(args.collective_rpc_method),
                               stats_interval_s=args.stats_interval_s, shutdown_grace_s=args.shutdown_grace_s,
                               wandb_project=args.wandb_project, wandb_run_name=args.wandb_run_name,

@@ -24,6 +24,13 @@ class ServerConfig:
     session_timeout_s: a session (rollout/api/sessions.py) idle this long is closed, its KV freed
         (a session may ask for its own timeout); max_sessions: more open sessions get 429.
     lora_modules: LoRA adapters (name, PEFT folder) loaded at start, served as models of those names.
+    max_encode_inputs: inputs one /v1/embeddings, /pooling or /classify call may carry (OpenAI's
+        embeddings API takes 2048); more is a 400 naming `input`, before anything is tokenized.
+    max_request_tokens: tokens one generation request may ask to sample, summed over its prompts:
+        prompts x n x max_tokens (an unset max_tokens counts as the room the context leaves the
+        prompt); more is a 400 naming max_tokens, before the engine sees the request. The server
+        holds a request's whole answer until it is sent, so this bounds what one request costs
+        the API server (measured ~0.2 KB a sampled token with logprobs: ~400 MB at the default).
     """
 
     host: str = "127.0.0.1"
@@ -47,6 +54,8 @@ class ServerConfig:
     session_timeout_s: float = 600.0
     max_sessions: int = 4096
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) LoRA adapters loaded at start
+    max_encode_inputs: int = 2048
+    max_request_tokens: int = 1 << 21
 
     def __post_init__(self):
         self.api_key = self.api_key or os.environ.get("ROLLOUT_API_KEY") or None
@@ -57,6 +66,8 @@ class ServerConfig:
             raise ValueError(f"api_server_count must be a positive int, got {self.api_server_count!r}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_encode_inputs < 1 or self.max_request_tokens < 1:
+            raise ValueError("max_encode_inputs and max_request_tokens must be at least 1")
         if not self.session_timeout_s > 0 or self.max_sessions < 1:
             raise ValueError("session_timeout_s must be positive and max_sessions at least 1")
         for m in self.collective_rpc_methods:

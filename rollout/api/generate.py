@@ -15,7 +15,8 @@ or SSE with "stream_format": "sse", ending in `data: [DONE]`) is one result's de
 "prompt_index"; the last line of each result has "finished": true. `logprobs[i]` is the
 sampled token's logprob under the distribution it was drawn from (see SamplingParams).
 With "session_params": {"id": ...} the prompt is the next turn of an open session
-(rollout/api/sessions.py).
+(rollout/api/sessions.py). One request may sample at most `--max-request-tokens` tokens, prompts x
+n x max_tokens (tokenize_prompts checks it for every generation route).
 """
 import asyncio
 
@@ -117,14 +118,39 @@ def _tokenize_all(state, prompts: list, field: str, batch: bool, params) -> list
 async def tokenize_prompts(state, prompts: list, field: str, batch: bool, params,
                            params_field: str = "") -> list[list[int]]:
     """Token ids of every prompt, checked now (a bad prompt is a 400 naming it; `params_field`
-    prefixes the name of a sampling parameter at fault)."""
+    prefixes the name of a sampling parameter at fault), and the request's size against the
+    server's caps (ServerConfig.max_encode_inputs, max_request_tokens)."""
     limit = state.engine.max_model_len
     if params.max_tokens is not None and params.max_tokens >= limit:  # can never fit (the engine would clamp)
         raise APIError(400, f"max_tokens is {params.max_tokens}, but the context holds {limit} tokens "
                             f"(max_model_len) including the prompt; a request whose prompt + max_tokens exceeds "
                             f"it stops at the context's end with finish_reason 'length'", params_field + "max_tokens")
+    encode = params.pooling is not None
+    if encode and len(prompts) > state.config.max_encode_inputs:
+        raise APIError(400, f"{field} has {len(prompts)} inputs; this server takes at most "
+                            f"{state.config.max_encode_inputs} per call (--max-encode-inputs): split them over "
+                            f"several calls", field)
+    if not encode and params.max_tokens is not None:  # what it asks is known before tokenizing
+        _check_request_tokens(state, len(prompts) * params.n * params.max_tokens, len(prompts), params, params_field)
     size = sum(len(p) for p in prompts if isinstance(p, str))
-    return await off_loop(_tokenize_all, state, prompts, field, batch, params, size=size)
+    ids = await off_loop(_tokenize_all, state, prompts, field, batch, params, size=size)
+    if not encode and params.max_tokens is None:  # up to the room the context leaves each prompt
+        room = sum(limit - len(p if isinstance(p, list) else p.ids) for p in ids)
+        _check_request_tokens(state, params.n * room, len(prompts), params, params_field)
+    return ids
+
+
+def _check_request_tokens(state, total: int, num_prompts: int, params, params_field: str) -> None:
+    """A 400 for a generation request that may sample more tokens than the server takes from one
+    request: its answer is held whole in this process until it is sent."""
+    cap = state.config.max_request_tokens
+    if total <= cap:
+        return
+    max_tokens = params.max_tokens if params.max_tokens is not None else "unset (up to the context's end)"
+    raise APIError(400, f"this request may sample {total} tokens ({num_prompts} prompt(s) x n={params.n} x "
+                        f"max_tokens {max_tokens}); the server takes at most {cap} per request "
+                        f"(--max-request-tokens): lower n or max_tokens, or split the batch over several requests",
+                   params_field + "max_tokens")
 
 
 async def final_output(gen) -> RequestOutput:

@@ -7,7 +7,8 @@
     POST /classify {"input"}             -> {"data": [{"index", "label", "probs", "num_classes"}], ...}
          (a sequence classifier's label probabilities: softmax, or sigmoid for one label)
 
-`input` is a string, token ids, or a list of either. A causal LM serves embeddings and pooling, a
+`input` is a string, token ids, or a list of either (at most `--max-encode-inputs` of them, 2048 by
+default: more is a 400 naming `input`). A causal LM serves embeddings and pooling, a
 sequence classifier classify and pooling (`GET /server_info` lists them as `supported_tasks`);
 the other route is a 400 saying which the model serves.
 """
