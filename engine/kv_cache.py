@@ -166,8 +166,8 @@ class KVCacheManager:
         A block without a hash (a partial block, a duplicate, caching off) holds nothing a later
         prompt can find: it goes to the head, to be reused before any other. Appended, it would
         wait behind every block never used yet, so each short request (an encode input) would
-        take a fresh block and commit its pages: on CPU one call of 10k inputs made the whole
-        2 GiB pool resident although it never needed more than a few hundred blocks at once."""
+        take a fresh block and commit its pages: on CPU one call of 10k inputs committed 1.4 GB
+        of the 2 GiB pool although it never needed more than a few hundred blocks at once."""
         blocks = self.req_blocks.pop(req.request_id, [])
         self.req_num_hashed.pop(req.request_id, None)
         for b in reversed(blocks):
