@@ -10,6 +10,7 @@ keeps it in this process, for tests and debugging.
 import itertools
 import logging
 import time
+import weakref
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -37,6 +38,9 @@ class LLM:
         self.config = EngineConfig(model=resolve_model(model), **config)
         self.tokenizer = load_tokenizer(self.config)
         self.client = SyncMPClient(self.config) if multiprocess else InprocClient(self.config)
+        # An LLM dropped without shutdown() stops its engine cores when collected: the client's
+        # output thread keeps the client alive, so nothing else would.
+        self._finalizer = weakref.finalize(self, self.client.shutdown)
         self.processor = Processor(self.config, self.tokenizer, self.client.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -265,7 +269,7 @@ class LLM:
         return self.client.call_utility("is_sleeping")
 
     def shutdown(self) -> None:
-        self.client.shutdown()
+        self._finalizer()  # client.shutdown(), once
 
     def __enter__(self) -> "LLM":
         return self
