@@ -11,6 +11,8 @@
 """
 import inspect
 import random
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -340,3 +342,16 @@ def test_an_idle_session_kv_policy_across_a_push(core, tiny_folder, recompute_kv
         assert gap < 1e-4, f"recomputed KV: {gap} nats from the trainer's recompute"
     else:
         assert gap > 1e-3, "reused KV matched a recompute under the new weights: the test cannot tell them apart"
+
+
+def test_an_llm_dropped_without_shutdown_stops_its_engine_core(tiny_folder):
+    def use_and_drop() -> int:
+        llm = LLM(tiny_folder, dtype="float32", kv_cache_memory=16 << 20, tokenizer=str(default_model_path()))
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+        return llm.client.manager.pids()[0]
+
+    pid = use_and_drop()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower():
+        assert time.monotonic() < deadline, "the engine core outlived its LLM"
+        time.sleep(0.05)
