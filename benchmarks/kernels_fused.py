@@ -1,5 +1,5 @@
 """Fused small ops (RMSNorm + residual, SiLU-and-mul, RoPE + KV-cache write): ms per call of
-  torch ops   what engine/model.py did before the fused ops (e.g. `residual + h` then
+  torch ops   what engine/model/decoder.py did before the fused ops (e.g. `residual + h` then
               F.rms_norm; F.silu(gate) * up; apply_rope + two index_copy_ into the cache;
               the per-step cos/sin gather, shared by all layers, is not counted),
   reference   the pure-torch references (kernels/norm.py, activation.py, rotary.py),
@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F
+from timing import ms_per_call  # noqa: E402  (benchmarks/timing.py)
 
 from kernels import activation, cpu_ext, norm, rotary
-from timing import ms_per_call  # noqa: E402  (benchmarks/timing.py)
 
 H, HQ, HKV, D, I, BS = 576, 9, 3, 64, 1536, 16
 EPS = 1e-5

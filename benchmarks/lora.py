@@ -31,7 +31,7 @@ RANK = 16
 
 
 def write_adapter(folder: Path, mc, seed: int) -> str:
-    from engine.lora import module_shapes
+    from engine.worker.lora import module_shapes
 
     g = torch.Generator().manual_seed(seed)
     tensors = {}
@@ -51,7 +51,7 @@ def write_adapter(folder: Path, mc, seed: int) -> str:
 
 def ours(prompts, new_tokens, dtype, adapters) -> dict:
     from engine import LLM, SamplingParams
-    from engine.lora import LoRARequest
+    from engine.worker.lora import LoRARequest
 
     llm = LLM(dtype=dtype, enable_lora=True, max_loras=4, max_lora_rank=RANK, enable_prefix_caching=False,
               multiprocess=False)
@@ -107,9 +107,10 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
     from engine.config import ModelConfig
     from engine.default_model import resolve_model
-    from transformers import AutoTokenizer
 
     path = resolve_model(None)
     mc = ModelConfig.from_folder(path)

@@ -132,7 +132,7 @@ async def run_http(url: str, api_key, prompts, args) -> dict:
 
 def run_engine(args) -> dict:
     """The same clients on AsyncLLM in this process (run in a subprocess by main)."""
-    from engine.async_llm import AsyncLLM
+    from engine.frontend.async_llm import AsyncLLM
     from engine.sampling_params import RequestOutputKind, SamplingParams
 
     async def main():

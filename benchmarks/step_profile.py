@@ -39,9 +39,9 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled (no filters)")
     args = ap.parse_args()
 
-    import engine.core as core_mod
-    import engine.model as model_mod
-    import engine.model_runner as runner_mod
+    import engine.core.engine_core as core_mod
+    import engine.model.decoder as model_mod
+    import engine.worker.model_runner as runner_mod
     from engine import LLM, SamplingParams
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "peers"))

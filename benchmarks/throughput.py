@@ -1,11 +1,12 @@
 """Throughput of the offline engine beside transformers `generate()`, measured in one run.
 
-Workload (../shared/peers/workload.py): 32 chat prompts, 128 new tokens each, EOS ignored,
-greedy and temperature 1.0 (top-p 1, top-k off); batch sizes 1, 32 and 128 (the 32 questions
-repeated); single-stream decode tok/s = 127 / (T(128 tokens) - T(1 token)). Each (engine,
-dtype) runs in its own subprocess, so peak memory (max RSS) is that engine's alone (for the
-multi-process engines: frontend + engine core). Prefix caching is off for our engines here,
-so repeated prompts are not served from the cache.
+Workload (benchmarks/peers/workload.py; benchmarks/peers.py runs peer engines on the same one):
+32 chat prompts, 128 new tokens each, EOS ignored, greedy and temperature 1.0 (top-p 1, top-k
+off); batch sizes 1, 32 and 128 (the 32 questions repeated); single-stream decode tok/s =
+127 / (T(128 tokens) - T(1 token)). Each (engine, dtype) runs in its own subprocess, so peak
+memory (max RSS) is that engine's alone (for the multi-process engines: frontend + engine
+core). Prefix caching is off for our engines here, so repeated prompts are not served from the
+cache.
 
 Engines: hf = transformers generate (left-padded batch); ours = LLM with the engine core in
 process; ours_mp = LLM through the engine-core process (the default); ours_dp2 = LLM with two
@@ -15,7 +16,7 @@ concurrent generate() per prompt, DELTA outputs, which also reports the frontend
 per-token latency (engine core queued the token -> the caller's async-for received it);
 floor = the model's decode matmuls alone through plain F.linear at that batch size (every
 layer's q/k/v, o, gate/up and down and the LM head, the model's shapes, random weights): the
-"F.linear floor" of issue 15, which prepacked weights can beat. Its single-stream row also
+"F.linear floor" (docs/performance.md), which prepacked weights can beat. Its single-stream row also
 gives the weight-read bound: measured read bandwidth / weight bytes per token.
 
     python benchmarks/throughput.py                       # everything (~10 min on 2 cores)
@@ -30,16 +31,13 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PEERS = os.path.join(HERE, "..", "..", "shared", "peers")
-MAX_NEW = 128
+PEERS = os.path.join(HERE, "peers")
 
 
 def workload():
     sys.path.insert(0, PEERS)
-    try:
-        import workload as w
-    except ImportError:
-        sys.exit(f"benchmarks need the shared workload at {PEERS}/workload.py")
+    import workload as w
+
     return w
 
 
@@ -87,7 +85,7 @@ def run_async(dtype, batches, reps):
     import statistics
 
     from engine import RequestOutputKind, SamplingParams
-    from engine.async_llm import AsyncLLM
+    from engine.frontend.async_llm import AsyncLLM
 
     w = workload()
     loop = asyncio.new_event_loop()
@@ -197,25 +195,7 @@ def run_hf(dtype, batches, reps):
 
 
 def measure(w, tok, run, batches, reps, load_s):
-    questions = w.QUESTIONS
-    res = {"load_s": load_s}
-    run(w.prompt_texts(tok, questions[:4]), True, 8)  # warm-up
-    for b in batches:
-        if b == 1:
-            continue
-        prompts = w.prompt_texts(tok, (questions * (b // len(questions) + 1))[:b])
-        for mode in ("greedy", "sample"):
-            best = min(run(prompts, mode == "sample", MAX_NEW)[0] for _ in range(reps if b <= 32 else 1))
-            res[f"b{b}_{mode}_tok_s"] = b * MAX_NEW / best
-            _log(f"  batch {b} {mode}: {res[f'b{b}_{mode}_tok_s']:.0f} tok/s")
-    if 1 in batches:
-        single = w.prompt_texts(tok, [w.SINGLE_Q])
-        t1 = min(run(single, False, 1)[0] for _ in range(3))
-        t128 = min(run(single, False, MAX_NEW)[0] for _ in range(reps))
-        res["single_decode_tok_s"] = (MAX_NEW - 1) / (t128 - t1)
-        _log(f"  single-stream decode: {res['single_decode_tok_s']:.1f} tok/s")
-    res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return res
+    return w.measure(tok, run, batches, reps, load_s)
 
 
 def _log(msg):

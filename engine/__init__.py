@@ -7,12 +7,13 @@ scheduler hands the workers a SchedulerOutput and gets a ModelRunnerOutput back
 (engine/step_io.py). Token ids are the ground truth everywhere; only the frontend knows
 text. This package never imports `rollout`.
 """
-from engine.async_llm import AsyncLLM
-from engine.errors import EngineDeadError, EngineStartError, EngineStateError, InvalidRequestError, UnsupportedModelError
-from engine.llm import LLM
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.core.streaming import StreamingInput
+from engine.errors import (EngineDeadError, EngineStartError, EngineStateError, InvalidRequestError,
+                           UnsupportedModelError)
+from engine.frontend.async_llm import AsyncLLM
+from engine.frontend.llm import LLM
+from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.streaming import StreamingInput
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
            "StreamingInput", "EngineDeadError", "EngineStartError", "EngineStateError", "InvalidRequestError",

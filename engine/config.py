@@ -133,16 +133,16 @@ class EngineConfig:
         per GPU on CUDA, the Ray cluster's CPUs / GPUs under Ray. Setting it replaces that
         bound (oversubscribing cores on purpose); scale() still refuses what memory cannot hold.
     batch_invariant: a token's logits and logprobs do not depend on the rest of the batch (fixed
-        reduction orders; float32 on CPU; see engine/batch_invariant.py for the guarantee and
+        reduction orders; float32 on CPU; see engine/model/batch_invariant.py for the guarantee and
         the recompute a trainer runs to get the same bits). dtype "auto" becomes float32.
-    enable_lora: LoRA adapters (engine/lora.py: add_lora, per-request lora_request); at most
+    enable_lora: LoRA adapters (engine/worker/lora.py: add_lora, per-request lora_request); at most
         max_loras resident (the least recently used unpinned one is evicted), ranks <= max_lora_rank.
         max_loras also bounds the adapters of the running requests, pinned ones counted: a request
         for another waits for a slot, and an evicted adapter is reloaded when a request needs it.
     log_stats_interval_s: LLM / AsyncLLM log do_log_stats()'s line (logger "engine", INFO) this often
         while they run; None = only when called.
     profiler_dir: where start_profile() / stop_profile() write torch-profiler traces of the engine
-        core (engine/profiler.py); None = profiling off (the calls are refused).
+        core (engine/worker/profiler.py); None = profiling off (the calls are refused).
     encoder_cache_size: a vision-language model's encoder cache holds at most this many image
         embeddings (placeholder tokens), least recently used out first.
     heartbeat_interval_s, engine_stall_timeout_s: an engine-core process sends a heartbeat this

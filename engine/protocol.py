@@ -30,7 +30,7 @@ class RequestType(bytes, enum.Enum):
 
 
 class MMFeature(msgspec.Struct, array_like=True, gc=False):
-    """One image of a prompt (engine/multimodal.py): its preprocessed pixels, the prompt positions
+    """One image of a prompt (engine/frontend/multimodal.py): its preprocessed pixels, the prompt positions
     of its placeholder tokens in order (the vision encoder's output rows go there), and a hash of
     the pixels: the encoder cache's key, and part of the prefix-cache hash of every block that
     holds one of those positions (the placeholders are the same tokens for every image)."""
@@ -132,3 +132,53 @@ class EngineLoad(msgspec.Struct, array_like=True, gc=False):
     engine_index: int
     num_waiting: int  # held requests (arrived while paused) included
     num_running: int
+
+
+# ---- start-up handshake and process wiring ------------------------------------------------------
+class Hello(msgspec.Struct):
+    """engine core -> its manager, first message on the handshake socket."""
+
+    pid: int
+
+
+class EngineAddresses(msgspec.Struct):
+    """The sockets an engine core connects to (a frontend's ROUTER and PULL per API server)."""
+
+    inputs: list[str]  # one per frontend: the engine's DEALER connects to its ROUTER
+    outputs: list[str]  # one per frontend: the engine's PUSH connects to its PULL
+    coordinator: str = ""  # the DP coordinator's PULL for load reports ("" = none)
+
+
+class Startup(msgspec.Struct):
+    """manager -> engine core: where to connect, and the EngineConfig (as a dict)."""
+
+    addresses: EngineAddresses
+    config: dict
+
+
+class Ready(msgspec.Struct):
+    """engine core -> manager once the model is loaded (or why it could not be)."""
+
+    num_blocks: int = 0
+    max_model_len: int = 0
+    failure: str = ""
+
+
+class DPLoads(msgspec.Struct, array_like=True, gc=False):
+    """DP coordinator -> every frontend: each replica's queue depth, for routing."""
+
+    loads: list[tuple[int, int]]  # (replica index, waiting + running)
+
+
+class EngineConnection(msgspec.Struct):
+    """How a frontend reaches engines another process started (an API server beside others:
+    the launcher starts the engines and hands each API server its own sockets' addresses)."""
+
+    input_address: str
+    output_address: str
+    client_index: int
+    client_count: int
+    engine_pids: dict[int, int]  # replica index -> pid
+    num_blocks: int
+    max_model_len: int
+    coordinator_address: str = ""  # the DP coordinator's publisher ("" = none)

@@ -13,7 +13,7 @@ history.jsonl, curves.png and the trainer's and the server's offline W&B runs;
 `rollout dashboard <run folder>` draws both.
 
 --batch-invariant serves in batch-invariant mode and recomputes every step's rollout logprobs with
-engine.batch_invariant.InvariantScorer on the trainer's weights: `exact/mismatch_max` must be 0.0
+engine.model.batch_invariant.InvariantScorer on the trainer's weights: `exact/mismatch_max` must be 0.0
 (the sampler's logprobs are the trainer's pi_old bit for bit, whatever the batching).
 """
 from __future__ import annotations
@@ -130,7 +130,7 @@ def main(argv=None) -> dict:
         model, ref, opt, version, model_path = start_trainer(client, args.lr, args.kl_coef)
         scorer = None
         if args.batch_invariant:
-            from engine.batch_invariant import InvariantScorer
+            from engine.model.batch_invariant import InvariantScorer
 
             scorer = InvariantScorer(model_path, max_model_len=512)
         log = RunLog(run_dir, run_dir.name, dict(vars(args), recipe="grpo_arithmetic", model=model_path))

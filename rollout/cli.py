@@ -74,7 +74,7 @@ def _add_serve_parser(sub) -> None:
                    help="enables /start_profile and /stop_profile: torch-profiler traces of the engine core go here")
     s.add_argument("--batch-invariant", action="store_true",
                    help="a token's logprobs do not depend on the batch, bit for bit (float32 on CPU; a trainer "
-                        "recomputes the same bits with engine.batch_invariant.InvariantScorer)")
+                        "recomputes the same bits with engine.model.batch_invariant.InvariantScorer)")
     s.add_argument("--num-threads", type=int, default=None,
                    help="torch threads per engine core (default: the cores split between replicas)")
     s.add_argument("--data-parallel-size", "-dp", type=int, default=1,

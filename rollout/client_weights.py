@@ -344,7 +344,7 @@ class WeightTransfer:
         if update.lora_name is None:
             info = _update_info(named, update.dtype, None)  # the version is set once, by the finish
         else:
-            from engine.lora import peft_key
+            from engine.worker.lora import peft_key
 
             named = [(peft_key(n), t) for n, t in named]
             info = dict(_update_info(named, update.dtype, update.version), lora_name=update.lora_name)

@@ -4,7 +4,7 @@ processes accepting on one listening socket, and the engine cores they all share
     launcher     binds the socket; starts the DP coordinator (with several replicas) and the engine
                  cores (each replica serves every API server: one input and one output socket per
                  API server); starts the K API servers, which inherit the socket; watches them
-    API server k AsyncLLM attached to the engine cores (engine.core_client.EngineConnection: its
+    API server k AsyncLLM attached to the engine cores (engine.protocol.EngineConnection: its
                  own sockets' addresses, client index k) behind the usual FastAPI app
 
 What holds across API servers: pause, sleep and weights live in the engine cores, so a /pause
@@ -36,11 +36,10 @@ READY_TIMEOUT_S = 600
 
 def run_api_servers(config: ServerConfig) -> int:
     from engine.config import EngineConfig
-    from engine.coordinator import DPCoordinator
-    from engine.core_client import EngineConnection
-    from engine.core_proc import EngineAddresses
     from engine.default_model import resolve_model
-    from engine.managers import CoreEngineProcManager, check_replica_count
+    from engine.process.coordinator import DPCoordinator
+    from engine.process.managers import CoreEngineProcManager, check_replica_count
+    from engine.protocol import EngineAddresses, EngineConnection
 
     k = config.api_server_count
     try:
@@ -150,8 +149,8 @@ def run_api_server(spec_json: str) -> None:
     import logging
     import socket
 
-    from engine.core_client import EngineConnection
-    from engine.core_proc import die_with_parent
+    from engine.process.core_proc import die_with_parent
+    from engine.protocol import EngineConnection
     from rollout.server import serve
 
     spec = json.loads(spec_json)

@@ -17,7 +17,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, LATENCY_BUCKETS, PREFIX
+from engine.frontend.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, LATENCY_BUCKETS, PREFIX
 
 logger = logging.getLogger("rollout")
 

@@ -288,7 +288,7 @@ def url_of(sock: socket.socket) -> str:
 async def serve(config: ServerConfig, sock: socket.socket | None = None, connection=None, on_ready=None) -> None:
     """Load the engine (start its engine cores, or attach to `connection`'s), serve on `sock`
     (bound from the config by default) until SIGINT/SIGTERM, shut everything down."""
-    from engine.async_llm import AsyncLLM
+    from engine.frontend.async_llm import AsyncLLM
 
     sock = sock or listen(config)
     t0 = time.perf_counter()

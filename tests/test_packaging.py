@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = """
 import importlib, json, pkgutil, sys
 import engine
-for m in pkgutil.iter_modules(engine.__path__):  # every engine module, not only the package
-    importlib.import_module('engine.' + m.name)
+for m in pkgutil.walk_packages(engine.__path__, 'engine.'):  # every engine module, not only the package
+    importlib.import_module(m.name)
 rollout = sorted(m for m in sys.modules if m == 'rollout' or m.startswith('rollout.'))
 import kernels, kernels.sampling, kernels.rotary
 import transformers.utils as u

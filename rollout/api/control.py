@@ -13,7 +13,7 @@
     POST /reset_prefix_cache, /reset_encoder_cache, /reset_mm_cache -> {"success": true}
     POST /v1/load_lora_adapter {"lora_name", "lora_path"} -> text (vLLM's); requests name it as `model`
          (400 for a name the served model answers to); it serves whatever the residency: past
-         --max-loras the engine reloads it when a request needs it (engine/lora.py)
+         --max-loras the engine reloads it when a request needs it (engine/worker/lora.py)
     POST /v1/unload_lora_adapter {"lora_name"}          -> text
     POST /start_profile                                  -> {"status": "profiling"}
     POST /stop_profile                                   -> {"status": "stopped", "traces": [paths]}

@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from engine.errors import InvalidRequestError
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind
 from rollout.api.errors import APIError, engine_error
 from rollout.api.protocol import GenerateRequest, make_sampling_params

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.errors import InvalidRequestError
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from rollout.api.errors import APIError, engine_error
 from rollout.api.generate import final_output, off_loop, render_chat, tokenize_prompts, usage_json

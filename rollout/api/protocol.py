@@ -147,7 +147,7 @@ class ChatMessage(BaseModel):
     content: None | str | list[ContentPart] = None
 
     def to_template(self) -> dict:
-        """The message as engine.processor.Processor.apply_chat_template reads it."""
+        """The message as engine.frontend.processor.Processor.apply_chat_template reads it."""
         return self.model_dump(exclude_none=True)
 
 

@@ -1,6 +1,6 @@
 """RL sessions over HTTP: multi-turn rollouts whose KV stays on the engine between turns.
 SGLang's route names (open a session, pass `session_params` to /generate, close it); each
-session is one streaming-input request of the engine (engine/streaming.py).
+session is one streaming-input request of the engine (engine/core/streaming.py).
 
     POST /open_session  {"session_id"?: str, "timeout_s"?: float}  -> {"session_id", "timeout_s"}
     POST /generate      {"prompt_token_ids" | "prompt" | "messages", "sampling_params",
@@ -50,11 +50,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import Field
 
-from engine.async_llm import merge_delta
+from engine.core.streaming import StreamingInput, check_streaming_params
 from engine.errors import InvalidRequestError
-from engine.outputs import RequestOutput
+from engine.frontend.async_llm import merge_delta
+from engine.frontend.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.streaming import StreamingInput, check_streaming_params
 from rollout.api.errors import APIError, engine_error
 from rollout.api.protocol import _Strict
 

@@ -17,9 +17,9 @@ from typing import AsyncGenerator
 
 from fastapi import Request
 
-from engine.lora import LoRARequest
-from engine.outputs import RequestOutput
+from engine.frontend.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.worker.lora import LoRARequest
 from rollout.api.errors import APIError, engine_error
 from rollout.api.sessions import Sessions
 from rollout.config import ServerConfig

@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from engine import SamplingParams
-from engine.async_llm import AsyncLLM
+from engine.frontend.async_llm import AsyncLLM
 
 
 async def main() -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, EngineDeadError, InvalidRequestError, RequestOutputKind, SamplingParams
-from engine.async_llm import AsyncLLM, StreamingInput
+from engine.frontend.async_llm import AsyncLLM, StreamingInput
 from tests.engine.hf_reference import CHATS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 """Batch-invariant mode (EngineConfig(batch_invariant=True)): a request's tokens, sample logprobs and
 prompt logprobs are the same bits alone and inside batches of 1..64 (other prompts of random lengths
 and sampling parameters, a copy of the prompt hitting the prefix cache, chunked prefill by a small
-token budget), and equal to the trainer-side recompute `engine.batch_invariant.InvariantScorer`,
+token budget), and equal to the trainer-side recompute `engine.model.batch_invariant.InvariantScorer`,
 also after a weight push. The default mode differs between batch sizes on the real model (checked
 in the slow test, so that this test is known to be able to fail)."""
 import random
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.batch_invariant import InvariantScorer
 from engine.config import EngineConfig
+from engine.model.batch_invariant import InvariantScorer
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, logprobs=0, prompt_logprobs=0)
 SAMPLED = SamplingParams(max_tokens=10, temperature=0.8, seed=7, logprobs=0, prompt_logprobs=0)

@@ -267,7 +267,7 @@ def test_scale_up_copies_lora_adapters(tmp_path):
     """A replica that joins by scaling gets the live replica's LoRA adapters: loaded ones from
     their folders, a pushed one with its pushed tensors and version; both replicas then serve
     both adapters token-exact against PEFT."""
-    from engine.lora import LoRARequest
+    from engine.worker.lora import LoRARequest
     from tests.engine.test_lora import PROMPTS, build_models, lora_tensors, perturbed, reference
 
     folder, _, adapters = build_models(tmp_path)

@@ -19,7 +19,7 @@ import torch
 
 from engine import LLM, AsyncLLM, EngineStateError, SamplingParams
 from engine.config import EngineConfig
-from engine.core import Deferred, EngineCore
+from engine.core.engine_core import Deferred, EngineCore
 from engine.default_model import default_model_path
 from engine.protocol import EngineCoreRequest, FinishReason
 

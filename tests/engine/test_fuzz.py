@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.errors import InvalidRequestError
+from engine.process.serial import MsgpackDecoder, MsgpackEncoder
 from engine.protocol import EngineCoreRequest, StreamInput, UtilityRequest
 from engine.sampling_params import SamplingParams
-from engine.serial import MsgpackDecoder, MsgpackEncoder
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -2,9 +2,9 @@
 LRU eviction. No model: requests are built straight from EngineCoreRequests."""
 import itertools
 
-from engine.kv_cache import Block, FreeBlockQueue, KVCacheManager
+from engine.core.kv_cache import Block, FreeBlockQueue, KVCacheManager
+from engine.core.request import Request
 from engine.protocol import EngineCoreRequest
-from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 BS = 4  # block size used throughout

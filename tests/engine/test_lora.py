@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import LLM, EngineStateError, InvalidRequestError, SamplingParams
-from engine.lora import LoRARequest
+from engine.worker.lora import LoRARequest
 from weight_sync import SharedWeights
 
 TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,

@@ -4,7 +4,7 @@ import asyncio
 import logging
 
 from engine import LLM, AsyncLLM, SamplingParams
-from engine.metrics import ENGINE_GAUGES, PREFIX, Counter, Gauge, Histogram
+from engine.frontend.metrics import ENGINE_GAUGES, PREFIX, Counter, Gauge, Histogram
 
 
 def by_name(metrics) -> dict:

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from engine import LLM, EngineStateError, SamplingParams
-from engine import profiler
+from engine.worker import profiler
 
 PHASES = ("schedule", "prepare_inputs", "forward", "compute_logits", "sample", "outputs")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineStateError, InvalidRequestError, SamplingParams
-from engine.async_llm import AsyncLLM
+from engine.frontend.async_llm import AsyncLLM
 from tests.engine.hf_reference import CHATS, chat_token_ids, hf_greedy
 from tests.engine.perturb import hf_model_with, perturbed_state
 from weight_sync import WeightTransferError, find_free_port, weights_checksum

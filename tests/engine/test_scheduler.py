@@ -4,11 +4,11 @@ import itertools
 
 import pytest
 
-from engine.kv_cache import KVCacheManager
+from engine.core.kv_cache import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
 from engine.protocol import EngineCoreRequest, FinishReason
-from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 from engine.step_io import ModelRunnerOutput
 
 EOS = 2

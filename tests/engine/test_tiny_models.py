@@ -172,7 +172,7 @@ def test_triton_kernels_in_the_engine_match_hf(tiny, monkeypatch):
     tensors) inside the engine: HF's tokens and logprobs through prefix-cache hits, chunked
     prefill and the sliding window, i.e. the kernels take the engine's own metadata."""
     pytest.importorskip("triton")
-    import engine.attention as attention
+    import engine.model.attention as attention
     from kernels import triton_attention, triton_norm, triton_rotary
 
     name, _, llm, prompts, refs = tiny

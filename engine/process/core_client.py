@@ -33,15 +33,15 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.coordinator import DPCoordinator, DPLoads
-from engine.core import stale_version
-from engine.core_proc import HANDSHAKE_TIMEOUT_MS, EngineAddresses, engine_identity
+from engine.core.engine_core import stale_version
 from engine.errors import EngineDeadError, EngineStateError, InvalidRequestError, remote_error
-from engine.managers import (CoreEngineActorManager, CoreEngineProcManager, EngineWatcher, available_memory,
-                             check_replica_count)
-from engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, RequestType,
-                             StreamInput, UtilityOutput, UtilityRequest)
-from engine.serial import MsgpackDecoder, MsgpackEncoder
+from engine.process.coordinator import DPCoordinator
+from engine.process.core_proc import HANDSHAKE_TIMEOUT_MS, engine_identity
+from engine.process.managers import (CoreEngineActorManager, CoreEngineProcManager, EngineWatcher, available_memory,
+                                     check_replica_count)
+from engine.process.serial import MsgpackDecoder, MsgpackEncoder
+from engine.protocol import (DPLoads, EngineAddresses, EngineConnection, EngineCoreOutput, EngineCoreOutputs,
+                             EngineCoreRequest, FinishReason, RequestType, StreamInput, UtilityOutput, UtilityRequest)
 
 logger = logging.getLogger("engine")
 
@@ -148,7 +148,7 @@ class InprocClient(_SyncPlans):
     """The core in this process: calls are direct, outputs come from step()."""
 
     def __init__(self, config: EngineConfig):
-        from engine.core import EngineCore
+        from engine.core.engine_core import EngineCore
 
         if config.data_parallel_size > 1:
             raise ValueError("data parallelism needs engine-core processes (multiprocess=True)")
@@ -176,7 +176,7 @@ class InprocClient(_SyncPlans):
     def call_utility(self, method: str, *args, timeout: float | None = None, **kwargs) -> Any:
         """Call a core method now (`timeout` is moot in process); a Deferred answer is settled by
         stepping the core, keeping the outputs for get_output()."""
-        from engine.core import Deferred
+        from engine.core.engine_core import Deferred
 
         if method.startswith("_") or not callable(getattr(self.core, method, None)):
             raise ValueError(f"the engine core has no method {method!r}")
@@ -222,20 +222,6 @@ def _node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
-
-
-class EngineConnection(msgspec.Struct):
-    """How a frontend reaches engines another process started (an API server beside others:
-    the launcher starts the engines and hands each API server its own sockets' addresses)."""
-
-    input_address: str
-    output_address: str
-    client_index: int
-    client_count: int
-    engine_pids: dict[int, int]  # replica index -> pid
-    num_blocks: int
-    max_model_len: int
-    coordinator_address: str = ""  # the DP coordinator's publisher ("" = none)
 
 
 @dataclass

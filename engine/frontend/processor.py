@@ -1,5 +1,5 @@
 """The frontend's input side: prompts (text, token ids, chat messages, images for a
-vision-language model: engine/multimodal.py) -> validated token ids (and image features)."""
+vision-language model: engine/frontend/multimodal.py) -> validated token ids (and image features)."""
 
 from typing import NamedTuple
 
@@ -39,7 +39,7 @@ class Processor:
         self.classifier = config.model_config.num_labels > 0
         self.images = None
         if config.model_config.vision:
-            from engine.multimodal import ImageProcessor
+            from engine.frontend.multimodal import ImageProcessor
 
             self.images = ImageProcessor(config.tokenizer or config.model, config.model_config)
 

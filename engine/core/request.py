@@ -2,9 +2,9 @@
 see it: what they need travels in the SchedulerOutput (engine/step_io.py)."""
 import enum
 
+from engine.core.streaming import InputStream
 from engine.protocol import EngineCoreRequest, FinishReason, StreamInput
 from engine.sampling_params import SamplingParams
-from engine.streaming import InputStream
 
 
 class RequestStatus(enum.IntEnum):

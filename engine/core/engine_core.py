@@ -3,7 +3,7 @@
     schedule -> executor.execute_model (every worker) -> scheduler.update_from_output
 
 It speaks token ids only (EngineCoreRequest in, EngineCoreOutput out). `LLM(multiprocess=False)`
-drives it in process; normally it runs inside the engine-core process (engine/core_proc.py),
+drives it in process; normally it runs inside the engine-core process (engine/process/core_proc.py),
 whose busy loop calls the same methods. Public methods are reachable by name as utility calls;
 one that must wait for running requests (pause mode "wait", a sleep that pauses) returns a
 `Deferred`, which the caller of the utility resolves once its condition holds.
@@ -32,13 +32,13 @@ from typing import Any, Callable
 import torch
 
 from engine.config import EngineConfig
+from engine.core.kv_cache import KVCacheManager
+from engine.core.request import Request
+from engine.core.scheduler import PauseState, Scheduler
 from engine.errors import EngineStateError, InvalidRequestError
-from engine.executor import InprocExecutor
-from engine.kv_cache import KVCacheManager
-from engine.profiler import StepProfiler, phase
 from engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, StreamInput
-from engine.request import Request
-from engine.scheduler import PauseState, Scheduler
+from engine.worker.executor import InprocExecutor
+from engine.worker.profiler import StepProfiler, phase
 
 logger = logging.getLogger("engine")
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -378,7 +378,7 @@ class EngineCore:
 
     # A weight update has two phases so that it is atomic across data-parallel replicas: every
     # replica stages it (received / read, checked; nothing live changes), then it goes live on
-    # all of them only if all staged (engine.core_client.weight_update_plan drives it).
+    # all of them only if all staged (engine.process.core_client.weight_update_plan drives it).
     def stage_weights(self, source: str, args: list, lora_id: int = 0) -> dict:
         """Stage an update from `source` ("broadcast": one push from the trainer's WeightSender;
         "disk" [path]; "tensors" [named tensors]; "ipc" [handles]; "reload": the start-up
@@ -487,7 +487,7 @@ class EngineCore:
                     **(self.executor.collective_rpc("encoder_cache_stats")[0] if self.config.model_config.vision
                        else {}))
 
-    # ---- LoRA adapters (engine/lora.py: the residency rule; the worker's runner holds them) --------
+    # ---- LoRA adapters (engine/worker/lora.py: the residency rule; the worker's runner holds them) --------
     def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> bool:
         """Register a PEFT adapter under this id; False if the id is registered already (it keeps
         its adapter, as in vLLM). It is checked now (a bad one is refused and nothing changes) and
@@ -613,7 +613,7 @@ class EngineCore:
         return self.profiler.start()
 
     def stop_profile(self) -> list[str]:
-        """Write the trace; returns its path (engine/profiler.py)."""
+        """Write the trace; returns its path (engine/worker/profiler.py)."""
         return self.profiler.stop()
 
     def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None) -> list[Any]:

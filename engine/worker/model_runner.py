@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionMetadata, per_token_decode_rows, step_metadata
 from engine.config import EngineConfig
 from engine.errors import EngineStateError
-from engine.lora import Adapter, LoRABatch, LoRARequest, load_adapter
-from engine.model import LlamaModel
-from engine.profiler import phase
+from engine.model.attention import AttentionMetadata, per_token_decode_rows, step_metadata
+from engine.model.decoder import LlamaModel
 from engine.protocol import MMFeature
 from engine.sampling_params import SamplingParams
 from engine.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from engine.worker.lora import Adapter, LoRABatch, LoRARequest, load_adapter
+from engine.worker.profiler import phase
 from kernels.sampling import SamplingMetadata, log_softmax, sample
 
 GiB = 1 << 30
@@ -239,7 +239,7 @@ class ModelRunner:
             return emb
         with phase("encode_images"):
             emb = self.model.vision.encode(f.pixel_values)
-        assert emb.shape[0] == len(f.positions), "the frontend checked the placeholders (engine/multimodal.py)"
+        assert emb.shape[0] == len(f.positions), "the frontend checked the placeholders (engine/frontend/multimodal.py)"
         limit = self.config.encoder_cache_size
         while self.encoder_cache and self.encoder_cache_rows + emb.shape[0] > limit:
             self.encoder_cache_rows -= self.encoder_cache.popitem(last=False)[1].shape[0]

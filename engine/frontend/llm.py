@@ -18,14 +18,14 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.default_model import resolve_model
-from engine.core_client import InprocClient, SyncMPClient
 from engine.errors import InvalidRequestError
-from engine.lora import LoRARequest
-from engine.metrics import StatsLogger, engine_metrics
-from engine.output_processor import OutputProcessor
-from engine.outputs import PoolingOutput, RequestOutput
-from engine.processor import Processor, PromptType, load_tokenizer
+from engine.frontend.metrics import StatsLogger, engine_metrics
+from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.outputs import PoolingOutput, RequestOutput
+from engine.frontend.processor import Processor, PromptType, load_tokenizer
+from engine.process.core_client import InprocClient, SyncMPClient
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.worker.lora import LoRARequest
 
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None
 
@@ -152,7 +152,7 @@ class LLM:
         return self.client.call_utility("get_stats")
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Register a PEFT LoRA adapter (engine/lora.py; needs enable_lora); False if the id is
+        """Register a PEFT LoRA adapter (engine/worker/lora.py; needs enable_lora); False if the id is
         registered already. generate(..., lora_request=) registers it on first use."""
         r = lora_request
         return self.client.call_utility("add_lora", r.lora_name, r.lora_int_id, r.lora_path)
@@ -168,7 +168,7 @@ class LLM:
         return self.client.call_utility("list_loras")
 
     def get_metrics(self) -> list:
-        """The engine's series as Python objects (engine.metrics: Counter, Gauge, Histogram): the
+        """The engine's series as Python objects (engine.frontend.metrics: Counter, Gauge, Histogram): the
         engine core's counters and state, and the requests this LLM saw finish."""
         return engine_metrics(self.get_stats()) + self.output_processor.stats.metrics()
 
@@ -180,7 +180,7 @@ class LLM:
         return line
 
     def start_profile(self) -> bool:
-        """Start a torch-profiler trace of the engine core (needs profiler_dir; engine/profiler.py)."""
+        """Start a torch-profiler trace of the engine core (needs profiler_dir; engine/worker/profiler.py)."""
         return self.client.call_utility("start_profile")
 
     def stop_profile(self) -> list[str]:

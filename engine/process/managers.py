@@ -1,6 +1,6 @@
 """Starting and watching engine cores (one per data-parallel replica).
 
-    CoreEngineProcManager   local processes: fresh interpreters running engine.core_proc (the
+    CoreEngineProcManager   local processes: fresh interpreters running engine.process.core_proc (the
                             caller's __main__ is never re-imported), handshake over ZMQ, a
                             monitor thread that reports a replica's death within ~0.2 s
     CoreEngineActorManager  Ray actors in placement groups (one per replica, any node of a Ray
@@ -36,8 +36,9 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig, available_cpus
-from engine.core_proc import HANDSHAKE_TIMEOUT_MS, EngineAddresses, Hello, Ready, Startup
 from engine.errors import EngineStartError, InvalidRequestError
+from engine.process.core_proc import HANDSHAKE_TIMEOUT_MS
+from engine.protocol import EngineAddresses, Hello, Ready, Startup
 
 logger = logging.getLogger("engine")
 STARTUP_TIMEOUT_S = 600  # model conversion / loading can take a while on a cold cache
@@ -107,7 +108,7 @@ def available_memory() -> int:
 # imports, during which nothing else would notice the parent's death.
 _BOOTSTRAP = ("import ctypes, os, signal; ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL); "
               "os.getppid() == {parent} or os._exit(1); "
-              "from engine.core_proc import run_engine_core; run_engine_core({handshake!r}, {parent}, {index})")
+              "from engine.process.core_proc import run_engine_core; run_engine_core({handshake!r}, {parent}, {index})")
 
 
 class CoreEngineProcManager:
@@ -246,13 +247,12 @@ class CoreEngineProcManager:
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-
 class EngineCoreActor:
     """An engine core inside a Ray actor. The data plane stays ZMQ (over TCP); Ray only places,
     starts and watches the process."""
 
     def __init__(self, fields: dict, addresses: EngineAddresses, engine_index: int):
-        from engine.core import EngineCore
+        from engine.core.engine_core import EngineCore
 
         self.core = EngineCore(EngineConfig(**fields))
         self.addresses, self.engine_index = addresses, engine_index
@@ -262,7 +262,7 @@ class EngineCoreActor:
 
     def run(self) -> None:
         """The busy loop; returns only by the process dying (its ObjectRef then errors)."""
-        from engine.core_proc import EngineCoreProc
+        from engine.process.core_proc import EngineCoreProc
 
         EngineCoreProc(self.core, zmq.Context(), self.addresses, self.engine_index).run()
 

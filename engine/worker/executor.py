@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from engine.config import EngineConfig
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
-from engine.worker import worker_class
+from engine.worker.worker import worker_class
 
 
 class Executor(Protocol):

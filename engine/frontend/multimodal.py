@@ -1,5 +1,5 @@
 """Images in prompts for a vision-language model (Idefics3 / SmolVLM; the vision tower is
-engine/vision.py): the frontend half.
+engine/model/vision.py): the frontend half.
 
     {"prompt": "What is in <image>?", "multi_modal_data": {"image": image or [images]}}
 
@@ -20,8 +20,8 @@ from pathlib import Path
 
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
+from engine.model.vision import tokens_per_tile
 from engine.protocol import MMFeature
-from engine.vision import tokens_per_tile
 
 
 class ImageProcessor:

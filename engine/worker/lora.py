@@ -1,5 +1,5 @@
 """LoRA adapters from PEFT folders: loading and checking (`load_adapter`), and applying the adapters
-of a batch's requests to the fused projections of engine.model (`LoRABatch`).
+of a batch's requests to the fused projections of engine.model.decoder (`LoRABatch`).
 
     LoRARequest(lora_name, lora_int_id, lora_path)     vLLM's fields; id 0 is the base model
 
@@ -47,7 +47,7 @@ class LoRARequest(msgspec.Struct, frozen=True):
     lora_path: str
 
 
-# HF module -> the fused projection of engine.model it is part of (in this order within it)
+# HF module -> the fused projection of engine.model.decoder it is part of (in this order within it)
 MODULES = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up",
            "up_proj": "gate_up", "down_proj": "down"}
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")

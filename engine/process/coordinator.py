@@ -24,14 +24,10 @@ import time
 import msgspec
 import zmq
 
-from engine.protocol import EngineLoad
+from engine.protocol import DPLoads, EngineLoad
 
 PUBLISH_INTERVAL_S = 0.02
 HEARTBEAT_S = 1.0
-
-
-class DPLoads(msgspec.Struct, array_like=True, gc=False):
-    loads: list[tuple[int, int]]  # (replica index, waiting + running)
 
 
 class DPCoordinator:
@@ -48,7 +44,7 @@ class DPCoordinator:
 
             self.engine_address = f"tcp://{host}:{find_free_port(host)}"
             self.frontend_address = f"tcp://{host}:{find_free_port(host)}"
-        entry = (f"from engine.coordinator import run_coordinator; "
+        entry = (f"from engine.process.coordinator import run_coordinator; "
                  f"run_coordinator({self.engine_address!r}, {self.frontend_address!r}, {os.getpid()})")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.proc = subprocess.Popen([sys.executable, "-c", entry], stdin=subprocess.DEVNULL, env=env)
@@ -67,7 +63,7 @@ class DPCoordinator:
 
 
 def run_coordinator(engine_address: str, frontend_address: str, parent_pid: int) -> None:
-    from engine.core_proc import die_with_parent
+    from engine.process.core_proc import die_with_parent
 
     die_with_parent(parent_pid)
     ctx = zmq.Context()

@@ -8,7 +8,7 @@ recently admitted running request is preempted (its blocks freed, recomputed lat
     -> update_from_output() -> EngineCoreOutputs (one per request that got a token)
 
 Queues: waiting -> running; idle (streaming-input requests between chunks, holding their
-blocks: engine/streaming.py); held (requests that arrived while generation is paused).
+blocks: engine/core/streaming.py); held (requests that arrived while generation is paused).
 The pause state lives here and nowhere else (the engine core sets it, everyone else asks).
 
 LoRA slots (vLLM's rule): the running requests use at most max_loras adapters, pinned ones
@@ -22,11 +22,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
-from engine.kv_cache import KVCacheManager
+from engine.core.kv_cache import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.streaming import StreamState
 from engine.protocol import EngineCoreOutput, FinishReason, StreamInput
-from engine.request import Request, RequestStatus
 from engine.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
-from engine.streaming import StreamState
 
 
 class PauseState(enum.Enum):
@@ -221,7 +221,7 @@ class Scheduler:
             o.prompt_top_logprobs = req.prompt_top_logprobs
         return o
 
-    # ---- streaming input (the state machine is engine/streaming.py) --------------------------
+    # ---- streaming input (the state machine is engine/core/streaming.py) --------------------------
     def _end_chunk(self, req: Request) -> bool:
         """The request's current chunk ended (stop or length); returns whether the request goes on."""
         if req.stream is None:

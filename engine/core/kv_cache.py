@@ -7,7 +7,7 @@ findable until the pool hands them out again, least recently freed first. Only t
 knows blocks; the scheduler asks it for slots and the model runner reads block ids.
 """
 
-from engine.request import Request
+from engine.core.request import Request
 
 
 class Block:

@@ -8,7 +8,7 @@ bit-identical prompt and sample logprobs (and the same greedy tokens). How:
     dot product in a fixed order (kernels/csrc/invariant_ops.cpp), where BLAS picks its blocking
     and threading by the number of rows;
   - attention runs every token, prefill tokens included, as its own row of the paged decode
-    kernel (engine.attention.per_token_decode_rows): one fixed-order sum over keys 0..p;
+    kernel (engine.model.attention.per_token_decode_rows): one fixed-order sum over keys 0..p;
   - the per-row C++ ops (RMSNorm, rotary, SiLU) already compute each row on its own;
   - log-softmax uses `logsumexp_rows`, one row per thread in one order (torch splits a lone row).
 
@@ -24,10 +24,10 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from engine.attention import AttentionMetadata, per_token_decode_rows
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
-from engine.model import LlamaModel
+from engine.model.attention import AttentionMetadata, per_token_decode_rows
+from engine.model.decoder import LlamaModel
 from kernels.sampling import logsumexp
 
 

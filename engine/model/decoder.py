@@ -6,7 +6,7 @@ weight pushes and checksums all speak HF names and write in place. On CPU the li
 also kept packed for the matmul kernel that reads them (see Linear); `repack()` must run after
 any write to the plain tensors.
 
-The forward pass takes a flat batch of T tokens from many sequences (see engine/attention.py)
+The forward pass takes a flat batch of T tokens from many sequences (see engine/model/attention.py)
 and avoids nn.Module: at this model size per-op overhead is the enemy.
 """
 from typing import Iterator
@@ -14,16 +14,15 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, attention
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, UnsupportedModelError
-from engine.vision import VisionEncoder
+from engine.model.attention import AttentionMetadata, attention
+from engine.model.vision import VisionEncoder
 from kernels import cpu_ext
 from kernels.activation import silu_and_mul
 from kernels.norm import fused_add_rms_norm
 from kernels.rotary import rope_and_cache, rope_cos_sin_cache, rope_inv_freq
 from weight_sync.checkpoint import load_safetensors_folder
-
 
 # float32 steps of at most this many rows run the fixed-order C++ kernel that streams the weights
 # once (kernels/csrc/invariant_ops.cpp) rather than oneDNN's prepacked GEMM, which wins from there
@@ -146,7 +145,7 @@ class LlamaModel:
         self._hf = self._hf_name_map()
 
     def _use_invariant_kernels(self) -> None:
-        """Batch-invariant mode (see engine/batch_invariant.py): the fixed-order matmul for every
+        """Batch-invariant mode (see engine/model/batch_invariant.py): the fixed-order matmul for every
         projection; the per-row C++ ops (norms, rotary, activation) and the paged attention
         kernel are invariant as they are, and the runner sends every token through the latter."""
         ext = cpu_ext.ops_for(self.device, self.dtype)
@@ -278,7 +277,7 @@ class LlamaModel:
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora=None,
                 mm: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids, positions: (T,). Returns the final-normed hidden states (T, hidden).
-        lora: the step's engine.lora.LoRABatch (adds each token's adapter delta to the projections).
+        lora: the step's engine.worker.lora.LoRABatch (adds each token's adapter delta to the projections).
         mm: (rows, embeddings): the vision encoder's outputs replace those rows' token embeddings."""
         mc = self.mc
         T = input_ids.shape[0]

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from tokenizers.decoders import DecodeStream
 
 from engine.errors import InvalidRequestError, remote_error
-from engine.metrics import FrontendStats
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.frontend.metrics import FrontendStats
+from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.protocol import EngineCoreOutput, FinishReason
 from engine.sampling_params import RequestOutputKind, SamplingParams
 

@@ -8,7 +8,7 @@ RequestOutputs to per-request collectors fed by one output-handler task.
 
 Streaming input: pass an async generator of StreamingInput instead of a prompt; each chunk is
 appended to the same request (after what it generated so far), which keeps its KV cache
-between chunks, and the request ends when the generator ends (engine/streaming.py has the
+between chunks, and the request ends when the generator ends (engine/core/streaming.py has the
 whole protocol). Pause and sleep state live in the engine core: requests that arrive while
 paused are held there until resume; the control methods here only ask it.
 """
@@ -21,17 +21,17 @@ from typing import Any, AsyncGenerator, Iterable, Sequence
 import torch
 
 from engine.config import EngineConfig
+from engine.core.streaming import StreamingInput, check_streaming_params
 from engine.default_model import resolve_model
-from engine.core_client import AsyncMPClient, EngineConnection
 from engine.errors import EngineDeadError, InvalidRequestError
-from engine.lora import LoRARequest
-from engine.metrics import StatsLogger, engine_metrics
-from engine.output_processor import OutputProcessor
-from engine.outputs import PoolingOutput, RequestOutput
-from engine.processor import Processor, PromptType, load_tokenizer
-from engine.protocol import EngineCoreRequest, StreamInput
+from engine.frontend.metrics import StatsLogger, engine_metrics
+from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.outputs import PoolingOutput, RequestOutput
+from engine.frontend.processor import Processor, PromptType, load_tokenizer
+from engine.process.core_client import AsyncMPClient
+from engine.protocol import EngineConnection, EngineCoreRequest, StreamInput
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.streaming import StreamingInput, check_streaming_params
+from engine.worker.lora import LoRARequest
 
 __all__ = ["AsyncLLM", "StreamingInput"]
 OUTPUTS_PER_SLICE = 128  # the output handler yields to the event loop this often
@@ -373,7 +373,7 @@ class AsyncLLM:
         return await self._call("get_stats")
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Register a PEFT LoRA adapter (engine/lora.py; needs enable_lora); False if the id is
+        """Register a PEFT LoRA adapter (engine/worker/lora.py; needs enable_lora); False if the id is
         registered already. generate(..., lora_request=) registers it on first use."""
         r = lora_request
         return await self._call("add_lora", r.lora_name, r.lora_int_id, r.lora_path)
@@ -389,7 +389,7 @@ class AsyncLLM:
         return await self._call("list_loras")
 
     async def get_metrics(self) -> list:
-        """The engine's series as Python objects (engine.metrics: Counter, Gauge, Histogram): the
+        """The engine's series as Python objects (engine.frontend.metrics: Counter, Gauge, Histogram): the
         engine core's counters and state, and the requests this frontend saw finish."""
         return engine_metrics(await self.get_stats()) + self.output_processor.stats.metrics()
 
@@ -401,7 +401,7 @@ class AsyncLLM:
         return line
 
     async def start_profile(self) -> bool:
-        """Start a torch-profiler trace of the engine core (needs profiler_dir; engine/profiler.py)."""
+        """Start a torch-profiler trace of the engine core (needs profiler_dir; engine/worker/profiler.py)."""
         return await self._call("start_profile")
 
     async def stop_profile(self) -> list[str]:

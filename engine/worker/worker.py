@@ -16,10 +16,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import EngineStateError, InvalidRequestError
-from engine.lora import Adapter, LoRARequest, build_adapter, load_adapter, peft_key
-from engine.model import LlamaModel
-from engine.model_runner import ModelRunner
+from engine.model.decoder import LlamaModel
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
+from engine.worker.lora import Adapter, LoRARequest, build_adapter, load_adapter, peft_key
+from engine.worker.model_runner import ModelRunner
 
 
 class Worker:

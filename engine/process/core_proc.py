@@ -30,11 +30,12 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.core import Deferred, EngineCore
+from engine.core.engine_core import Deferred, EngineCore
 from engine.errors import InvalidRequestError
-from engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineLoad, FinishReason,
-                             Heartbeat, RequestType, StreamInput, UtilityOutput, UtilityRequest)
-from engine.serial import MsgpackDecoder, MsgpackEncoder
+from engine.process.serial import MsgpackDecoder, MsgpackEncoder
+from engine.protocol import (EngineAddresses, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineLoad,
+                             FinishReason, Heartbeat, Hello, Ready, RequestType, Startup, StreamInput, UtilityOutput,
+                             UtilityRequest)
 
 DEFERRED_POLL_S = 0.005
 PARENT_DEATH_SIGNAL = signal.SIGUSR1  # not SIGTERM: that one means a normal stop
@@ -46,27 +47,6 @@ TO_COORDINATOR = -1  # output-queue destination of load reports
 def engine_identity(engine_index: int) -> bytes:
     """The ZMQ identity of engine core `engine_index` on every frontend's ROUTER."""
     return engine_index.to_bytes(2, "little")
-
-
-class Hello(msgspec.Struct):
-    pid: int
-
-
-class EngineAddresses(msgspec.Struct):
-    inputs: list[str]  # one per frontend: the engine's DEALER connects to its ROUTER
-    outputs: list[str]  # one per frontend: the engine's PUSH connects to its PULL
-    coordinator: str = ""  # the DP coordinator's PULL for load reports ("" = none)
-
-
-class Startup(msgspec.Struct):
-    addresses: EngineAddresses
-    config: dict
-
-
-class Ready(msgspec.Struct):
-    num_blocks: int = 0
-    max_model_len: int = 0
-    failure: str = ""
 
 
 def run_engine_core(handshake_address: str, parent_pid: int, engine_index: int = 0) -> None:
