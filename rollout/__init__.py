@@ -6,6 +6,7 @@
 The server owns no model state: the engine does. It adds what a trainer needs around it: the
 OpenAI and /generate routes, vLLM-named RL control routes, API keys, metrics (metrics.py).
 """
-from rollout.client import AsyncRolloutClient, GenerateOutput, RolloutAPIError, RolloutClient
+from rollout.client import AsyncRolloutClient, GenerateOutput, RolloutClient
+from rollout.errors import RolloutAPIError, RolloutConnectionError
 
-__all__ = ["RolloutClient", "AsyncRolloutClient", "GenerateOutput", "RolloutAPIError"]
+__all__ = ["AsyncRolloutClient", "GenerateOutput", "RolloutAPIError", "RolloutClient", "RolloutConnectionError"]

@@ -14,7 +14,8 @@ push_weights / weight_update / ... methods here delegate to it). With `wandb_run
 True for the current `wandb.run`) every push logs rollout/push_seconds, push_gb_per_s and
 weight_version to the trainer's own W&B run, without advancing its step. Idempotent calls (GET,
 /health, is_*, versions) are retried on connection errors; the others never are. A non-2xx answer
-raises `RolloutAPIError` with the server's message and the field at fault (`param`).
+raises `RolloutAPIError` with the server's message and the field at fault (`param`); a server
+that cannot be reached, `RolloutConnectionError` (rollout/errors.py) naming the URL.
 
 `timeout` (600 s by default, as the openai client) bounds how long any call waits for an answer,
 generation included (a stream: the gap between two events); calls that last a whole weight
@@ -33,16 +34,11 @@ from typing import Any, Callable, Sequence
 import httpx
 
 from rollout.client_weights import DEFAULT_TIMEOUT_S, WeightTransfer, log_push
+from rollout.errors import RolloutAPIError, RolloutConnectionError
 
 Prompt = str | Sequence[int]
 RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError)
 LONG_TIMEOUT = httpx.Timeout(None, connect=10.0)  # calls that block for a whole transfer
-
-
-class RolloutAPIError(RuntimeError):
-    def __init__(self, status: int, message: str, type: str = "error", param: str | None = None):
-        super().__init__(f"{status} {type}: {message}" + (f" (param: {param})" if param else ""))
-        self.status, self.message, self.type, self.param = status, message, type, param
 
 
 @dataclass
@@ -372,6 +368,15 @@ class _Transport:
             raise TimeoutError(f"{call.method} {call.path}: no answer from {self.url} within "
                                f"{self.timeout if call.timeout is None else call.timeout} s") from e
 
+    @contextlib.contextmanager
+    def _unreachable(self, call: _Call):
+        """A server that cannot be reached (after any retries) as RolloutConnectionError, which
+        names the URL, instead of httpx's bare ConnectError."""
+        try:
+            yield
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            raise RolloutConnectionError(self.url, call.method, call.path) from e
+
     @staticmethod
     def _read(call: _Call, resp: httpx.Response):
         if resp.status_code >= 400:
@@ -404,14 +409,15 @@ class RolloutClient(_Transport, _Endpoints):
         self.weights = WeightTransfer(self, is_async=False)
 
     def _run(self, call: _Call):
-        for attempt in range(self.retries + 1 if call.idempotent else 1):
-            try:
-                with self._timeouts(call):
-                    return self._read(call, self.http.request(**self._request_kwargs(call)))
-            except RETRYABLE:
-                if attempt >= (self.retries if call.idempotent else 0):
-                    raise
-                time.sleep(min(0.1 * 2 ** attempt, 2.0))
+        with self._unreachable(call):
+            for attempt in range(self.retries + 1 if call.idempotent else 1):
+                try:
+                    with self._timeouts(call):
+                        return self._read(call, self.http.request(**self._request_kwargs(call)))
+                except RETRYABLE:
+                    if attempt >= (self.retries if call.idempotent else 0):
+                        raise
+                    time.sleep(min(0.1 * 2 ** attempt, 2.0))
 
     def generate_stream(self, prompts, sampling_params: dict | None = None, request_id: str | None = None):
         """Yields (prompt index, [GenerateOutput delta per sample: only the new tokens]) as they
@@ -420,7 +426,7 @@ class RolloutClient(_Transport, _Endpoints):
         body, _ = _prompt_body(prompts)
         body.update(sampling_params=dict(sampling_params or {}), request_id=request_id, stream=True)
         call = _Call("POST", "/generate", json=body)
-        with self._timeouts(call), self.http.stream(**self._request_kwargs(call)) as resp:
+        with self._unreachable(call), self._timeouts(call), self.http.stream(**self._request_kwargs(call)) as resp:
             if resp.status_code >= 400:
                 resp.read()
                 raise _api_error(resp)
@@ -453,7 +459,7 @@ class RolloutClient(_Transport, _Endpoints):
             try:
                 if self.health():
                     return
-            except (httpx.HTTPError, RolloutAPIError):
+            except (httpx.HTTPError, RolloutAPIError, RolloutConnectionError):
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.url} not healthy within {timeout} s")
@@ -482,21 +488,22 @@ class AsyncRolloutClient(_Transport, _Endpoints):
         self.weights = WeightTransfer(self, is_async=True)
 
     async def _run(self, call: _Call):
-        for attempt in range(self.retries + 1 if call.idempotent else 1):
-            try:
-                with self._timeouts(call):
-                    return self._read(call, await self.http.request(**self._request_kwargs(call)))
-            except RETRYABLE:
-                if attempt >= (self.retries if call.idempotent else 0):
-                    raise
-                await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
+        with self._unreachable(call):
+            for attempt in range(self.retries + 1 if call.idempotent else 1):
+                try:
+                    with self._timeouts(call):
+                        return self._read(call, await self.http.request(**self._request_kwargs(call)))
+                except RETRYABLE:
+                    if attempt >= (self.retries if call.idempotent else 0):
+                        raise
+                    await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
 
     async def generate_stream(self, prompts, sampling_params: dict | None = None,
                               request_id: str | None = None):
         body, _ = _prompt_body(prompts)
         body.update(sampling_params=dict(sampling_params or {}), request_id=request_id, stream=True)
         call = _Call("POST", "/generate", json=body)
-        with self._timeouts(call):
+        with self._unreachable(call), self._timeouts(call):
             async for delta in self._stream(call):
                 yield delta
 

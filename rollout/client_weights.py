@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Iterable
 
+from rollout.errors import RolloutAPIError
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -316,16 +318,12 @@ class WeightTransfer:
             models = yield lambda c: c.model_info()
             if lora_name not in [m["id"] for m in models[1:]]:  # refused before any byte moves
                 yield lambda c: c.resume()
-                from rollout.client import RolloutAPIError
-
                 raise RolloutAPIError(404, f"the LoRA adapter {lora_name!r} is not loaded on the server",
                                       "not_found_error", "lora_name")
             return update
         try:
             live = yield lambda c: c.weight_version()
             if version is not None and version <= live:  # refused before any byte moves
-                from rollout.client import RolloutAPIError
-
                 raise RolloutAPIError(409, f"weight versions must increase: {version} is not above the live "
                                            f"version {live}", "engine_state_error", "weight_version")
             update.version = live + 1 if version is None else version

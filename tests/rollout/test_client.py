@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from rollout.client import AsyncRolloutClient, GenerateOutput, RolloutAPIError, RolloutClient
+from rollout.errors import RolloutConnectionError
 from tests.rollout.conftest import ADMIN_KEY, API_KEY
 
 PROMPT = "The capital of France is"
@@ -56,6 +57,31 @@ def test_idempotent_calls_retry_connection_errors(server):
     c.http = httpx.Client(transport=Flaky())
     assert c.is_paused() is False and calls["n"] == 3  # two failures, then success
     calls["n"] = 0
-    with pytest.raises(httpx.ConnectError):  # a POST is never retried
+    with pytest.raises(RolloutConnectionError) as e:  # a POST is never retried
         c.generate(PROMPT, GREEDY)
-    assert calls["n"] == 1
+    assert calls["n"] == 1 and isinstance(e.value.__cause__, httpx.ConnectError)
+
+
+def test_no_server_is_a_clear_connection_error():
+    """Nobody listens on the port: an error that names the URL and how to start a server, with
+    httpx's error chained; the same from every kind of call (once retried, streamed, async)."""
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago and that nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with RolloutClient(url, retries=1) as c:
+        for call in (lambda: c.generate(PROMPT, GREEDY), c.is_paused, lambda: list(c.generate_stream(PROMPT))):
+            with pytest.raises(RolloutConnectionError) as e:
+                call()
+            assert url in str(e.value) and "rollout serve" in str(e.value) and e.value.url == url
+            assert isinstance(e.value.__cause__, httpx.ConnectError) and isinstance(e.value, ConnectionError)
+
+    async def main():
+        async with AsyncRolloutClient(url, retries=0) as c:
+            with pytest.raises(RolloutConnectionError):
+                await c.generate(PROMPT, GREEDY)
+            with pytest.raises(RolloutConnectionError):
+                [d async for d in c.generate_stream(PROMPT)]
+
+    asyncio.run(main())
