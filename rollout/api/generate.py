@@ -24,44 +24,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from engine.errors import InvalidRequestError
-from engine.frontend.outputs import CompletionOutput, RequestOutput
+from engine.frontend.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind
+from rollout.api.cancel import gather_all, until_disconnect
 from rollout.api.errors import APIError, engine_error
+from rollout.api.output_json import request_output_json, usage_json
 from rollout.api.protocol import GenerateRequest, make_sampling_params
 from rollout.api.sessions import generate_turn
-from rollout.api.state import gather_all, get_state, until_disconnect
+from rollout.api.state import get_state
 from rollout.api.streaming import DONE, error_event, merge, ndjson, prime, sse
 
 INLINE_CHARS = 8192  # shorter texts are tokenized on the event loop (a thread hop costs more)
 
 router = APIRouter(tags=["generate"])
-
-
-def completion_json(c: CompletionOutput) -> dict:
-    d = {"index": c.index, "text": c.text, "token_ids": c.token_ids, "logprobs": c.logprobs,
-         "weight_versions": c.weight_versions, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-    if c.lora_versions:  # a LoRA adapter's request: its version per token
-        d["lora_versions"] = c.lora_versions
-    if c.top_logprobs is not None:  # [[token_id, logprob], ...] per step, best first
-        d["top_logprobs"] = [sorted(([t, lp] for t, lp in step.items()), key=lambda x: -x[1])
-                             for step in c.top_logprobs]
-    return d
-
-
-def request_output_json(out: RequestOutput) -> dict:
-    d = {"request_id": out.request_id, "prompt_token_ids": out.prompt_token_ids,
-         "num_cached_tokens": out.num_cached_tokens, "finished": out.finished,
-         "outputs": [completion_json(c) for c in out.outputs]}
-    if out.prompt_logprobs is not None:
-        d["prompt_logprobs"] = out.prompt_logprobs
-    return d
-
-
-def usage_json(outs: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
 
 
 async def off_loop(fn, *args, size: int, **kwargs):

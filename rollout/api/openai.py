@@ -16,11 +16,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine.errors import InvalidRequestError
 from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from rollout.api.cancel import gather_all, until_disconnect
 from rollout.api.errors import APIError, engine_error
-from rollout.api.generate import final_output, off_loop, render_chat, tokenize_prompts, usage_json
+from rollout.api.generate import final_output, off_loop, render_chat, tokenize_prompts
+from rollout.api.output_json import usage_json
 from rollout.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                   normalize_prompts)
-from rollout.api.state import ServerState, gather_all, get_state, until_disconnect
+from rollout.api.state import ServerState, get_state
 from rollout.api.streaming import DONE, error_event, merge, prime, sse
 
 router = APIRouter(tags=["openai"])

@@ -20,11 +20,12 @@ import time
 from fastapi import APIRouter, Request
 
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from rollout.api.cancel import gather_all, until_disconnect
 from rollout.api.errors import APIError
 from rollout.api.generate import final_output, tokenize_prompts
 from rollout.api.openai import check_model
 from rollout.api.protocol import ClassificationRequest, EmbeddingRequest, PoolingRequest, normalize_prompts
-from rollout.api.state import gather_all, get_state, until_disconnect
+from rollout.api.state import get_state
 
 router = APIRouter(tags=["encode"])
 

@@ -397,3 +397,15 @@ class UnloadLoRARequest(_Strict):
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None
 
+
+MAX_SESSION_TIMEOUT_S = 24 * 3600.0
+
+
+class OpenSessionBody(_Strict):
+    session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    timeout_s: float | None = Field(default=None, gt=0, le=MAX_SESSION_TIMEOUT_S)
+
+
+class CloseSessionBody(_Strict):
+    session_id: str
+

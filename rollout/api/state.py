@@ -1,6 +1,7 @@
 """ServerState: what the routes share (one per app, in `app.state.rollout`): the engine, the
 config, metrics, the generation requests in flight, and the weight update under way. Pause and
-sleep state are not here: the engine core owns them and the routes ask it.
+sleep state are not here: the engine core owns them and the routes ask it. The open sessions are
+in `sessions` (rollout/api/session_store.py).
 
 `generate()` here is the only path from a route to `AsyncLLM.generate`: it tracks the request
 (for /abort_requests and shutdown), records metrics, and turns engine exceptions into
@@ -21,7 +22,7 @@ from engine.frontend.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.worker.lora import LoRARequest
 from rollout.api.errors import APIError, engine_error
-from rollout.api.sessions import Sessions
+from rollout.api.session_store import Sessions
 from rollout.config import ServerConfig
 from rollout.metrics import ServerMetrics
 
@@ -125,41 +126,6 @@ class ServerState:
         if ids:
             await self.engine.abort(ids)
         return len(ids)
-
-
-async def gather_all(coros) -> list:
-    """asyncio.gather, but the first failure cancels the others (their engine requests abort)."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            if not t.done():
-                t.cancel()
-
-
-async def until_disconnect(request: Request, coro):
-    """Run `coro`; if the client goes away first, cancel it (the engine request is aborted)."""
-    task = asyncio.ensure_future(coro)
-
-    async def watch():
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        raise APIError(499, "the client disconnected")
-    return task.result()
 
 
 def get_state(request: Request) -> ServerState:

@@ -6,8 +6,8 @@ import asyncio
 import json
 from typing import Any, AsyncGenerator, AsyncIterator
 
+from rollout.api.cancel import until_disconnect
 from rollout.api.errors import APIError, engine_error, error_body
-from rollout.api.state import until_disconnect
 
 DONE = b"data: [DONE]\n\n"
 

@@ -33,11 +33,12 @@ from pathlib import Path
 
 from fastapi import APIRouter, Request
 
+from rollout.api.cancel import until_disconnect
 from rollout.api.control import call
 from rollout.api.errors import APIError
 from rollout.api.protocol import (FinishWeightUpdateBody, InitWeightTransferBody, ReloadWeightsBody,
                                   StartWeightUpdateBody, UpdateFromDiskBody, UpdateFromIPCBody, UpdateWeightsBody)
-from rollout.api.state import ServerState, WeightUpdate, get_state, until_disconnect
+from rollout.api.state import ServerState, WeightUpdate, get_state
 
 router = APIRouter(tags=["admin"])
 info_router = APIRouter(tags=["info"])

@@ -13,7 +13,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from rollout.api.errors import APIError
-from rollout.api.sessions import Sessions
+from rollout.api.session_store import Sessions
 from rollout.client import AsyncRolloutClient, RolloutAPIError, RolloutClient
 from tests.rollout.conftest import ADMIN_KEY, API_KEY, MAX_MODEL_LEN, start_server, stop_server
 
