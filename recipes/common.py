@@ -4,6 +4,7 @@ PNG of the curves). Everything here uses the public client only; nothing reaches
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -15,9 +16,30 @@ from pathlib import Path
 
 import torch
 
+from rollout.cli import HelpFormatter
 from rollout.subprocess_server import served
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- the command line ------------------------------------------------------------------------------
+class _RecipeHelp(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """The recipe's docstring as written (its examples keep their lines), flags with their defaults."""
+
+
+def recipe_parser(doc: str, steps: int, prompts: int, max_tokens: int, max_tokens_help: str) -> argparse.ArgumentParser:
+    """The flags every recipe takes, each with its help and default; `doc`, the recipe's module
+    docstring, is the description."""
+    ap = argparse.ArgumentParser(description=doc, allow_abbrev=False, formatter_class=_RecipeHelp)
+    ap.add_argument("--url", default=None, help="a running rollout server (default: start one, float32, any free port)")
+    ap.add_argument("--steps", type=int, default=steps, help="training steps (one weight push each)")
+    ap.add_argument("--prompts", type=int, default=prompts, help="problems per step")
+    ap.add_argument("--group", type=int, default=8, help="answers sampled per problem (GRPO's group)")
+    ap.add_argument("--max-tokens", type=int, default=max_tokens, help=max_tokens_help)
+    ap.add_argument("--lr", type=float, default=3e-5, help="the trainer's AdamW learning rate")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the problems, the sampling and the trainer")
+    ap.add_argument("--run-root", default=None, help="where run folders go (default: runs/ in the repository)")
+    return ap
 
 
 # ---- the server ----------------------------------------------------------------------------------

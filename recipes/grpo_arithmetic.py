@@ -29,24 +29,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from recipes.common import (RunLog, arithmetic_problem, arithmetic_reward, group_advantages, grpo_loss,  # noqa: E402
-                            new_run_dir, rollout_server, start_trainer, token_logprobs)
+                            new_run_dir, recipe_parser, rollout_server, start_trainer, token_logprobs)
 from rollout.client import RolloutClient  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--url", default=None, help="a running rollout server (default: start one)")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--prompts", type=int, default=8, help="problems per step")
-    ap.add_argument("--group", type=int, default=8, help="answers sampled per problem (GRPO's group)")
-    ap.add_argument("--max-tokens", type=int, default=10)
-    ap.add_argument("--lr", type=float, default=3e-5)
+    ap = recipe_parser(__doc__, steps=30, prompts=8, max_tokens=10, max_tokens_help="tokens sampled per answer")
     ap.add_argument("--kl-coef", type=float, default=0.0, help="> 0: a KL penalty to the initial policy")
-    ap.add_argument("--clip", type=float, default=0.2)
+    ap.add_argument("--clip", type=float, default=0.2, help="PPO clip range of the ratio: [1 - clip, 1 + clip]")
     ap.add_argument("--eval-every", type=int, default=5, help="greedy reward on held-out problems every N steps")
-    ap.add_argument("--eval-problems", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--run-root", default=None, help="where run folders go (default: runs/)")
+    ap.add_argument("--eval-problems", type=int, default=64, help="held-out problems of that greedy reward")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="serve batch-invariant and check the rollout logprobs bit for bit against the trainer's "
                          "InvariantScorer recompute (exact/mismatch_max)")

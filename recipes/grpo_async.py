@@ -30,25 +30,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from recipes import grpo_arithmetic  # noqa: E402
-from recipes.common import RunLog, new_run_dir, rollout_server, start_trainer, token_logprobs  # noqa: E402
+from recipes.common import (RunLog, new_run_dir, recipe_parser, rollout_server, start_trainer,  # noqa: E402
+                            token_logprobs)
 from rollout.client import RolloutClient  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--url", default=None, help="a running rollout server (default: start one)")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=10)
-    ap.add_argument("--lr", type=float, default=3e-5)
-    ap.add_argument("--kl-coef", type=float, default=0.0)
-    ap.add_argument("--clip", type=float, default=0.2)
+    ap = recipe_parser(__doc__, steps=30, prompts=8, max_tokens=10, max_tokens_help="tokens sampled per answer")
+    ap.add_argument("--kl-coef", type=float, default=0.0, help="> 0: a KL penalty to the initial policy")
+    ap.add_argument("--clip", type=float, default=0.2, help="PPO clip range of the ratio: [1 - clip, 1 + clip]")
     ap.add_argument("--is-cap", type=float, default=2.0, help="truncation of the per-token importance weight")
     ap.add_argument("--max-staleness", type=int, default=2, help="drop batches older than this many versions")
     ap.add_argument("--ahead", type=int, default=1, help="batches the rollouts may run ahead of the trainer")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--run-root", default=None)
     ap.add_argument("--compare-sync", action="store_true",
                     help="run grpo_arithmetic with the same settings first and print both wall times")
     return ap.parse_args(argv)

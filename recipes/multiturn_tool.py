@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from recipes.common import (RunLog, arithmetic_reward, group_advantages, grpo_loss, new_run_dir,  # noqa: E402
-                            rollout_server, start_trainer, token_logprobs)
+                            recipe_parser, rollout_server, start_trainer, token_logprobs)
 from rollout.client import AsyncRolloutClient, RolloutClient  # noqa: E402
 
 SYSTEM = "You can use a calculator: write CALL followed by the product, then give the answer."
@@ -90,15 +90,7 @@ async def rollout_batch(url: str, prompts: list[list[int]], answers: list[int], 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--url", default=None, help="a running rollout server (default: start one)")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=12, help="per turn")
-    ap.add_argument("--lr", type=float, default=3e-5)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--run-root", default=None)
+    ap = recipe_parser(__doc__, steps=20, prompts=4, max_tokens=12, max_tokens_help="tokens sampled per turn")
     return ap.parse_args(argv)
 
 

@@ -16,7 +16,7 @@ import time
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" to a flag's help; a flag whose default is None says in its own help
     what unset means, and an on/off switch (default False) needs no default shown."""
 
@@ -29,13 +29,13 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def _parser(sub, name: str, help: str, description: str | None = None, usage: str | None = None):
     return sub.add_parser(name, help=help, description=description or help, usage=usage, allow_abbrev=False,
-                          formatter_class=_HelpFormatter)
+                          formatter_class=HelpFormatter)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and its subcommands' parsers, by name."""
     ap = argparse.ArgumentParser(prog="rollout", description="RL rollout service and inference engine",
-                                 allow_abbrev=False, formatter_class=_HelpFormatter)
+                                 allow_abbrev=False, formatter_class=HelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True, metavar="{generate,serve,dashboard}")
     commands = {"generate": _add_generate_parser(sub), "serve": _add_serve_parser(sub),
                 "dashboard": _add_dashboard_parser(sub)}
