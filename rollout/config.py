@@ -31,6 +31,8 @@ class ServerConfig:
         prompt); more is a 400 naming max_tokens, before the engine sees the request. The server
         holds a request's whole answer until it is sent, so this bounds what one request costs
         the API server (measured ~0.2 KB a sampled token with logprobs: ~400 MB at the default).
+    log_requests: log one line per request on stderr (method, path, status, ms); False keeps only
+        the failed ones. Pauses, weight pushes, sleep and wake-up are logged either way.
     """
 
     host: str = "127.0.0.1"
@@ -56,6 +58,7 @@ class ServerConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) LoRA adapters loaded at start
     max_encode_inputs: int = 2048
     max_request_tokens: int = 1 << 21
+    log_requests: bool = True
 
     def __post_init__(self):
         self.api_key = self.api_key or os.environ.get("ROLLOUT_API_KEY") or None

@@ -42,6 +42,7 @@ from rollout.api.errors import APIError, engine_error
 from rollout.api.protocol import (AbortRequestsBody, CollectiveRPCBody, LoadLoRARequest, ScaleBody, ScaleElasticEPBody,
                                   UnloadLoRARequest)
 from rollout.api.state import get_state
+from rollout.log import log
 
 router = APIRouter(tags=["admin"])
 info_router = APIRouter(tags=["info"])
@@ -67,6 +68,8 @@ async def pause(request: Request, mode: PauseMode = Query("abort"), clear_cache:
         result = await call(state.engine.pause_generation(mode=mode, clear_cache=clear_cache, timeout_s=timeout_s,
                                                           recompute_kv=recompute_kv), "mode")
     state.metrics.pause_call_seconds.observe(time.monotonic() - t0)
+    log(f"generation paused (mode {mode}): {result['kept']} request(s) kept, {result['aborted']} aborted"
+        + (f"; it lifts itself after {timeout_s:g} s" if timeout_s else ""))
     return {"status": "paused", "mode": mode, "aborted": result["aborted"], "kept": result["kept"]}
 
 
@@ -76,6 +79,7 @@ async def resume(request: Request):
     async with state.control_lock:
         result = await call(state.engine.resume_generation())
     state.metrics.observe_pause(result["paused_seconds"])
+    log(f"generation resumed after {result['paused_seconds'] or 0:.2f} s paused")
     return {"status": "resumed", "paused_seconds": result["paused_seconds"]}
 
 
@@ -91,6 +95,7 @@ async def sleep(request: Request, level: int = Query(1), mode: PauseMode = Query
         raise APIError(400, f"level must be 1 or 2, got {level}", "level")
     async with state.control_lock:
         await call(state.engine.sleep(level, mode), "level")
+    log(f"sleeping (level {level}, mode {mode})")
     return {"status": "sleeping", "level": level}
 
 
@@ -103,6 +108,8 @@ async def wake_up(request: Request, tags: list[str] | None = Query(None)):
     async with state.control_lock:
         result = await call(state.engine.wake_up(tags or None), "tags")
     state.metrics.observe_pause(result["paused_seconds"])
+    log(f"woke up {' and '.join(tags) if tags else 'everything'}: " + ("still sleeping" if result["is_sleeping"]
+                                                                        else "awake"))
     return {"status": "sleeping" if result["is_sleeping"] else "awake"}
 
 

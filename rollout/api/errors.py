@@ -104,10 +104,20 @@ def validation_message(first: dict, param: str | None) -> str:
     return f"{param}: {first.get('msg', 'invalid value')}{shown}"
 
 
+ERROR_SCOPE_KEY = "rollout.error"  # the error's message, in the request's scope, for the request's log line
+
+
+def _answered(request: Request, status: int, message: str, param: str | None = None, type: str | None = None,
+              headers: dict | None = None) -> JSONResponse:
+    """error_response, with the message left in the scope for the request's log line (server.py)."""
+    request.scope[ERROR_SCOPE_KEY] = message + (f" (param: {param})" if param else "")
+    return error_response(status, message, param, type, headers=headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return error_response(e.status, e.message, e.param, e.type)
+        return _answered(request, e.status, e.message, e.param, e.type)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
@@ -115,7 +125,7 @@ def install_error_handlers(app: FastAPI) -> None:
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             ctx = first.get("ctx", {})
-            return error_response(400, f"the body is not valid JSON: {ctx.get('error', 'parse error')}", None)
+            return _answered(request, 400, f"the body is not valid JSON: {ctx.get('error', 'parse error')}", None)
         param = validation_param(first.get("loc", ()))
         msg = validation_message(first, param)
         others = {validation_param(x.get("loc", ())) for x in errors} - {param}
@@ -124,27 +134,27 @@ def install_error_handlers(app: FastAPI) -> None:
             others = others - {inner[0]} | {param}
             param = inner[0]
         more = f" (and problems with {', '.join(sorted(map(str, others)))})" if others else ""
-        return error_response(400, msg + more, param)
+        return _answered(request, 400, msg + more, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         if e.status_code == 404:
-            return error_response(404, f"no route {request.method} {request.url.path}")
+            return _answered(request, 404, f"no route {request.method} {request.url.path}")
         if e.status_code == 405:  # Allow: the methods the route takes (RFC 9110)
             allow = (e.headers or {}).get("Allow", "")
-            return error_response(405, f"{request.method} is not allowed on {request.url.path} (allowed: {allow})",
+            return _answered(request, 405, f"{request.method} is not allowed on {request.url.path} (allowed: {allow})",
                                   headers=e.headers)
-        return error_response(e.status_code, str(e.detail), headers=e.headers)
+        return _answered(request, e.status_code, str(e.detail), headers=e.headers)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, e: InvalidRequestError):
         err = engine_error(e)
-        return error_response(err.status, err.message, err.param, err.type)
+        return _answered(request, err.status, err.message, err.param, err.type)
 
     @app.exception_handler(Exception)
     async def _any(request: Request, e: Exception):
         err = engine_error(e)
-        return error_response(err.status, err.message, err.param, err.type)
+        return _answered(request, err.status, err.message, err.param, err.type)
 
 
 _ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {

@@ -39,6 +39,7 @@ from rollout.api.errors import APIError
 from rollout.api.protocol import (FinishWeightUpdateBody, InitWeightTransferBody, ReloadWeightsBody,
                                   StartWeightUpdateBody, UpdateFromDiskBody, UpdateFromIPCBody, UpdateWeightsBody)
 from rollout.api.state import ServerState, WeightUpdate, get_state
+from rollout.log import log
 
 router = APIRouter(tags=["admin"])
 info_router = APIRouter(tags=["info"])
@@ -120,7 +121,9 @@ async def finish_weight_update(request: Request, body: FinishWeightUpdateBody | 
         await call(state.engine.set_weight_version(want, upd.version_before), "weight_version")
         current = want
     state.weight_update = None
-    state.metrics.observe_push("transfer", time.monotonic() - upd.started)
+    seconds = time.monotonic() - upd.started
+    state.metrics.observe_push("transfer", seconds)
+    log(f"weights version {current} in place: {upd.num_updates} push(es) over the transfer group in {seconds:.2f} s")
     return {"message": "Weight update finished", "weight_version": current}
 
 
@@ -168,7 +171,10 @@ async def _timed_update(state: ServerState, source: str, update, param: str, lor
     t0 = time.monotonic()
     async with state.control_lock:
         result = await call(update, param)
-    state.metrics.observe_push(f"lora_{source}" if lora_name else source, time.monotonic() - t0)
+    seconds = time.monotonic() - t0
+    state.metrics.observe_push(f"lora_{source}" if lora_name else source, seconds)
+    what = f"LoRA adapter {lora_name!r}" if lora_name else "weights"
+    log(f"{what} version {result.get('weight_version')} in place (via {source}, {seconds:.2f} s)")
     if lora_name is not None:
         return dict(result, lora_name=lora_name, message=f"LoRA adapter {lora_name!r} updated")
     return dict(result, message="Weights updated")
