@@ -5,7 +5,9 @@ processes accepting on one listening socket, and the engine cores they all share
                  cores (each replica serves every API server: one input and one output socket per
                  API server); starts the K API servers, which inherit the socket; watches them
     API server k AsyncLLM attached to the engine cores (engine.protocol.EngineConnection: its
-                 own sockets' addresses, client index k) behind the usual FastAPI app
+                 own sockets' addresses, client index k) behind the usual FastAPI app: a process
+                 running rollout.server.run_api_server (started by name: the launcher imports
+                 nothing of the server, which calls it for --api-server-count > 1)
 
 What holds across API servers: pause, sleep and weights live in the engine cores, so a /pause
 through one is seen by all (and by every replica); every API server routes to every replica.
@@ -19,32 +21,29 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from rollout.config import ServerConfig
-from rollout.server import _log, listen, url_of
+from rollout.listen import banner, listen, url_of
+from rollout.log import log
 
 READY_TIMEOUT_S = 600
 
 
 def run_api_servers(config: ServerConfig) -> int:
-    from engine.config import EngineConfig
-    from engine.default_model import resolve_model
-    from engine.process.coordinator import DPCoordinator
-    from engine.process.managers import CoreEngineProcManager, check_replica_count
-    from engine.protocol import EngineAddresses, EngineConnection
-
-    k = config.api_server_count
+    """Serve with config.api_server_count API-server processes; returns the exit status."""
     try:
-        engine_config = EngineConfig(model=resolve_model(config.model), **config.engine_kwargs)
-        check_replica_count(engine_config, engine_config.data_parallel_size)
+        engine_config = _engine_config(config)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -60,51 +59,98 @@ def run_api_servers(config: ServerConfig) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    coordinator = manager = None
-    servers: list[subprocess.Popen] = []
-    code = 0
+    procs = _Processes()
     try:
-        n = engine_config.data_parallel_size
-        coordinator = DPCoordinator(tmp) if n > 1 else None
-        inputs = [f"ipc://{tmp}/input-{i}" for i in range(k)]
-        outputs = [f"ipc://{tmp}/output-{i}" for i in range(k)]
-        addresses = EngineAddresses(inputs, outputs, coordinator.engine_address if coordinator else "")
-        t0 = time.perf_counter()
-        _log(f"loading the model into {n} engine core(s) for {k} API servers ...")
-        manager = CoreEngineProcManager(engine_config, addresses, lambda i, why: _log(f"WARNING: {why}"))
-        _log(f"engine cores ready in {time.perf_counter() - t0:.1f} s")
-        ready_r, ready_w = os.pipe()
-        for i in range(k):
-            connection = EngineConnection(inputs[i], outputs[i], i, k, manager.pids(), manager.num_blocks,
-                                          manager.max_model_len, coordinator.frontend_address if coordinator else "")
-            servers.append(_start_server(config, i, connection, sock.fileno(), ready_w))
-        os.close(ready_w)
-        if not _wait_ready(ready_r, servers, stop):
-            code = 1
-        else:
-            auth = " (API key required)" if config.api_key else ""
-            print(f"[rollout] serving on {url_of(sock)}{auth} ({k} API servers, {n} engine core(s))", flush=True)
-            code = _watch(servers, stop)
+        return _serve(config, engine_config, sock, tmp, stop, procs)
     finally:
-        _stop_servers(servers, config.shutdown_grace_s + 20)
-        if manager is not None:
-            manager.shutdown()
-        if coordinator is not None:
-            coordinator.shutdown()
+        procs.stop(config.shutdown_grace_s + 20)
         sock.close()
         shutil.rmtree(tmp, ignore_errors=True)
-        _log("stopped")
-    return code
+        log("stopped")
+
+
+def _engine_config(config: ServerConfig):
+    from engine.config import EngineConfig
+    from engine.default_model import resolve_model
+    from engine.process.managers import check_replica_count
+
+    engine_config = EngineConfig(model=resolve_model(config.model), **config.engine_kwargs)
+    check_replica_count(engine_config, engine_config.data_parallel_size)
+    return engine_config
+
+
+@dataclass
+class _Processes:
+    """What the launcher started, for run_api_servers to stop whatever happened."""
+
+    servers: list[subprocess.Popen] = field(default_factory=list)
+    manager: Any = None  # engine.process.managers.CoreEngineProcManager
+    coordinator: Any = None  # engine.process.coordinator.DPCoordinator (several replicas)
+
+    def stop(self, grace_s: float) -> None:
+        _stop_servers(self.servers, grace_s)
+        if self.manager is not None:
+            self.manager.shutdown()
+        if self.coordinator is not None:
+            self.coordinator.shutdown()
+
+
+def _serve(config: ServerConfig, engine_config, sock: socket.socket, tmp: str, stop: threading.Event,
+           procs: _Processes) -> int:
+    """Start the engine cores and the API servers (into `procs`), print the banner once all of
+    them serve, and watch them until a signal or a death."""
+    from engine.process.coordinator import DPCoordinator
+    from engine.process.managers import CoreEngineProcManager
+    from engine.protocol import EngineAddresses, EngineConnection
+
+    k, n = config.api_server_count, engine_config.data_parallel_size
+    coordinator = procs.coordinator = DPCoordinator(tmp) if n > 1 else None
+    inputs = [f"ipc://{tmp}/input-{i}" for i in range(k)]
+    outputs = [f"ipc://{tmp}/output-{i}" for i in range(k)]
+    addresses = EngineAddresses(inputs, outputs, coordinator.engine_address if coordinator else "")
+    t0 = time.perf_counter()
+    log(f"loading the model into {n} engine core(s) for {k} API servers ...")
+    manager = procs.manager = CoreEngineProcManager(engine_config, addresses, lambda i, why: log(f"WARNING: {why}"))
+    log(f"engine cores ready in {time.perf_counter() - t0:.1f} s")
+    ready_r, ready_w = os.pipe()
+    for i in range(k):
+        connection = EngineConnection(inputs[i], outputs[i], i, k, manager.pids(), manager.num_blocks,
+                                      manager.max_model_len, coordinator.frontend_address if coordinator else "")
+        procs.servers.append(_start_server(config, i, connection, sock.fileno(), ready_w))
+    os.close(ready_w)
+    if not _wait_ready(ready_r, procs.servers, stop):
+        return 1
+    model = config.served_model_name or Path(str(engine_config.model)).name
+    print(banner(config, model, url_of(sock), engine_config, manager.max_model_len), flush=True)
+    return _watch(procs.servers, stop)
 
 
 def _start_server(config: ServerConfig, index: int, connection, fd: int, ready_fd: int) -> subprocess.Popen:
     own = replace(config, api_server_index=index, wandb_project=config.wandb_project if index == 0 else None)
     spec = json.dumps({"config": asdict(own), "connection": msgspec.to_builtins(connection), "fd": fd,
                        "ready_fd": ready_fd, "parent": os.getpid()})
-    entry = f"from rollout.launcher import run_api_server; run_api_server({spec!r})"
+    entry = f"from rollout.server import run_api_server; run_api_server({spec!r})"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     return subprocess.Popen([sys.executable, "-c", entry], pass_fds=(fd, ready_fd), env=env,
                             stdin=subprocess.DEVNULL)
+
+
+def read_api_server_spec(spec_json: str):
+    """In API-server process k (rollout.server.run_api_server): what _start_server handed it, as
+    (config, engine connection, the inherited socket, the ready callback). It dies with the launcher."""
+    from engine.process.core_proc import die_with_parent
+    from engine.protocol import EngineConnection
+
+    spec = json.loads(spec_json)
+    die_with_parent(spec["parent"])
+    config = ServerConfig(**spec["config"])
+    connection = msgspec.convert(spec["connection"], EngineConnection, strict=False)
+
+    def ready() -> None:
+        os.write(spec["ready_fd"], b"r")
+        os.close(spec["ready_fd"])
+
+    return config, connection, socket.socket(fileno=spec["fd"]), ready
 
 
 def _wait_ready(ready_fd: int, servers: list[subprocess.Popen], stop: threading.Event) -> bool:
@@ -125,7 +171,7 @@ def _watch(servers: list[subprocess.Popen], stop: threading.Event) -> int:
     while not stop.wait(0.2):
         for i, p in enumerate(servers):
             if p.poll() is not None:
-                _log(f"API server {i} exited (code {p.returncode}): stopping the others")
+                log(f"API server {i} exited (code {p.returncode}): stopping the others")
                 return 1
     return 0
 
@@ -141,35 +187,3 @@ def _stop_servers(servers: list[subprocess.Popen], grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-
-
-def run_api_server(spec_json: str) -> None:
-    """Entry point of API-server process k (started by the launcher)."""
-    import asyncio
-    import logging
-    import socket
-
-    from engine.process.core_proc import die_with_parent
-    from engine.protocol import EngineConnection
-    from rollout.server import serve
-
-    spec = json.loads(spec_json)
-    die_with_parent(spec["parent"])
-    config = ServerConfig(**spec["config"])
-    connection = msgspec.convert(spec["connection"], EngineConnection, strict=False)
-    logging.basicConfig(level=config.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s api-server-{config.api_server_index}: %(message)s")
-    sock = socket.socket(fileno=spec["fd"])
-
-    def ready() -> None:
-        os.write(spec["ready_fd"], b"r")
-        os.close(spec["ready_fd"])
-
-    try:
-        asyncio.run(serve(config, sock=sock, connection=connection, on_ready=ready))
-    except KeyboardInterrupt:
-        pass
-    finally:
-        from prometheus_client import multiprocess
-
-        multiprocess.mark_process_dead(os.getpid())

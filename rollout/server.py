@@ -7,11 +7,17 @@
 build_app does not own the engine: run_server creates it, serves, and shuts it down (SIGINT /
 SIGTERM: stop accepting, give in-flight requests `shutdown_grace_s` to finish, abort the rest,
 which still get a final response with finish_reason "abort", then stop the engine core).
+run_server serves in this process, or hands several API servers to rollout/launcher.py, whose
+processes enter here again through run_api_server. Every request is logged in one line (method,
+path, status, ms; an error's message too) unless ServerConfig.log_requests is off (errors are
+logged either way; a successful /health or /metrics poll is not).
 """
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
+import os
 import signal
 import socket
 import sys
@@ -19,19 +25,23 @@ import threading
 import time
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.errors import EngineDeadError
 from rollout.api import control, generate, openai, pooling, sessions, weights
-from rollout.api.errors import document_errors, error_body, install_error_handlers
+from rollout.api.errors import ERROR_SCOPE_KEY, document_errors, error_body, install_error_handlers
 from rollout.api.state import ServerState, get_state
 from rollout.config import ServerConfig
+from rollout.launcher import read_api_server_spec, run_api_servers
+from rollout.listen import banner, listen, url_of
+from rollout.log import log
 from rollout.metrics import WandbLogger
 
 logger = logging.getLogger("rollout")
 OPEN_PATHS = frozenset({"/health"})
+POLLED_PATHS = frozenset({"/health", "/metrics"})  # monitoring polls: logged only when they fail
 HEALTH_STATS_TIMEOUT_S = 1.0
 ENGINE_WATCH_S = 0.5
 
@@ -60,6 +70,7 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         path = scope["path"]
         admin_paths, known = self._paths(scope)
+        t0 = time.perf_counter()
         status_box = [500]
         responded = [False]  # a 413 sent from inside receive(): later sends of the app are dropped
 
@@ -75,6 +86,7 @@ class GuardMiddleware:
         try:
             denial = self._check_key(scope, path, admin_paths)
             if denial is not None:
+                scope[ERROR_SCOPE_KEY] = denial[1]
                 return await _send_json(send_counting, *denial)
             limit = self.config.max_body_bytes
             length = dict(scope.get("headers") or []).get(b"content-length")
@@ -100,6 +112,13 @@ class GuardMiddleware:
             if state is not None:
                 route = path if path in known else "other"
                 state.metrics.http_requests.labels(route, str(status_box[0])).inc()
+            self._log(scope, status_box[0], time.perf_counter() - t0)
+
+    def _log(self, scope, status: int, seconds: float) -> None:
+        """One line per request; an error's message (set by the error handlers) goes with it."""
+        error = scope.get(ERROR_SCOPE_KEY) if status >= 400 else None
+        if status >= 400 or (self.config.log_requests and scope["path"] not in POLLED_PATHS):
+            log(f"{scope['method']} {scope['path']} {status} {seconds * 1e3:.1f} ms" + (f": {error}" if error else ""))
 
     def _check_key(self, scope, path: str, admin_paths) -> tuple | None:
         cfg = self.config
@@ -151,9 +170,25 @@ async def _send_json(send, status: int, message: str, param: str | None) -> None
 
 def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (an AsyncLLM). It starts the stats poller (and the W&B
-    logger) in its lifespan; it never shuts the engine down."""
+    logger) in its lifespan; it never shuts the engine down. No /docs or /redoc: Swagger UI and
+    ReDoc load their scripts from a CDN, blank offline; /openapi.json describes every route."""
     config = config or ServerConfig()
     holder: dict = {}
+    app = FastAPI(title="rollout", lifespan=_lifespan(engine, config, holder), docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    document_errors(app)
+    app.add_middleware(GuardMiddleware, config=config, state_getter=lambda: holder.get("state"))
+    app.include_router(info_router)
+    for module in (openai, generate, pooling, sessions, control, weights):
+        app.include_router(module.router)
+        if hasattr(module, "info_router"):
+            app.include_router(module.info_router)
+    return app
+
+
+def _lifespan(engine, config: ServerConfig, holder: dict):
+    """The app's lifespan: the ServerState (in app.state.rollout and holder["state"]), the LoRA
+    adapters named at start, the stats poller, session expiry and the W&B logger."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -181,47 +216,43 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
                 await state.metrics.refresh(engine, timeout=5.0)  # the last point: the state at shutdown
                 await asyncio.to_thread(wandb_logger.finish)
 
-    app = FastAPI(title="rollout", lifespan=lifespan)
-    install_error_handlers(app)
-    document_errors(app)
-    app.add_middleware(GuardMiddleware, config=config, state_getter=lambda: holder.get("state"))
+    return lifespan
 
-    @app.get("/health", tags=["info"])
-    async def health(request: Request):
-        """200 {"status": "ok"} while every replica lives, {"status": "degraded", "dead_replicas",
-        "stalled_replicas"} while some serve on; 503 once none does: all dead, or every live one
-        stalled (no heartbeat, or stuck in one step or call, for --engine-stall-timeout-s). While
-        generation is paused it says for how long ("paused_seconds"): a pause nobody lifts is
-        visible to an orchestrator."""
-        engine = get_state(request).engine
-        try:
-            health = await engine.check_health()
-        except Exception as e:  # noqa: BLE001 - dead (or unreachable) engine
-            return JSONResponse(error_body(503, f"the engine is not healthy: {e}"), status_code=503)
-        dead = sorted(set(health["replicas"]) - set(health["alive"]))
-        stalled = health.get("stalled", [])
-        if len(stalled) == len(health["alive"]):
-            what = "; ".join(f"replica {s['replica']}: {s['in']} for {s['seconds']} s" for s in stalled)
-            return JSONResponse(error_body(503, f"the engine is stalled ({what})"), status_code=503)
-        body = {"status": "degraded", "dead_replicas": dead, "stalled_replicas": stalled} if dead or stalled \
-            else {"status": "ok"}
-        with contextlib.suppress(Exception):  # a busy or dying engine: liveness is the answer
-            stats = await asyncio.wait_for(engine.get_stats(), HEALTH_STATS_TIMEOUT_S)
-            if stats["is_paused"]:
-                body["paused_seconds"] = round(stats["paused_seconds"], 3)
-        return body
 
-    @app.get("/metrics", tags=["info"])
-    async def metrics(request: Request):
-        state = get_state(request)
-        await state.metrics.refresh(state.engine, timeout=5.0)
-        return Response(state.metrics.prometheus_text(), media_type=CONTENT_TYPE_LATEST)
+info_router = APIRouter(tags=["info"])
 
-    for module in (openai, generate, pooling, sessions, control, weights):
-        app.include_router(module.router)
-        if hasattr(module, "info_router"):
-            app.include_router(module.info_router)
-    return app
+
+@info_router.get("/health")
+async def health(request: Request):
+    """200 {"status": "ok"} while every replica lives, {"status": "degraded", "dead_replicas",
+    "stalled_replicas"} while some serve on; 503 once none does: all dead, or every live one
+    stalled (no heartbeat, or stuck in one step or call, for --engine-stall-timeout-s). While
+    generation is paused it says for how long ("paused_seconds"): a pause nobody lifts is
+    visible to an orchestrator."""
+    engine = get_state(request).engine
+    try:
+        health = await engine.check_health()
+    except Exception as e:  # noqa: BLE001 - dead (or unreachable) engine
+        return JSONResponse(error_body(503, f"the engine is not healthy: {e}"), status_code=503)
+    dead = sorted(set(health["replicas"]) - set(health["alive"]))
+    stalled = health.get("stalled", [])
+    if len(stalled) == len(health["alive"]):
+        what = "; ".join(f"replica {s['replica']}: {s['in']} for {s['seconds']} s" for s in stalled)
+        return JSONResponse(error_body(503, f"the engine is stalled ({what})"), status_code=503)
+    body = {"status": "degraded", "dead_replicas": dead, "stalled_replicas": stalled} if dead or stalled \
+        else {"status": "ok"}
+    with contextlib.suppress(Exception):  # a busy or dying engine: liveness is the answer
+        stats = await asyncio.wait_for(engine.get_stats(), HEALTH_STATS_TIMEOUT_S)
+        if stats["is_paused"]:
+            body["paused_seconds"] = round(stats["paused_seconds"], 3)
+    return body
+
+
+@info_router.get("/metrics")
+async def metrics(request: Request):
+    state = get_state(request)
+    await state.metrics.refresh(state.engine, timeout=5.0)
+    return Response(state.metrics.prometheus_text(), media_type=CONTENT_TYPE_LATEST)
 
 
 class _Server(uvicorn.Server):
@@ -263,70 +294,21 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def listen(config: ServerConfig) -> socket.socket:
-    if config.api_key is None and config.admin_api_key is None and not _is_loopback(config.host):
-        _log(f"WARNING: listening on {config.host} without --api-key: anyone who can reach it can generate, "
-             "pause, and replace the weights")
-    if config.api_key is not None and config.admin_api_key is None:
-        _log("WARNING: --api-key without --admin-api-key: the admin routes (pause, weights, sleep, ...) are "
-             "closed; pass --admin-api-key to use them")
-    if config.admin_api_key is not None and config.api_key is None:
-        _log("note: --admin-api-key without --api-key: generation takes the admin key too")
-    sock = socket.create_server((config.host, config.port), reuse_port=False)
-    # asyncio sets TCP_NODELAY on an accepted connection only when the socket's proto says TCP, and
-    # create_server leaves it 0: with Nagle on, each response's second write (the body after the
-    # headers, every SSE chunk after the first) waited for the client's delayed ACK, ~40 ms per
-    # request on a keep-alive connection. The same file descriptor, re-wrapped with proto TCP:
-    return socket.socket(sock.family, sock.type, socket.IPPROTO_TCP, fileno=sock.detach())
-
-
-def url_of(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-
-
 async def serve(config: ServerConfig, sock: socket.socket | None = None, connection=None, on_ready=None) -> None:
     """Load the engine (start its engine cores, or attach to `connection`'s), serve on `sock`
     (bound from the config by default) until SIGINT/SIGTERM, shut everything down."""
-    from engine.frontend.async_llm import AsyncLLM
-
     sock = sock or listen(config)
-    t0 = time.perf_counter()
-    if connection is None:
-        _log(f"loading the model {config.model or '(default: SmolLM2-135M-Instruct)'} ...")
-    engine = AsyncLLM(config.model, connection=connection, **config.engine_kwargs)
+    engine = _load_engine(config, connection)
     try:
-        c = engine.config
-        if connection is None:
-            _log(f"{c.model_config.architecture} from {c.model} ({c.dtype}, {c.device}, max_model_len "
-                 f"{engine.max_model_len}) loaded in {time.perf_counter() - t0:.1f} s")
         app = build_app(engine, config)
         ucfg = uvicorn.Config(app, log_level=config.log_level, access_log=False, lifespan="on",
                               timeout_graceful_shutdown=int(config.shutdown_grace_s) + 10, timeout_keep_alive=30)
         url = url_of(sock)
 
         def print_ready():
-            auth = " (API key required)" if config.api_key else ""
-            print(f"[rollout] serving {app.state.rollout.model_name} on {url}{auth}", flush=True)
+            print(banner(config, app.state.rollout.model_name, url, engine.config, engine.max_model_len), flush=True)
 
-        async def on_shutdown():
-            state = getattr(app.state, "rollout", None)
-            if state is None:
-                return
-            state.shutting_down.set()
-            engine.cancel_scale()  # a scale-up would hold the shutdown until its new replicas are up
-            await state.sessions.close_all("the server is shutting down")
-            _log(f"shutting down: {len(state.in_flight)} request(s) in flight get {config.shutdown_grace_s:g} s")
-            deadline = time.monotonic() + config.shutdown_grace_s
-            while state.in_flight and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            for _ in range(100):  # the rest (also those waiting on a pause) end with a final "abort"
-                if not state.in_flight:
-                    break
-                await state.abort_all_in_flight()
-                await asyncio.sleep(0.05)
-
-        server = _Server(ucfg, on_ready or print_ready, on_shutdown)
+        server = _Server(ucfg, on_ready or print_ready, functools.partial(_drain, app, engine, config))
         watcher = asyncio.ensure_future(_exit_when_engine_dies(engine, server, app)) \
             if config.exit_on_engine_death else None
         await server.serve(sockets=[sock])
@@ -337,14 +319,49 @@ async def serve(config: ServerConfig, sock: socket.socket | None = None, connect
     finally:
         sock.close()
         engine.shutdown()
-        _log("stopped")
+        log("stopped")
+
+
+def _load_engine(config: ServerConfig, connection):
+    """The AsyncLLM: its own engine cores, loaded now (and logged), or those of `connection`."""
+    from engine.frontend.async_llm import AsyncLLM
+
+    t0 = time.perf_counter()
+    if connection is None:
+        log(f"loading the model {config.model or '(default: SmolLM2-135M-Instruct)'} ...")
+    engine = AsyncLLM(config.model, connection=connection, **config.engine_kwargs)
+    if connection is None:
+        c = engine.config
+        log(f"{c.model_config.architecture} from {c.model} ({c.dtype}, {c.device}, max_model_len "
+            f"{engine.max_model_len}) loaded in {time.perf_counter() - t0:.1f} s")
+    return engine
+
+
+async def _drain(app, engine, config: ServerConfig) -> None:
+    """On SIGINT/SIGTERM: refuse new requests, close the sessions, give those in flight
+    shutdown_grace_s, then abort the rest (they still get a final "abort" response)."""
+    state = getattr(app.state, "rollout", None)
+    if state is None:
+        return
+    state.shutting_down.set()
+    engine.cancel_scale()  # a scale-up would hold the shutdown until its new replicas are up
+    await state.sessions.close_all("the server is shutting down")
+    log(f"shutting down: {len(state.in_flight)} request(s) in flight get {config.shutdown_grace_s:g} s")
+    deadline = time.monotonic() + config.shutdown_grace_s
+    while state.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    for _ in range(100):  # the rest (also those waiting on a pause) end with a final "abort"
+        if not state.in_flight:
+            break
+        await state.abort_all_in_flight()
+        await asyncio.sleep(0.05)
 
 
 async def _exit_when_engine_dies(engine, server: uvicorn.Server, app) -> None:
     while not engine.errored:
         await asyncio.sleep(ENGINE_WATCH_S)
-    _log(f"the engine died ({engine.dead_error or engine.client.dead_reason}): exiting (status 1) so that an "
-         "orchestrator restarts the server")
+    log(f"the engine died ({engine.dead_error or engine.client.dead_reason}): exiting (status 1) so that an "
+        "orchestrator restarts the server")
     state = getattr(app.state, "rollout", None)
     if state is not None:
         state.metrics.engine_died()
@@ -352,10 +369,10 @@ async def _exit_when_engine_dies(engine, server: uvicorn.Server, app) -> None:
 
 
 def run_server(config: ServerConfig) -> int:
+    """`rollout serve`: one API server in this process, or --api-server-count of them
+    (rollout/launcher.py). Returns the exit status."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if config.api_server_count > 1:
-        from rollout.launcher import run_api_servers
-
         return run_api_servers(config)
     try:
         asyncio.run(serve(config))
@@ -369,14 +386,16 @@ def run_server(config: ServerConfig) -> int:
     return 0
 
 
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
+def run_api_server(spec_json: str) -> None:
+    """Entry point of API-server process k, started by the launcher (launcher.api_server_command)."""
+    config, connection, sock, ready = read_api_server_spec(spec_json)
+    logging.basicConfig(level=config.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s api-server-{config.api_server_index}: %(message)s")
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
+        asyncio.run(serve(config, sock=sock, connection=connection, on_ready=ready))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        from prometheus_client import multiprocess
 
-
-def _log(msg: str) -> None:
-    print(f"[rollout] {msg}", file=sys.stderr, flush=True)
+        multiprocess.mark_process_dead(os.getpid())

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 READY = re.compile(r"on (http://\S+)")
@@ -25,6 +25,7 @@ class ServerProcess:
     url: str
     proc: subprocess.Popen
     log_path: str
+    stdout: list[str] = field(default_factory=list)  # its stdout lines so far: the ready banner
 
     def log(self, chars: int = 4000) -> str:
         return Path(self.log_path).read_text()[-chars:]
@@ -56,9 +57,11 @@ def start(*args: str, log_path: str | Path, env: dict | None = None, cwd: str | 
         proc = subprocess.Popen(rollout_command() + ["serve", "--port", "0", *args], stdout=subprocess.PIPE,
                                 stderr=log, text=True, cwd=cwd, env=env)
     found: dict = {}
+    lines: list[str] = []
 
     def read():
         for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
             m = READY.search(line)
             if m:
                 found.setdefault("url", m.group(1))
@@ -71,7 +74,7 @@ def start(*args: str, log_path: str | Path, env: dict | None = None, cwd: str | 
             proc.wait()
             raise RuntimeError(f"rollout serve did not start:\n{Path(log_path).read_text()[-4000:]}")
         time.sleep(0.1)
-    return ServerProcess(found["url"], proc, str(log_path))
+    return ServerProcess(found["url"], proc, str(log_path), lines)
 
 
 @contextlib.contextmanager

@@ -268,7 +268,7 @@ def test_accepted_connections_have_nagle_off():
     (found probing /health under load)."""
     import socket
 
-    from rollout.server import listen
+    from rollout.listen import listen
 
     sock = listen(ServerConfig(host="127.0.0.1", port=0))
     assert sock.proto == socket.IPPROTO_TCP

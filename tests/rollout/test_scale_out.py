@@ -78,7 +78,7 @@ def test_two_api_servers_two_replicas():
 
         # kill -9 one API server: the launcher stops everything, nothing is left behind
         api_servers = children_of(server.proc.pid)
-        victim = next(pid for pid in api_servers if "rollout.launcher" in Path(f"/proc/{pid}/cmdline").read_text())
+        victim = next(pid for pid in api_servers if "run_api_server" in Path(f"/proc/{pid}/cmdline").read_text())
         os.kill(victim, signal.SIGKILL)
         assert server.proc.wait(60) == 1, server.log()
     finally:
