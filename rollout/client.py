@@ -337,9 +337,10 @@ class _Endpoints:
         return self.weights.update(version, pause_mode, dtype, recompute_kv)
 
     def push_weights_shared(self, named_tensors, version: int | None = None, pause_mode: str = "keep",
-                            recompute_kv: bool = False, lora_name: str | None = None):
-        """Same machine: CUDA IPC on a shared GPU, shared memory on CPU; no group needed."""
-        return self.weights.push_shared(named_tensors, version, pause_mode, recompute_kv, lora_name)
+                            recompute_kv: bool = False, lora_name: str | None = None, dtype=None):
+        """Same machine: CUDA IPC on a shared GPU, shared memory on CPU; no group needed. Tensors
+        are cast to the engine's dtype (or `dtype`), as push_weights does."""
+        return self.weights.push_shared(named_tensors, version, pause_mode, recompute_kv, lora_name, dtype)
 
     def close_weight_transfer(self):
         return self.weights.close()

@@ -157,6 +157,12 @@ def _update_info(named: list, dtype, version: int | None) -> dict:
             "shapes": [list(t.shape) for _, t in named], "packed": True, "weight_version": version}
 
 
+def _cast(named_tensors: Iterable, dtype) -> list:
+    """(name, tensor) pairs with the floating-point tensors in `dtype` (None: as they are)."""
+    return [(n, t.detach().to(dtype) if dtype is not None and t.is_floating_point() else t)
+            for n, t in named_tensors]
+
+
 class WeightUpdate:
     """One update in progress (see WeightTransfer.update); `send` pushes one chunk of named
     tensors (awaitable with the async client)."""
@@ -370,19 +376,27 @@ class WeightTransfer:
                      update.weight_version if update.lora_name is None else None)
 
     def push_shared(self, named_tensors: Iterable, version: int | None = None, pause_mode: str = "keep",
-                    recompute_kv: bool = False, lora_name: str | None = None):
+                    recompute_kv: bool = False, lora_name: str | None = None, dtype=None):
         """For a trainer on the server's machine: pause -> share the tensors (CUDA IPC on a shared
-        GPU, shared memory on CPU; in the engine's dtype) -> the engine copies them in -> resume.
-        No transfer group needed. `lora_name`: a LoRA adapter's tensors (see push)."""
-        return self.run(self._shared_plan(named_tensors, version, _pause(pause_mode, recompute_kv), lora_name))
+        GPU, shared memory on CPU) -> the engine copies them in -> resume. No transfer group
+        needed. Floating-point tensors are cast to `dtype`, by default the engine's (as push
+        does; learned from /server_info when no group told it), before the pause. `lora_name`:
+        a LoRA adapter's tensors (see push)."""
+        return self.run(self._shared_plan(named_tensors, version, _pause(pause_mode, recompute_kv), lora_name, dtype))
 
-    def _shared_plan(self, named_tensors, version, pause: dict, lora_name: str | None = None) -> Plan:
+    def _shared_plan(self, named_tensors, version, pause: dict, lora_name: str | None = None, dtype=None) -> Plan:
         from weight_sync import SharedWeights
 
+        if dtype is None and self.dtype is None:
+            import torch
+
+            served = (yield lambda c: c.server_info()).get("dtype")
+            dtype = getattr(torch, served) if served else None
+        named = _cast(named_tensors, dtype or self.dtype)
         paused = yield lambda c: c.pause(**pause)
         try:
             with SharedWeights() as shared:
-                handles = shared.share(named_tensors)
+                handles = shared.share(named)
                 result = yield lambda c: c.update_weights_from_ipc(handles, version, lora_name)
                 return dict(result, aborted=paused.get("aborted", 0), kept=paused.get("kept", 0))
         finally:

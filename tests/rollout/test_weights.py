@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollout.client import RolloutAPIError
+from rollout.client import RolloutAPIError, RolloutClient
+from tests.rollout.conftest import ADMIN_KEY, API_KEY
 from weight_sync import WeightSender, weights_checksum
 
 PROMPT = "The capital of France is"
@@ -162,3 +163,20 @@ def test_push_weights_shared_from_this_machine(client, original):
     assert set(client.generate(PROMPT, GREEDY)[0].weight_versions) == {version}
     client.push_weights_shared([("model.norm.weight", original["model.norm.weight"])])
     assert client.weights_checksum() == good
+
+
+def test_push_weights_shared_casts_to_the_served_dtype(server, original):
+    """A trainer whose tensors are not in the engine's dtype (float64 here, the server serves
+    float32; float32 to a bf16 engine alike): cast by default, with the dtype learned from the
+    server (a fresh client, no transfer group); an explicit dtype= is what travels."""
+    with RolloutClient(server.url, api_key=API_KEY, admin_api_key=ADMIN_KEY, timeout=120) as c:
+        good = c.weights_checksum()
+        wide = {"model.norm.weight": original["model.norm.weight"].double() * 0.5}
+        version = c.weight_version() + 1
+        assert c.push_weights_shared(wide.items(), version=version)["weight_version"] == version
+        assert c.weights_checksum() == weights_checksum({**original, **wide}.items(), torch.float32)
+        with pytest.raises(RolloutAPIError) as e:  # float64 as asked: the engine refuses it, nothing changes
+            c.push_weights_shared(wide.items(), dtype=torch.float64)
+        assert e.value.status == 400 and "float64" in e.value.message
+        c.push_weights_shared([("model.norm.weight", original["model.norm.weight"].double())])
+        assert c.weights_checksum() == good
