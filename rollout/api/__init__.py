@@ -1,4 +1,8 @@
 """The HTTP routes, one concern per module: openai.py (/v1/*), generate.py (/generate),
-control.py (pause / sleep / caches / abort / collective_rpc), weights.py (weight transfer);
-protocol.py holds the request bodies, errors.py the error mapping, state.py what routes share.
+sessions.py (multi-turn sessions), pooling.py (embeddings, /pooling, /classify), control.py
+(pause / sleep / caches / abort / collective_rpc), weights.py (weight transfer); protocol.py
+holds the request bodies, errors.py the error mapping, state.py what routes share (with the
+session store, session_store.py). Leaves every route may use: cancel.py (until_disconnect,
+gather_all), output_json.py (engine outputs as JSON), streaming.py (prime, merge, SSE/NDJSON).
+Routes import state and the leaves, never the other way round.
 """
