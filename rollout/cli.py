@@ -195,6 +195,9 @@ def _add_http_args(group) -> None:
 def _add_observability_args(group) -> None:
     group.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                        help="the server's log level")
+    group.add_argument("--disable-log-requests", action="store_true",
+                       help="log only failed requests, not one line per request (pauses and pushes are logged "
+                            "either way)")
     group.add_argument("--stats-interval-s", type=float, default=1.0,
                        help="how often the server polls the engine's stats for /metrics and W&B (queue, KV usage, "
                             "weight version; the tokens/s gauge is the rate between two polls)")
@@ -261,7 +264,8 @@ def _serve(args) -> int:
                               engine_kwargs=engine_kwargs, model=args.model, api_server_count=args.api_server_count,
                               exit_on_engine_death=not args.stay_up_when_engine_dies,
                               session_timeout_s=args.session_timeout_s, max_sessions=args.max_sessions,
-                              lora_modules=tuple(_name_path(m) for m in args.lora_modules))
+                              lora_modules=tuple(_name_path(m) for m in args.lora_modules),
+                              log_requests=not args.disable_log_requests)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
