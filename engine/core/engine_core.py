@@ -3,20 +3,25 @@
     schedule -> executor.execute_model (every worker) -> scheduler.update_from_output
 
 It speaks token ids only (EngineCoreRequest in, EngineCoreOutput out). `LLM(multiprocess=False)`
-drives it in process; normally it runs inside the engine-core process (engine/process/core_proc.py),
-whose busy loop calls the same methods. Public methods are reachable by name as utility calls;
-one that must wait for running requests (pause mode "wait", a sleep that pauses) returns a
-`Deferred`, which the caller of the utility resolves once its condition holds.
+drives it in process; normally it runs inside the engine-core process
+(engine/process/core_proc.py), whose busy loop calls the same methods. The methods named in
+engine/process/utility.py's table are reachable as utility calls, no others; one that must wait
+for running requests (pause mode "wait", a sleep that pauses) returns a `Deferred`, which the
+caller of the utility resolves once its condition holds.
 
-Pause and sleep state live here and nowhere above: the frontends, the HTTP server and its
-metrics ask the core (`is_paused`, `is_sleeping`, `get_stats`).
+Pause (engine/core/pause.py), sleep, weight-version and LoRA (engine/core/lora_registry.py)
+state live here and nowhere above or below: the frontends, the HTTP server and its metrics ask
+the core (`is_paused`, `is_sleeping`, `get_stats`); the scheduler reads the pause and the pins;
+the workers hold tensors and are told what to keep.
 
-    pause(mode)    "abort": end every admitted request now (finish_reason abort), hold new ones;
+    pause_generation(mode)
+                   "abort": end every admitted request now (finish_reason abort), hold new ones;
                    "wait": admitted requests run to completion, new ones are held;
                    "keep": nothing runs; requests keep their KV and continue after resume.
                    Any later pause or resume replaces the mode, so no sequence of calls wedges.
                    With timeout_s, the pause lifts itself (logged) if nobody resumed in time.
-    resume()       admit the held requests; frozen ones continue.
+    resume_generation()
+                   admit the held requests; frozen ones continue.
     sleep(level)   pauses first (its `mode`) unless already paused, then frees the KV cache and
                    offloads (1) or drops (2) the weights; the wake-up that leaves nothing asleep
                    resumes what the sleep paused (an explicit pause stays).
@@ -34,7 +39,9 @@ import torch
 from engine.config import EngineConfig
 from engine.core.kv_cache import KVCacheManager
 from engine.core.request import Request
-from engine.core.scheduler import PauseState, Scheduler
+from engine.core.lora_registry import LoRARegistry
+from engine.core.pause import Pause, PauseState
+from engine.core.scheduler import Scheduler
 from engine.errors import EngineStateError, InvalidRequestError
 from engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, StreamInput
 from engine.worker.executor import InprocExecutor
@@ -104,24 +111,18 @@ class EngineCore:
             config.max_model_len = capacity
         self.max_model_len = config.max_model_len
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.pause = Pause()  # owned here; the scheduler reads it
+        self.loras = LoRARegistry()  # owned here; the scheduler reads its pins, the worker caches the tensors
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   config.max_loras if config.enable_lora else 0)
+                                   config.max_loras if config.enable_lora else 0, self.pause, self.loras.pinned)
         self.weight_version = 0
         self.num_generated_tokens = 0
-        self.paused_since: float | None = None  # time.monotonic() of the pause now in force
-        self.paused_by_sleep = False  # the pause now in force was made by sleep(): wake_up lifts it
-        self.pause_deadline: float | None = None  # time.monotonic() at which the pause lifts itself
-        self.recompute_kept_kv = False  # pause(keep, recompute_kv=True): new weights drop the frozen KV
         self.forming_group: Deferred | None = None  # init_weight_transfer while its group forms
         self.group_cancel = threading.Event()  # set by close_weight_transfer to stop the forming
         self.asleep: set[str] = set()  # parts freed by sleep: "weights", "kv_cache"
         self.needs_weights = False  # a level-2 sleep dropped the weights: a push or reload refills them
         self._pending_outputs: list[EngineCoreOutput] = []  # produced outside step() (aborts, stream input)
         self.profiler = StepProfiler(config.profiler_dir, config.data_parallel_rank, config.device)
-        self.lora_names: dict[int, str] = {}  # the registered LoRA adapters (add_lora .. remove_lora): id -> name
-        self.lora_paths: dict[int, str] = {}  # every LoRA id ever registered -> its folder
-        self.lora_versions: dict[int, int] = {}  # LoRA id -> the version of its weights (pushes bump it)
-        self.lora_pushed: set[int] = set()  # ids whose resident weights came from a push
 
     @property
     def num_blocks(self) -> int:
@@ -135,7 +136,7 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", "request_id")
         if request.lora_id:
             self._check_lora(request.lora_id, "lora_request")
-            pinned = self.scheduler.pinned_loras
+            pinned = self.loras.pinned
             if request.lora_id not in pinned and len(pinned) >= self.config.max_loras:
                 raise EngineStateError(f"LoRA adapter {request.lora_id} cannot run: every LoRA slot (max_loras "
                                        f"{self.config.max_loras}) holds a pinned adapter {sorted(pinned)}",
@@ -190,7 +191,7 @@ class EngineCore:
 
     def seconds_to_next_event(self) -> float | None:
         """How long the core may sit idle before something is due (a pause's deadline)."""
-        return None if self.pause_deadline is None else max(0.0, self.pause_deadline - time.monotonic())
+        return self.pause.seconds_to_deadline()
 
     def _can_run(self) -> bool:
         return not self.asleep and not self.needs_weights
@@ -210,13 +211,13 @@ class EngineCore:
         result = self.executor.execute_model(scheduler_output)
         with phase("outputs"):
             outputs += self.scheduler.update_from_output(scheduler_output, result, self.weight_version,
-                                                          self.lora_versions)
+                                                          self.loras.version)
         self.num_generated_tokens += len(result.sampled)
         return outputs
 
     # ---- pause / resume -------------------------------------------------------------------
-    def pause(self, mode: str = "abort", clear_cache: bool = True, timeout_s: float | None = None,
-              recompute_kv: bool = False):
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True, timeout_s: float | None = None,
+                         recompute_kv: bool = False):
         """Pause generation (see the module docstring); "wait" answers once the admitted requests
         finished. `timeout_s`: resume by itself (logged) if nobody resumed within it, so a trainer
         that dies while generation is paused does not hang every rollout. `recompute_kv` (mode
@@ -228,9 +229,7 @@ class EngineCore:
         continue after resume), "mode": mode}."""
         if timeout_s is not None and not timeout_s > 0:
             raise InvalidRequestError(f"pause timeout_s must be positive, got {timeout_s}", "timeout_s")
-        num_aborted = self._set_pause(mode)
-        self.pause_deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self.recompute_kept_kv = recompute_kv
+        num_aborted = self._set_pause(mode, timeout_s=timeout_s, recompute_kv=recompute_kv)
         kept = len(self.scheduler.requests) - len(self.scheduler.held) if mode == "keep" else 0
 
         def finish() -> dict:
@@ -240,41 +239,37 @@ class EngineCore:
 
         return Deferred(self._drained, finish) if mode == "wait" else finish()
 
-    def _set_pause(self, mode: str) -> int:
+    def _set_pause(self, mode: str, by_sleep: bool = False, timeout_s: float | None = None,
+                   recompute_kv: bool = False) -> int:
+        """Pause (an explicit one outlives a later wake-up: by_sleep False); returns how many
+        requests an abort-mode pause ended."""
         if mode not in PAUSE_MODES:
             raise InvalidRequestError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}", "mode")
         num_aborted = self.abort_all() if mode == "abort" else 0
-        self.scheduler.set_pause_state(PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW)
-        if self.paused_since is None:
-            self.paused_since = time.monotonic()
-        self.paused_by_sleep = False  # an explicit pause outlives a later wake-up
-        self.pause_deadline = None
+        self.pause.enter(PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW, by_sleep, timeout_s,
+                         recompute_kv)
+        self.scheduler.pause_changed()
         return num_aborted
 
     def _expire_pause(self) -> None:
-        if self.pause_deadline is not None and time.monotonic() >= self.pause_deadline:
-            seconds = self.resume()["paused_seconds"]
+        if self.pause.due():
+            seconds = self.resume_generation()["paused_seconds"]
             logger.warning("generation was paused for %.1f s, past the pause's timeout_s, and nobody resumed "
                            "it: resumed", seconds)
 
     def _drained(self) -> bool:
         """No admitted request runs any more, none can (asleep, no weights: waiting would block the
         caller until someone else wakes the engine), or the pause that waited was replaced."""
-        return (not self.scheduler.has_active() or self.scheduler.pause_state is not PauseState.PAUSED_NEW
-                or not self._can_run())
+        return not self.scheduler.has_active() or self.pause.state is not PauseState.PAUSED_NEW or not self._can_run()
 
-    def resume(self) -> dict:
+    def resume_generation(self) -> dict:
         """Resume generation; returns how long it was paused ({"paused_seconds": s or None})."""
-        self.scheduler.set_pause_state(PauseState.UNPAUSED)
-        seconds = None if self.paused_since is None else time.monotonic() - self.paused_since
-        self.paused_since = None
-        self.paused_by_sleep = False
-        self.pause_deadline = None
-        self.recompute_kept_kv = False
+        seconds = self.pause.lift()
+        self.scheduler.pause_changed()
         return {"paused_seconds": seconds}
 
     def is_paused(self) -> bool:
-        return self.scheduler.pause_state is not PauseState.UNPAUSED
+        return self.pause.active
 
     # ---- sleep / wake ---------------------------------------------------------------------
     def sleep(self, level: int = 1, mode: str = "abort"):
@@ -286,19 +281,18 @@ class EngineCore:
             raise InvalidRequestError(f"sleep mode must be 'abort', 'wait' or 'keep', got {mode!r}")
         paused_here = not self.is_paused()
         if paused_here:
-            self._set_pause(mode)
-            self.paused_by_sleep = True
+            self._set_pause(mode, by_sleep=True)
 
         def finish() -> bool:
             try:
-                if self.scheduler.pause_state is PauseState.UNPAUSED and self.scheduler.has_active():
+                if not self.pause.active and self.scheduler.has_active():
                     raise EngineStateError("generation was resumed before the engine could sleep")
                 self.scheduler.preempt_all()
                 self.kv.reset_prefix_cache()
                 self.executor.collective_rpc("sleep", [level])
             except Exception:
-                if paused_here and self.paused_by_sleep:
-                    self.resume()
+                if paused_here and self.pause.by_sleep:
+                    self.resume_generation()
                 raise
             self.asleep = set(SLEEP_PARTS)
             self.needs_weights = self.needs_weights or level == 2
@@ -316,7 +310,7 @@ class EngineCore:
             raise InvalidRequestError(f"wake_up tags must be 'weights' and/or 'kv_cache', got {tags}")
         self.executor.collective_rpc("wake_up", [tags])
         self.asleep -= set(tags)
-        resumed = self.resume() if not self.asleep and self.paused_by_sleep else {"paused_seconds": None}
+        resumed = self.resume_generation() if not self.asleep and self.pause.by_sleep else {"paused_seconds": None}
         return {"is_sleeping": self.is_sleeping(), **resumed}
 
     def is_sleeping(self) -> bool:
@@ -327,7 +321,7 @@ class EngineCore:
         if "weights" in self.asleep:
             raise EngineStateError("the weights are asleep: wake_up(tags=['weights']) before updating them")
         if (self._can_run() and self.scheduler.has_active()
-                and self.scheduler.pause_state is not PauseState.PAUSED_ALL):
+                and self.pause.state is not PauseState.PAUSED_ALL):
             raise EngineStateError("requests are running: pause generation before updating the weights")
 
     def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
@@ -391,7 +385,7 @@ class EngineCore:
             self._check_pin(lora_id)
             self._make_resident(lora_id)
         try:
-            stats = self.executor.collective_rpc("stage_weights", [source, args, lora_id])[0]
+            stats = self.executor.collective_rpc("stage_weights", [source, args, lora_id, self.needs_weights])[0]
         except (ValueError, TypeError, KeyError) as e:
             if source != "ipc" or isinstance(e, InvalidRequestError):
                 raise
@@ -399,7 +393,7 @@ class EngineCore:
         if lora_id:
             if source == "disk":
                 stats["lora_path"] = args[0]
-            return dict(stats, weight_version=self.lora_versions[lora_id])
+            return dict(stats, weight_version=self.loras.get(lora_id).version)
         return dict(stats, weight_version=self.weight_version)
 
     def commit_weights(self, version: int, lora_id: int = 0, lora_path: str | None = None) -> int:
@@ -409,15 +403,11 @@ class EngineCore:
         adapter's version; the adapter is pinned from now on (the pushed weights exist nowhere
         else), `lora_path` (a disk update) becomes its folder."""
         self.executor.collective_rpc("commit_staged")
-        if self.recompute_kept_kv and self.scheduler.pause_state is PauseState.PAUSED_ALL:
+        if self.pause.recompute_kv and self.pause.state is PauseState.PAUSED_ALL:
             self.scheduler.preempt_all()  # the frozen requests recompute under the new weights
         self.reset_prefix_cache()
         if lora_id:
-            self.lora_versions[lora_id] = int(version)
-            self.lora_pushed.add(lora_id)
-            self.scheduler.pinned_loras.add(lora_id)  # (the worker pinned it)
-            if lora_path is not None:
-                self.lora_paths[lora_id] = lora_path
+            self.loras.pushed(lora_id, version, lora_path)
             return int(version)
         self.weight_version = int(version)
         self.needs_weights = False
@@ -427,6 +417,7 @@ class EngineCore:
     def send_weights_to_peers(self, master_address: str, master_port: int, world_size: int) -> dict:
         """Share the live weights with replicas that join (scaling up): they stage them with
         stage_weights("peer", [master_address, master_port, world_size, rank])."""
+        self._check_has_weights("to share")
         return self.executor.collective_rpc("send_weights_to_peers", [master_address, master_port, world_size])[0]
 
     def discard_weights(self) -> bool:
@@ -434,13 +425,19 @@ class EngineCore:
         return True
 
     def weights_checksum(self) -> str:
+        self._check_has_weights("to checksum")
         return self.executor.collective_rpc("weights_checksum")[0]
+
+    def _check_has_weights(self, why: str) -> None:
+        if self.needs_weights:
+            raise EngineStateError(f"the engine holds no weights {why} (it slept at level 2): push weights or "
+                                   "reload the start-up checkpoint first")
 
     def get_weight_version(self, lora_id: int = 0) -> int:
         """The live weights' version, or that of the loaded LoRA adapter `lora_id`."""
         if lora_id:
             self._check_lora(lora_id, "lora")
-            return self.lora_versions[lora_id]
+            return self.loras.get(lora_id).version
         return self.weight_version
 
     def set_weight_version(self, version: int, above: int | None = None) -> int:
@@ -480,8 +477,7 @@ class EngineCore:
                     num_prefill_tokens=s.num_prefill_tokens, num_generated_tokens=self.num_generated_tokens,
                     num_free_blocks=self.kv.num_free_blocks, num_blocks=self.kv.num_blocks,
                     weight_version=self.weight_version, is_paused=self.is_paused(),
-                    pause_state=self.scheduler.pause_state.value,
-                    paused_seconds=0.0 if self.paused_since is None else time.monotonic() - self.paused_since,
+                    pause_state=self.pause.state.value, paused_seconds=self.pause.seconds(),
                     is_sleeping=self.is_sleeping(),
                     peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                     **(self.executor.collective_rpc("encoder_cache_stats")[0] if self.config.model_config.vision
@@ -496,26 +492,23 @@ class EngineCore:
             raise InvalidRequestError(f"lora_int_id must be an int >= 1, got {lora_int_id!r}", "lora_int_id")
         if not self.config.enable_lora:
             raise EngineStateError("LoRA is off: start the engine with enable_lora=True (--enable-lora)")
-        if lora_int_id in self.lora_names:
+        if self.loras.is_registered(lora_int_id):
             return False
-        in_use = sorted({r.lora_id for r in self.scheduler.requests.values() if r.lora_id})
+        keep = self._loras_to_keep({r.lora_id for r in self.scheduler.requests.values()})
         try:
-            self.executor.collective_rpc("add_lora", [lora_name, lora_int_id, lora_path, in_use])
+            self.executor.collective_rpc("add_lora", [lora_name, lora_int_id, lora_path, keep])
         except EngineStateError:
             pass  # every slot is pinned or in use: the runner checked the adapter before it looked for one
-        if lora_int_id not in self.lora_versions:
-            self.lora_versions[lora_int_id] = 0
-        elif self.lora_paths[lora_int_id] != lora_path or lora_int_id in self.lora_pushed:
-            # the id names other weights now: a new version, and no KV of the old ones is reused
-            self.lora_versions[lora_int_id] += 1
-            self.lora_pushed.discard(lora_int_id)
-            self.kv.reset_prefix_cache()  # (cached blocks are keyed by adapter id)
-        self.lora_names[lora_int_id] = lora_name
-        self.lora_paths[lora_int_id] = lora_path
+        if self.loras.register(lora_int_id, lora_name, lora_path):
+            self.kv.reset_prefix_cache()  # other weights under this id: no KV of the old ones is reused
         return True
 
+    def _loras_to_keep(self, in_use: set[int]) -> list[int]:
+        """The adapters the worker must not evict: pinned ones and those requests use."""
+        return sorted((in_use | self.loras.pinned) - {0})
+
     def _check_lora(self, lora_id: int, param: str) -> None:
-        if lora_id not in self.lora_names:
+        if not self.loras.is_registered(lora_id):
             raise InvalidRequestError(f"LoRA adapter {lora_id} is not loaded (add_lora first)", param)
 
     def _make_resident(self, lora_id: int) -> None:
@@ -523,9 +516,9 @@ class EngineCore:
         used adapter that is neither pinned nor used by a running request. EngineStateError when
         every slot is."""
         if lora_id not in self.list_loras():
-            running = sorted({r.lora_id for r in self.scheduler.running if r.lora_id})
-            self.executor.collective_rpc("add_lora", [self.lora_names[lora_id], lora_id, self.lora_paths[lora_id],
-                                                      running])
+            entry = self.loras.get(lora_id)
+            keep = self._loras_to_keep({r.lora_id for r in self.scheduler.running})
+            self.executor.collective_rpc("add_lora", [entry.name, lora_id, entry.path, keep])
 
     def _load_step_loras(self, so) -> list[EngineCoreOutput]:
         """Make the adapters of the step's requests resident (the scheduler admitted no more than
@@ -553,10 +546,9 @@ class EngineCore:
         version, pin, and a pushed adapter's tensors (they exist nowhere else; it is pinned, so
         resident)."""
         resident = {a["id"]: a for a in self.executor.collective_rpc("lora_state")[0]}
-        return [dict(name=name, id=i, path=self.lora_paths[i], version=self.lora_versions[i],
-                     pinned=i in self.scheduler.pinned_loras,
-                     tensors=resident[i]["tensors"] if i in self.lora_pushed else None)
-                for i, name in self.lora_names.items()]
+        return [dict(name=e.name, id=i, path=e.path, version=e.version, pinned=i in self.loras.pinned,
+                     tensors=resident[i]["tensors"] if e.pushed else None)
+                for i, e in self.loras.registered().items()]
 
     def import_loras(self, loras: list[dict]) -> bool:
         """Register what export_loras gave (a replica that joins by scaling); pinned ones first,
@@ -567,20 +559,19 @@ class EngineCore:
                 self._make_resident(a["id"])
                 self.executor.collective_rpc("stage_weights", ["tensors", [a["tensors"]], a["id"]])
                 self.executor.collective_rpc("commit_staged")
-                self.lora_pushed.add(a["id"])
+                self.loras.pushed(a["id"], a["version"], None)
             if a["pinned"]:
                 self.pin_lora(a["id"])
-            self.lora_versions[a["id"]] = a["version"]
+            self.loras.get(a["id"]).version = a["version"]
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
         """Unregister an adapter (False if it is not registered); refused while requests use it."""
-        if lora_id not in self.lora_names:
+        if not self.loras.is_registered(lora_id):
             return False
         if any(r.lora_id == lora_id for r in self.scheduler.requests.values()):
             raise EngineStateError(f"LoRA adapter {lora_id} is in use by requests in the engine")
-        del self.lora_names[lora_id]
-        self.scheduler.pinned_loras.discard(lora_id)
+        self.loras.unregister(lora_id)
         self.executor.collective_rpc("remove_lora", [lora_id])
         return True
 
@@ -589,16 +580,15 @@ class EngineCore:
         self._check_lora(lora_id, "lora_id")
         self._check_pin(lora_id)
         self._make_resident(lora_id)
-        self.executor.collective_rpc("pin_lora", [lora_id])
-        self.scheduler.pinned_loras.add(lora_id)
+        self.loras.pinned.add(lora_id)
         return True
 
     def _check_pin(self, lora_id: int) -> None:
         """A pin must leave a slot for every adapter that requests in the engine use (else they
         would wait forever)."""
-        if lora_id in self.scheduler.pinned_loras:
+        if lora_id in self.loras.pinned:
             return
-        pinned = self.scheduler.pinned_loras | {lora_id}
+        pinned = self.loras.pinned | {lora_id}
         stranded = sorted({r.lora_id for r in self.scheduler.requests.values()} - pinned - {0})
         if stranded and len(pinned) >= self.config.max_loras:
             raise EngineStateError(f"pinning LoRA adapter {lora_id} would leave no slot (max_loras "

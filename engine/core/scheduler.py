@@ -9,7 +9,7 @@ recently admitted running request is preempted (its blocks freed, recomputed lat
 
 Queues: waiting -> running; idle (streaming-input requests between chunks, holding their
 blocks: engine/core/streaming.py); held (requests that arrived while generation is paused).
-The pause state lives here and nowhere else (the engine core sets it, everyone else asks).
+The pause is the engine core's (engine/core/pause.py): the scheduler reads it.
 
 LoRA slots (vLLM's rule): the running requests use at most max_loras adapters, pinned ones
 counted (they keep their slot), so the worker can hold every adapter of a step. A waiting request
@@ -17,22 +17,16 @@ whose adapter has no slot waits; so do the requests behind it that would keep an
 adapter's slot busy (otherwise a stream of them could starve it), while base-model requests and
 those of pinned adapters pass it.
 """
-import enum
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from engine.core.kv_cache import KVCacheManager
+from engine.core.pause import Pause, PauseState
 from engine.core.request import Request, RequestStatus
 from engine.core.streaming import StreamState
 from engine.protocol import EngineCoreOutput, FinishReason, StreamInput
 from engine.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
-
-
-class PauseState(enum.Enum):
-    UNPAUSED = "unpaused"
-    PAUSED_NEW = "paused_new"  # pause modes abort / wait: admitted requests run on, new ones are held
-    PAUSED_ALL = "paused_all"  # pause mode keep: nothing runs; requests keep their KV for the resume
 
 
 @dataclass
@@ -47,18 +41,18 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 max_loras: int = 0):
+                 max_loras: int = 0, pause: Pause | None = None, pinned_loras: set[int] | None = None):
         self.kv = kv
         self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len = (
             max_num_seqs, max_num_batched_tokens, max_model_len)
         self.max_loras = max_loras  # LoRA slots (0: no adapters)
-        self.pinned_loras: set[int] = set()  # adapters that keep a slot (the engine core keeps this)
+        self.pinned_loras = pinned_loras if pinned_loras is not None else set()  # the core's LoRARegistry.pinned
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.idle: dict[str, Request] = {}  # streaming-input requests waiting for their next chunk
         self.held: deque[Request] = deque()  # arrived while paused; admitted on resume
         self.requests: dict[str, Request] = {}
-        self.pause_state = PauseState.UNPAUSED
+        self.pause = pause or Pause()  # the engine core's: it changes it, then calls pause_changed()
         self.num_preemptions = 0
         self.num_prefill_tokens = 0
         # what the workers learn with the next SchedulerOutput
@@ -80,16 +74,16 @@ class Scheduler:
 
     def _enqueue(self, req: Request) -> None:
         """req has tokens to compute: it waits for a slot, or for the resume while paused."""
-        if self.pause_state is PauseState.UNPAUSED:
+        if not self.pause.active:
             req.status = RequestStatus.WAITING if req.num_computed_tokens == 0 else RequestStatus.PREEMPTED
             self.waiting.append(req)
         else:
             req.status = RequestStatus.HELD
             self.held.append(req)
 
-    def set_pause_state(self, state: PauseState) -> None:
-        self.pause_state = state
-        if state is PauseState.UNPAUSED:
+    def pause_changed(self) -> None:
+        """The engine core changed the pause: once lifted, the held requests are admitted."""
+        if not self.pause.active:
             held, self.held = self.held, deque()
             for req in held:
                 self._enqueue(req)
@@ -102,13 +96,13 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     def can_step(self) -> bool:
-        return self.pause_state is not PauseState.PAUSED_ALL and self.has_active()
+        return self.pause.state is not PauseState.PAUSED_ALL and self.has_active()
 
     # ---- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(new_requests=self._new_requests, finished_req_ids=self._finished_ids)
         self._new_requests, self._finished_ids = [], []
-        if self.pause_state is PauseState.PAUSED_ALL:
+        if self.pause.state is PauseState.PAUSED_ALL:
             return out
         budget = self.max_num_batched_tokens
         i = 0
@@ -170,10 +164,10 @@ class Scheduler:
                                 sample, req.banned_token_ids if sample else None)
 
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput, weight_version: int,
-                           lora_versions: dict[int, int] | None = None) -> list[EngineCoreOutput]:
+                           lora_version: Callable[[int], int | None] | None = None) -> list[EngineCoreOutput]:
         """Advance computed counts, append sampled tokens, end chunks and requests. Returns an
         output for every request that received a token this step (finished ones included);
-        `lora_versions`: LoRA adapter id -> the version its tokens carry."""
+        `lora_version`: LoRA adapter id -> the version its tokens carry."""
         outputs = []
         for sr in out.scheduled:
             rid = sr.request_id
@@ -201,8 +195,8 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end
             ended = req.append_token(token, self.max_model_len)
             o = self._output(req, [token], weight_version)
-            if req.lora_id and lora_versions:
-                o.lora_version = lora_versions.get(req.lora_id)
+            if req.lora_id and lora_version is not None:
+                o.lora_version = lora_version(req.lora_id)
             if rid in result.logprobs:
                 o.new_logprobs = [result.logprobs[rid]]
                 if rid in result.top_logprobs:

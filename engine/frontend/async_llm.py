@@ -270,15 +270,15 @@ class AsyncLLM:
         place (KV kept) and continue after resume_generation(). New requests are held until the
         resume either way; with `timeout_s` the pause lifts itself (logged) if nobody resumed
         within it. `recompute_kv` (keep): frozen requests recompute their KV under weights pushed
-        during the pause instead of reusing the old weights' KV (EngineCore.pause). Returns
+        during the pause instead of reusing the old weights' KV (EngineCore.pause_generation). Returns
         {"aborted": n, "kept": n (frozen by keep), "mode": mode}."""
         if mode not in ("abort", "wait", "keep"):
             raise InvalidRequestError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}", "mode")
-        return await self._call("pause", mode, clear_cache, timeout_s, recompute_kv)
+        return await self._call("pause_generation", mode, clear_cache, timeout_s, recompute_kv)
 
     async def resume_generation(self) -> dict:
         """Resume; returns {"paused_seconds": how long generation was paused, or None}."""
-        return await self._call("resume")
+        return await self._call("resume_generation")
 
     async def is_paused(self) -> bool:
         return await self._call("is_paused")

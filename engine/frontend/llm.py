@@ -57,8 +57,8 @@ class LLM:
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise InvalidRequestError(
-                f"a prompt must be a string, a list of token ids or a dict (or a list of prompts); got {type(prompts).__name__}")
+            raise InvalidRequestError(f"a prompt must be a string, a list of token ids or a dict (or a list of prompts); "
+                                      f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -82,7 +82,8 @@ class LLM:
                 request_ids.append(rid)
                 groups.append(reqs)
             self.client.add_requests(groups)  # one message per replica: each admits its share whole
-            return self._run(request_ids, use_tqdm and len(request_ids) > 1)
+            task = "encode" if all(sp.pooling for sp in params) else "generate"  # (the progress bar's label)
+            return self._run(request_ids, use_tqdm and len(request_ids) > 1, task)
         except BaseException:
             self._abort(request_ids)
             raise
@@ -107,9 +108,9 @@ class LLM:
         prompts = [self.processor.apply_chat_template(c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], show_progress: bool, task: str) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="generate", unit="req", dynamic_ncols=True) if show_progress else None
+        bar = tqdm(total=len(request_ids), desc=task, unit="req", dynamic_ncols=True) if show_progress else None
         try:
             while len(done) < len(request_ids):
                 if self.config.log_stats_interval_s and time.monotonic() >= self._next_log:
@@ -204,10 +205,10 @@ class LLM:
         """See AsyncLLM.pause_generation."""
         if mode not in ("abort", "wait", "keep"):
             raise InvalidRequestError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}", "mode")
-        return self.client.call_utility("pause", mode, clear_cache, timeout_s, recompute_kv)
+        return self.client.call_utility("pause_generation", mode, clear_cache, timeout_s, recompute_kv)
 
     def resume_generation(self) -> dict:
-        return self.client.call_utility("resume")
+        return self.client.call_utility("resume_generation")
 
     def is_paused(self) -> bool:
         return self.client.call_utility("is_paused")

@@ -25,7 +25,6 @@ import threading
 import time
 import weakref
 from collections.abc import Generator
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -33,97 +32,18 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.core.engine_core import stale_version
-from engine.errors import EngineDeadError, EngineStateError, InvalidRequestError, remote_error
+from engine.errors import EngineDeadError, EngineStateError, remote_error
 from engine.process.coordinator import DPCoordinator
 from engine.process.core_proc import HANDSHAKE_TIMEOUT_MS, engine_identity
-from engine.process.managers import (CoreEngineActorManager, CoreEngineProcManager, EngineWatcher, available_memory,
-                                     check_replica_count)
+from engine.process.elastic import ElasticScaling
+from engine.process.managers import CoreEngineActorManager, CoreEngineProcManager, EngineWatcher, check_replica_count
+from engine.process.replicas import EngineState
 from engine.process.serial import MsgpackDecoder, MsgpackEncoder
+from engine.process.utility import bind, combine, weight_update_plan
 from engine.protocol import (DPLoads, EngineAddresses, EngineConnection, EngineCoreOutput, EngineCoreOutputs,
                              EngineCoreRequest, FinishReason, RequestType, StreamInput, UtilityOutput, UtilityRequest)
 
 logger = logging.getLogger("engine")
-
-
-# ---- answers of several replicas, and the two-phase weight update ----------------------------------
-def combine(method: str, results: list) -> Any:
-    """One answer from every live replica's answer to a utility call."""
-    if method == "get_stats":
-        return combine_stats(results)
-    if len(results) == 1:
-        return results[0]
-    if method in ("collective_rpc", "init_weight_transfer", "stop_profile"):  # one entry per worker / replica
-        return [r for rs in results for r in rs]
-    if method == "pause":
-        return dict(results[0], aborted=sum(r["aborted"] for r in results), kept=sum(r["kept"] for r in results))
-    if method in ("is_paused", "is_sleeping"):
-        return any(results)
-    if method in ("resume", "wake_up"):
-        seconds = [r["paused_seconds"] for r in results if r.get("paused_seconds") is not None]
-        merged = dict(results[0], paused_seconds=max(seconds) if seconds else None)
-        if "is_sleeping" in merged:
-            merged["is_sleeping"] = any(r["is_sleeping"] for r in results)
-        return merged
-    if method in ("weights_checksum", "get_weight_version") and len(set(results)) > 1:
-        raise EngineStateError(f"the data-parallel replicas disagree on {method}: {results}")
-    return results[0]
-
-
-_SUMMED_STATS = ("num_running", "num_waiting", "num_preemptions", "num_prefill_tokens", "num_generated_tokens",
-                 "num_free_blocks", "num_blocks", "peak_rss_mb", "encoder_cache_hits", "encoder_cache_queries")
-
-
-def combine_stats(stats: list[dict]) -> dict:
-    """Totals over the replicas, and each replica's own stats under "replicas"."""
-    out = dict(stats[0], num_replicas_alive=len(stats), replicas=stats)
-    if len(stats) == 1:
-        return out
-    for k in _SUMMED_STATS:
-        if k in out:  # (the encoder cache's only with a vision-language model)
-            out[k] = sum(s[k] for s in stats)
-    out["kv_usage"] = 1.0 - out["num_free_blocks"] / max(out["num_blocks"], 1)
-    out["prefix_hit_rate"] = sum(s["prefix_hit_rate"] for s in stats) / len(stats)
-    out["weight_version"] = max(s["weight_version"] for s in stats)
-    out["is_paused"] = any(s["is_paused"] for s in stats)
-    out["is_sleeping"] = any(s["is_sleeping"] for s in stats)
-    out["paused_seconds"] = max(s["paused_seconds"] for s in stats)
-    return out
-
-
-def check_room_for(config: EngineConfig, num_new: int, stats: dict) -> None:
-    """InvalidRequestError (data_parallel_size) if this machine's free memory cannot hold `num_new`
-    more local replicas like the one whose get_stats() is `stats` (its peak RSS plus the whole KV
-    cache, whose pages it touches only as they fill)."""
-    kv_bytes = stats["num_blocks"] * config.block_size * config.kv_bytes_per_token()
-    on_host = 0 if config.device.startswith("cuda") else kv_bytes
-    each = int(stats["peak_rss_mb"] * 2**20) + on_host
-    free = available_memory()
-    if num_new * each > free:
-        raise InvalidRequestError(
-            f"{num_new} more replica(s) need about {num_new * each / 2**30:.1f} GiB ({each / 2**30:.2f} GiB each: "
-            f"a replica's peak RSS and its KV cache); this machine has {free / 2**30:.1f} GiB available",
-            "data_parallel_size")
-
-
-def weight_update_plan(source: str, args: list, version: int | None, lora_id: int = 0) -> Generator:
-    """Stage the update on every replica; if one refuses, discard it everywhere and raise that
-    refusal; else make it live everywhere under one version (default: the newest + 1). Versions
-    increase strictly, so a token's version names one set of weights: a version at or below the
-    live one is refused (409) after staging, so that a trainer's sender never blocks on a
-    receiver that walked away. `lora_id`: an update of that LoRA adapter (its own versions)."""
-    staged = yield ("each", "stage_weights", [source, args, lora_id])
-    failures = [r for r in staged if isinstance(r, BaseException)]
-    if not failures and version is not None:
-        stale = stale_version(version, max(s["weight_version"] for s in staged))
-        failures = [stale] if stale else []
-    if failures:
-        yield ("each", "discard_weights", [])
-        raise failures[0]
-    if version is None:
-        version = max(s["weight_version"] for s in staged) + 1
-    yield ("all", "commit_weights", [version, lora_id, staged[0].get("lora_path")])
-    return dict(staged[0], weight_version=version)
 
 
 class _SyncPlans:
@@ -137,7 +57,7 @@ class _SyncPlans:
                 how, method, args = plan.send(value)
             except StopIteration as stop:
                 return stop.value
-            value = self.call_utility(method, *args) if how == "all" else self.call_utility_each(method, *args)
+            value = self.call_utility(method, **args) if how == "all" else self.call_utility_each(method, **args)
 
     def update_weights(self, source: str, args: list, version: int | None, lora_id: int = 0) -> dict:
         return self.run_plan(weight_update_plan(source, args, version, lora_id))
@@ -178,9 +98,8 @@ class InprocClient(_SyncPlans):
         stepping the core, keeping the outputs for get_output()."""
         from engine.core.engine_core import Deferred
 
-        if method.startswith("_") or not callable(getattr(self.core, method, None)):
-            raise ValueError(f"the engine core has no method {method!r}")
-        result = getattr(self.core, method)(*args, **kwargs)
+        kwargs = bind(method, args, kwargs)
+        result = getattr(self.core, method)(**kwargs)
         if isinstance(result, Deferred):  # step the core until it can answer (outputs are kept)
             while not result.done():
                 if self.core.has_work():
@@ -192,9 +111,9 @@ class InprocClient(_SyncPlans):
             result = result.finish()
         return result
 
-    def call_utility_each(self, method: str, *args) -> list:
+    def call_utility_each(self, method: str, *args, **kwargs) -> list:
         try:
-            return [self.call_utility(method, *args)]
+            return [self.call_utility(method, *args, **kwargs)]
         except Exception as e:
             return [e]
 
@@ -222,38 +141,6 @@ def _node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
-
-
-@dataclass
-class EngineState:
-    """One replica as this frontend sees it."""
-
-    index: int
-    identity: bytes
-    rank: int = 0  # its data_parallel_rank: its slot among the live replicas (pinning, group ranks)
-    alive: bool = True
-    routable: bool = True  # new requests may go there (not while joining or draining)
-    num_in_flight: int = 0  # this frontend's unfinished requests there
-    load: int = 0  # waiting + running there, as the DP coordinator last published it
-    heartbeat_at: float | None = None  # time.monotonic() of its last heartbeat here (None: none yet)
-    busy: tuple[float, str] = (0.0, "")  # that heartbeat's (seconds inside one step or call, which)
-
-    def beat(self, hb) -> None:
-        self.heartbeat_at, self.busy = time.monotonic(), (hb.busy_s, hb.doing)
-
-    def stalled(self, timeout: float) -> dict | None:
-        """{"replica", "seconds", "in"} if its last heartbeat is `timeout` seconds old or says it
-        is `timeout` into one piece of work; else None (also before its first heartbeat)."""
-        if self.heartbeat_at is None:
-            return None
-        now = time.monotonic()
-        silent = now - self.heartbeat_at
-        busy = self.busy[0] + silent if self.busy[0] else 0.0
-        if silent >= timeout:
-            return {"replica": self.index, "seconds": round(silent, 1), "in": "no heartbeat"}
-        if busy >= timeout:
-            return {"replica": self.index, "seconds": round(busy, 1), "in": self.busy[1]}
-        return None
 
 
 class _MPClientBase:
@@ -578,7 +465,7 @@ class SyncMPClient(_MPClientBase, _SyncPlans):
         shutil.rmtree(self._tmpdir, ignore_errors=True)
 
 
-class AsyncMPClient(_MPClientBase):
+class AsyncMPClient(ElasticScaling, _MPClientBase):
     """asyncio client. Outputs are read by whoever awaits get_output_async (AsyncLLM's single
     output handler); utility results resolve futures keyed by call id."""
 
@@ -722,117 +609,11 @@ class AsyncMPClient(_MPClientBase):
         value = None
         while True:
             try:
-                how, method, step_args = plan.send(value)
+                how, method, kwargs = plan.send(value)
             except StopIteration as stop:
                 return stop.value
             call = self.call_utility_async if how == "all" else self.call_utility_each_async
-            value = await call(method, *step_args)
-
-    # ---- elastic size ------------------------------------------------------------------------------
-    async def scale_async(self, size: int, drain_timeout_s: float = 60.0) -> dict:
-        """Grow or shrink to `size` live replicas. New ones copy a live replica's weights (pushed
-        ones included), LoRA adapters and pause state before they take requests; removed ones (the newest
-        first) take no new requests, their requests get `drain_timeout_s` to finish, then are
-        aborted with a final output. Dead replicas are dropped (a scale to the same size
-        replaces them)."""
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise InvalidRequestError(f"data_parallel_size must be an int >= 1, got {size!r}", "data_parallel_size")
-        if isinstance(self.manager, EngineWatcher):
-            raise EngineStateError("the engine cores belong to the launcher of several API servers: "
-                                   "scaling is not supported there")
-        check_replica_count(self.config, size)  # before anything starts or stops
-        await self._ensure_ready()
-        live = sorted(i for i, e in self.engines.items() if e.alive)
-        if not live:
-            raise EngineDeadError(self.dead_reason or "no engine core is alive")
-        state = None
-        if size > len(live):
-            state = await self._call(self.engines[live[0]], "get_stats", [], {}, None)
-            if state["is_sleeping"]:
-                raise EngineStateError("the engine is asleep: wake it up before scaling")
-            if self.config.data_parallel_backend == "mp":
-                check_room_for(self.config, size - len(live), state)
-        dropped = [i for i, e in self.engines.items() if not e.alive]
-        for i in dropped:
-            del self.engines[i]
-            self.manager.stop(i)
-        added, removed = [], []
-        if size > len(live):
-            added = await self._scale_up(size - len(live), state)
-        elif size < len(live):
-            removed = await self._scale_down(live[size:], drain_timeout_s)
-        return {"data_parallel_size": len(self.engines), "added": added, "removed": removed + dropped}
-
-    async def _scale_up(self, n: int, state: dict) -> list[int]:
-        """Start n replicas, copy `state`'s replica (its get_stats()) into them, then route to them;
-        a failure at any point stops every new one and leaves the others as they were."""
-        from weight_sync import find_free_port
-
-        source = self.engines[min(self.engines)]
-        first = max(self._indices_used) + 1
-        new = list(range(first, first + n))  # an index is never reused: identities stay unique
-        self._indices_used.update(new)
-        taken = {e.rank for e in self.engines.values()}
-        ranks = [r for r in range(len(self.engines) + n) if r not in taken][:n]  # the slots the dead left first
-        for i, rank in zip(new, ranks):
-            self.engines[i] = EngineState(i, engine_identity(i), rank=rank, routable=False)
-        try:
-            await asyncio.to_thread(self.manager.start, new, ranks)
-            await self._await_registrations({engine_identity(i) for i in new})
-            host = await self._call(source, "collective_rpc", ["node_ip_address"], {}, None)
-            port = find_free_port(host[0])
-            copies = [self._call(self.engines[i], "stage_weights", ["peer", [host[0], port, n + 1, j + 1]], {}, None)
-                      for j, i in enumerate(new)]
-            await asyncio.gather(self._call(source, "send_weights_to_peers", [host[0], port, n + 1], {}, None),
-                                 *copies)
-            loras = await self._call(source, "export_loras", [], {}, None)
-            for i in new:
-                await self._call(self.engines[i], "commit_weights", [state["weight_version"]], {}, None)
-                if loras:  # the adapters too, pushed ones with their tensors
-                    await self._call(self.engines[i], "import_loras", [loras], {}, None)
-                if state["is_paused"]:  # held (abort / wait) or frozen (keep) like the others
-                    mode = "keep" if state["pause_state"] == "paused_all" else "abort"
-                    await self._call(self.engines[i], "pause", [mode, False], {}, None)
-        except BaseException:
-            for i in new:
-                self.engines.pop(i, None)
-                self.manager.stop(i)
-            raise
-        for i in new:
-            self.engines[i].routable = True
-        return new
-
-    def cancel_scale(self) -> None:
-        """Make a scale-up that is starting engines fail now (they are stopped; the others serve on)."""
-        if not isinstance(self.manager, EngineWatcher):
-            self.manager.cancel_start()
-
-    async def _await_registrations(self, identities: set[bytes], timeout_s: float = HANDSHAKE_TIMEOUT_MS / 1000):
-        """New engines' DEALERs announce themselves on our ROUTER (nothing else arrives there)."""
-        deadline = time.monotonic() + timeout_s
-        while identities:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"new engine cores did not connect: {sorted(identities)}")
-            frames = await asyncio.wait_for(self.input_socket.recv_multipart(), left)
-            identities.discard(frames[0])
-
-    async def _scale_down(self, victims: list[int], drain_timeout_s: float) -> list[int]:
-        for i in victims:
-            self.engines[i].routable = False
-        deadline = time.monotonic() + drain_timeout_s
-        while any(self.engines[i].num_in_flight for i in victims) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        left = [rid for rid, e in self.owner.items() if e.index in victims]
-        if left:  # past the deadline: their callers get a final output ("abort"), not silence
-            await self.abort_requests_async(left)
-            until = time.monotonic() + 10
-            while any(self.engines[i].num_in_flight for i in victims) and time.monotonic() < until:
-                await asyncio.sleep(0.05)
-        for i in victims:
-            del self.engines[i]
-            self.manager.stop(i)
-        return victims
+            value = await call(method, **kwargs)
 
     def shutdown(self) -> None:
         if self._loads_task is not None:

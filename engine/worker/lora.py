@@ -12,9 +12,9 @@ and Bt the block-diagonal (sum r, out) of the scaled B_m.T placed at each module
 columns, so a projection's whole delta is two matmuls, (x @ At) @ Bt, added in place. (Zero blocks
 cost a few FLOPs; fewer, larger calls are what matters on a CPU.)
 
-Registered vs resident (as in vLLM): add_lora registers an adapter with the engine core (checked
-now, a bad one refused) until remove_lora; at most max_loras are resident in the worker (list_loras),
-pinned ones (pin_lora, and every pushed adapter: its weights exist nowhere else) among them. A
+Registered vs resident (as in vLLM): add_lora registers an adapter with the engine core
+(engine/core/lora_registry.py; checked now, a bad one refused) until remove_lora; at most
+max_loras are resident in the worker (list_loras), pinned ones (pin_lora, and every pushed adapter: its weights exist nowhere else) among them. A
 request may name any registered adapter whatever its residency: the scheduler admits a request
 only while the running requests' adapters and the pinned ones fit in max_loras (otherwise it
 waits for a slot), and before each step the core loads the step's evicted adapters from their

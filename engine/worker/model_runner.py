@@ -76,9 +76,8 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
-        self.weights_valid = True  # False after a level-2 sleep until a full push or reload
-        self.loras: dict[int, Adapter] = {}  # resident LoRA adapters by id, least recently used first
-        self.pinned_loras: set[int] = set()
+        self.loras: dict[int, Adapter] = {}  # resident LoRA adapters by id, least recently used first (a cache:
+        # which adapters exist, their versions and pins are the engine core's LoRARegistry)
         self._lora_stacks: tuple[tuple, dict] = ((), {})  # the last step's adapters' stacked weights
         # vision encoder outputs by image hash, least recently used first, at most
         # encoder_cache_size embedding rows (an image whose prompt is prefilled in chunks is encoded once)
@@ -121,7 +120,7 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if not so.scheduled:
             return out
-        assert self.kv_cache is not None and self.weights_valid, "executing while asleep"
+        assert self.kv_cache is not None, "executing while asleep"  # (the core also refuses while it has no weights)
         with phase("prepare_inputs"):
             inputs = self.prepare_inputs(so)
         with phase("forward"):
@@ -270,10 +269,10 @@ class ModelRunner:
             self._lora_stacks = (tuple(adapters), {})
         return LoRABatch(adapters, torch.tensor(owner, device=self.device)[:, None], self._lora_stacks[1])
 
-    def add_lora(self, request: LoRARequest, in_use: list[int]) -> bool:
+    def add_lora(self, request: LoRARequest, keep: list[int]) -> bool:
         """Load a PEFT adapter (checked first: a bad one changes nothing); False if already loaded.
-        Beyond max_loras the least recently used adapter that is neither pinned nor in use (by any
-        request the scheduler holds: `in_use`) goes."""
+        Beyond max_loras the least recently used adapter that `keep` does not name (the core's
+        pinned adapters and those its requests use) goes."""
         c = self.config
         if not c.enable_lora:
             raise EngineStateError("LoRA is off: start the engine with enable_lora=True (--enable-lora)")
@@ -281,7 +280,7 @@ class ModelRunner:
             return False
         adapter = load_adapter(request, c.model_config, c.max_lora_rank, self.dtype, self.device)
         if len(self.loras) >= c.max_loras:
-            victim = next((i for i in self.loras if i not in self.pinned_loras and i not in in_use), None)
+            victim = next((i for i in self.loras if i not in keep), None)
             if victim is None:
                 raise EngineStateError(f"all {c.max_loras} LoRA slots (max_loras) hold pinned or in-use adapters")
             del self.loras[victim]
@@ -289,22 +288,13 @@ class ModelRunner:
         return True
 
     def replace_lora(self, adapter: Adapter) -> None:
-        """A loaded adapter's new weights (a push): pinned, since they exist nowhere else."""
-        lora_id = adapter.request.lora_int_id
-        self.loras[lora_id] = adapter
-        self.pinned_loras.add(lora_id)
+        """A loaded adapter's new weights (a push; the core pins it: they exist nowhere else)."""
+        self.loras[adapter.request.lora_int_id] = adapter
         self._lora_stacks = ((), {})
 
     def remove_lora(self, lora_id: int) -> bool:
-        self.pinned_loras.discard(lora_id)
         self._lora_stacks = ((), {})
         return self.loras.pop(lora_id, None) is not None
-
-    def pin_lora(self, lora_id: int) -> bool:
-        if lora_id not in self.loras:
-            raise EngineStateError(f"LoRA adapter {lora_id} is not loaded")
-        self.pinned_loras.add(lora_id)
-        return True
 
     def list_loras(self) -> list[int]:
         return sorted(self.loras)

@@ -55,23 +55,19 @@ class Worker:
                 "encoder_cache_usage": r.encoder_cache_rows / self.config.encoder_cache_size}
 
     # ---- LoRA adapters (the runner holds them) ----------------------------------------------
-    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str, in_use: list[int]) -> bool:
-        return self.model_runner.add_lora(LoRARequest(lora_name, lora_int_id, lora_path), in_use)
+    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str, keep: list[int]) -> bool:
+        return self.model_runner.add_lora(LoRARequest(lora_name, lora_int_id, lora_path), keep)
 
     def remove_lora(self, lora_id: int) -> bool:
         return self.model_runner.remove_lora(lora_id)
-
-    def pin_lora(self, lora_id: int) -> bool:
-        return self.model_runner.pin_lora(lora_id)
 
     def list_loras(self) -> list[int]:
         return self.model_runner.list_loras()
 
     def lora_state(self) -> list[dict]:
-        """The resident adapters: name, id, pinned, their PEFT tensors (EngineCore.export_loras)."""
-        r = self.model_runner
-        return [{"name": a.request.lora_name, "id": i, "pinned": i in r.pinned_loras,
-                 "tensors": list(a.tensors.items())} for i, a in r.loras.items()]
+        """The resident adapters: name, id, their PEFT tensors (EngineCore.export_loras)."""
+        return [{"name": a.request.lora_name, "id": i, "tensors": list(a.tensors.items())}
+                for i, a in self.model_runner.loras.items()]
 
     # ---- introspection --------------------------------------------------------------------
     def get_rank(self) -> int:
@@ -116,11 +112,12 @@ class Worker:
         self.transfer_group = None
         return True
 
-    def stage_weights(self, source: str, args: list, lora_id: int = 0) -> dict:
+    def stage_weights(self, source: str, args: list, lora_id: int = 0, complete: bool = False) -> dict:
         """Receive or read a whole update into fresh tensors, every name, shape and dtype checked
         (source: "broadcast", "disk" [path], "tensors" [named tensors], "ipc" [handles],
         "reload", "peer" [master address, port, world size, rank]); nothing live changes until
-        commit_staged(). `lora_id`: an update of that LoRA adapter (see _stage_lora)."""
+        commit_staged(). `lora_id`: an update of that LoRA adapter (see _stage_lora). `complete`:
+        every weight must come (the engine core asks for it while it holds no weights)."""
         if lora_id:
             return self._stage_lora(lora_id, source, args)
         model = self.model
@@ -163,7 +160,7 @@ class Worker:
         model.untie_pushed(staged)
         if not staged:
             raise InvalidRequestError("weight update: no tensors")
-        if not self.model_runner.weights_valid:
+        if complete:
             missing = sorted(set(model.expected_weights()) - set(staged))
             if missing:
                 raise EngineStateError(f"the weights were dropped (sleep level 2): a full update is needed, "
@@ -229,8 +226,6 @@ class Worker:
         rank 0 of a group of its own, closed afterwards."""
         from weight_sync import WeightSender, WeightTransferGroup
 
-        if not self.model_runner.weights_valid:
-            raise EngineStateError("this replica holds no weights to share (sleep level 2)")
         group = WeightTransferGroup(master_address, master_port, 0, world_size, backend=self._backend())
         try:
             return WeightSender(group).send(list(self.model.hf_views()))
@@ -252,7 +247,6 @@ class Worker:
                 self.model.hf_view(name).copy_(t)
         self._staged = None
         self.model.repack()
-        self.model_runner.weights_valid = True
         _release_memory(self.model_runner.device)  # the staged copy: glibc would keep it (RSS +25% in 500 pushes)
         return True
 
@@ -264,8 +258,6 @@ class Worker:
     def weights_checksum(self) -> str:
         from weight_sync import weights_checksum
 
-        if not self.model_runner.weights_valid:
-            raise EngineStateError("the engine holds no weights (sleep level 2)")
         return weights_checksum(self.model.hf_views())
 
     # ---- sleep / wake -----------------------------------------------------------------------
@@ -276,7 +268,6 @@ class Worker:
         runner.free_kv_cache()
         if level == 2:  # (a second sleep goes deeper, never shallower)
             runner.model, self._offloaded = None, None
-            runner.weights_valid = False
         elif runner.model is None or self._offloaded:
             pass  # already dropped (level 2) or offloaded
         elif runner.device.type == "cuda":

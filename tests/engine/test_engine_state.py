@@ -120,10 +120,10 @@ def test_random_control_sequences_never_wedge(core, seed):
                 if o.finished:
                     finished[o.request_id] = o.finish_reason
         elif op.startswith("pause"):
-            settle(core, core.pause(op.split("_")[1]))
+            settle(core, core.pause_generation(op.split("_")[1]))
             model.pause()
         elif op == "resume":
-            core.resume()
+            core.resume_generation()
             model.resume()
         elif op.startswith("sleep"):
             level, mode = (1, op.split("_")[1]) if "_" in op else (int(op[-1]), "abort")
@@ -141,7 +141,7 @@ def test_random_control_sequences_never_wedge(core, seed):
             try:
                 reload(core)
             except EngineStateError:  # admitted requests can still run: refused, nothing changed
-                assert core.scheduler.has_active() and core.scheduler.pause_state.value != "paused_all"
+                assert core.scheduler.has_active() and core.pause.state.value != "paused_all"
                 continue
             model.needs_weights = False
         assert core.is_paused() == model.paused, (i, op)
@@ -152,7 +152,7 @@ def test_random_control_sequences_never_wedge(core, seed):
     # finally: wake, refill, resume -> everything still in the engine completes
     core.wake_up()
     reload(core)
-    core.resume()
+    core.resume_generation()
     run_until_idle(core, finished)
     assert not core.scheduler.requests
     assert set(finished.values()) <= {FinishReason.LENGTH, FinishReason.ABORT}
@@ -161,10 +161,10 @@ def test_random_control_sequences_never_wedge(core, seed):
 def test_the_sequences_that_wedged_the_server(core):
     add(core, "a")
     core.step()
-    core.pause("keep")
-    core.pause("abort")  # a second pause replaces the keep state
+    core.pause_generation("keep")
+    core.pause_generation("abort")  # a second pause replaces the keep state
     assert core.is_paused()
-    core.resume()
+    core.resume_generation()
     assert not core.is_paused()
     add(core, "b")
     finished = {}
@@ -176,32 +176,32 @@ def test_the_sequences_that_wedged_the_server(core):
     assert core.sleep(1, "keep") is True  # keep: "c" is frozen, loses its KV, recomputes later
     # "c" cannot drain while the engine sleeps: the wait answers at once instead of blocking the
     # caller (and, in the server, every control route) until somebody else wakes the engine
-    assert settle(core, core.pause("wait")) == {"aborted": 0, "kept": 0, "mode": "wait"}
+    assert settle(core, core.pause_generation("wait")) == {"aborted": 0, "kept": 0, "mode": "wait"}
     assert core.wake_up()["is_sleeping"] is False
     assert core.is_paused()  # the explicit pause outlives the wake-up
     run_until_idle(core, finished)  # "c" was admitted before the wait pause: it runs to its end
     assert core.is_paused()
-    core.resume()
+    core.resume_generation()
     assert finished["c"] == FinishReason.LENGTH and not core.is_paused()
 
 
 def test_held_and_frozen_requests_make_no_progress(core):
     add(core, "running")
     core.step()
-    assert core.pause("abort") == {"aborted": 1, "kept": 0, "mode": "abort"}
+    assert core.pause_generation("abort") == {"aborted": 1, "kept": 0, "mode": "abort"}
     add(core, "held")
     assert [(o.request_id, o.finish_reason) for o in core.step()] == [("running", FinishReason.ABORT)]
     for _ in range(3):
         assert core.step() == []
     assert core.scheduler.requests["held"].num_computed_tokens == 0
-    core.resume()
+    core.resume_generation()
     core.step()
     held = core.scheduler.requests["held"]
     assert held.num_output_tokens == 1
-    core.pause("keep")
+    core.pause_generation("keep")
     assert not core.has_work() and core.step() == []
     assert held.num_output_tokens == 1
-    core.pause("wait")  # a wait pause lets the frozen request run to its end
+    core.pause_generation("wait")  # a wait pause lets the frozen request run to its end
     finished = {}
     run_until_idle(core, finished)
     assert finished == {"held": FinishReason.LENGTH}
@@ -278,9 +278,9 @@ def test_keep_mode_kv_policies_against_a_trainer_recompute(core, tiny_folder, re
 
     while len(tokens) < 4:
         collect(core.step())
-    assert core.pause("keep", recompute_kv=recompute_kv)["kept"] == 1
+    assert core.pause_generation("keep", recompute_kv=recompute_kv)["kept"] == 1
     hf = push_scaled_weights(core, tiny_folder)
-    core.resume()
+    core.resume_generation()
     for _ in range(100):
         if not core.has_work():
             break
@@ -326,9 +326,9 @@ def test_an_idle_session_kv_policy_across_a_push(core, tiny_folder, recompute_kv
 
     out1 = run_turn()
     assert len(out1) == 4 and "s" in core.scheduler.idle
-    core.pause("keep", recompute_kv=recompute_kv)
+    core.pause_generation("keep", recompute_kv=recompute_kv)
     hf = push_scaled_weights(core, tiny_folder)
-    core.resume()
+    core.resume_generation()
     core.add_stream_input(StreamInput("s", turn2, None))
     out2 = run_turn()
     assert versions == [0] * 4 + [1] * 4

@@ -149,8 +149,12 @@ def test_errors_keep_their_type_across_the_process_boundary(llm, tmp_path):
         llm.update_weights()
     with pytest.raises(TypeError):
         llm.collective_rpc("weight_bytes", args=(1, 2, 3))
-    with pytest.raises(RuntimeError, match="no method"):
-        llm.client.call_utility("no_such_method")
+    for method in ("no_such_method", "step", "take_pending_outputs", "shutdown", "_check_prompt"):
+        with pytest.raises(InvalidRequestError, match="no method"):  # only the utility table's verbs
+            llm.client.call_utility(method)
+    with pytest.raises(InvalidRequestError, match="level") as e:  # typed before the method runs
+        llm.client.call_utility("sleep", level="deep")
+    assert e.value.param == "level" and not llm.is_sleeping()
     assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 

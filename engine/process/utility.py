@@ -1,0 +1,254 @@
+"""The control plane: every call a frontend may make on an engine core, declared in one table.
+
+    UTILITIES[name] = Utility(arguments, combine)
+
+`name` is the EngineCore method that serves it (and the AsyncLLM / LLM method that calls it),
+`arguments` a Struct whose fields are that method's parameters: a call's positional and keyword
+arguments are bound to it and type-checked where the call arrives (the engine-core process, or
+the core in process), before the method runs, so a malformed call is an InvalidRequestError
+naming the field. `combine` turns the live replicas' answers into one. Nothing outside the
+table is reachable from the wire; a new verb is one entry here and its EngineCore method.
+
+The weight update is the one call made of several (`weight_update_plan`: stage everywhere,
+then commit everywhere or discard everywhere).
+"""
+import re
+from collections.abc import Callable, Generator
+from typing import Any, NamedTuple
+
+import msgspec
+
+from engine.core.engine_core import stale_version
+from engine.errors import EngineStateError, InvalidRequestError
+
+
+class _Args(msgspec.Struct, forbid_unknown_fields=True):
+    pass
+
+
+class NoArgs(_Args):
+    pass
+
+
+class PauseArgs(_Args):
+    mode: str = "abort"  # "abort" | "wait" | "keep" (EngineCore.pause_generation checks it)
+    clear_cache: bool = True
+    timeout_s: float | None = None
+    recompute_kv: bool = False
+
+
+class SleepArgs(_Args):
+    level: int = 1
+    mode: str = "abort"
+
+
+class WakeUpArgs(_Args):
+    tags: list[str] | None = None
+
+
+class InitTransferArgs(_Args):
+    master_address: str
+    master_port: int
+    world_size: int
+    backend: str = "gloo"
+    timeout_s: float = 60.0
+    replica_ranks: list[int] | None = None
+
+
+class StageArgs(_Args):
+    source: str  # "broadcast" | "disk" | "tensors" | "ipc" | "reload" | "peer"
+    args: list[Any]  # the source's own (a path, named tensors, IPC handles, a peer's address)
+    lora_id: int = 0
+
+
+class CommitArgs(_Args):
+    version: int
+    lora_id: int = 0
+    lora_path: str | None = None
+
+
+class PeersArgs(_Args):
+    master_address: str
+    master_port: int
+    world_size: int
+
+
+class LoRAIdArgs(_Args):
+    lora_id: int
+
+
+class WeightVersionArgs(_Args):
+    lora_id: int = 0  # 0: the base weights
+
+
+class VersionArgs(_Args):
+    version: Any  # an int; EngineCore.set_weight_version refuses others with its own message
+    above: int | None = None
+
+
+class AddLoRAArgs(_Args):
+    lora_name: str
+    lora_int_id: Any  # an int >= 1; EngineCore.add_lora refuses others with its own message
+    lora_path: str
+
+
+class ImportLoRAsArgs(_Args):
+    loras: list[dict[str, Any]]
+
+
+class RPCArgs(_Args):
+    method: str
+    args: list[Any] | None = None
+    kwargs: dict[str, Any] | None = None
+
+
+# ---- how the live replicas' answers become one ----------------------------------------------------
+def first(results: list) -> Any:
+    return results[0]
+
+
+def any_of(results: list) -> bool:
+    return any(results)
+
+
+def concat(results: list[list]) -> list:
+    """One entry per worker (or per replica), in replica order."""
+    return [r for rs in results for r in rs]
+
+
+def agree(results: list) -> Any:
+    """The one answer every replica gives; EngineStateError when they differ."""
+    if len(set(results)) > 1:
+        raise EngineStateError(str(results))
+    return results[0]
+
+
+def combine_pause(results: list[dict]) -> dict:
+    return dict(results[0], aborted=sum(r["aborted"] for r in results), kept=sum(r["kept"] for r in results))
+
+
+def combine_resume(results: list[dict]) -> dict:
+    """resume_generation and wake_up: the longest pause one of them ended; asleep if any is."""
+    seconds = [r["paused_seconds"] for r in results if r.get("paused_seconds") is not None]
+    merged = dict(results[0], paused_seconds=max(seconds) if seconds else None)
+    if "is_sleeping" in merged:
+        merged["is_sleeping"] = any(r["is_sleeping"] for r in results)
+    return merged
+
+
+_SUMMED_STATS = ("num_running", "num_waiting", "num_preemptions", "num_prefill_tokens", "num_generated_tokens",
+                 "num_free_blocks", "num_blocks", "peak_rss_mb", "encoder_cache_hits", "encoder_cache_queries")
+
+
+def combine_stats(stats: list[dict]) -> dict:
+    """Totals over the replicas, and each replica's own stats under "replicas"."""
+    out = dict(stats[0], num_replicas_alive=len(stats), replicas=stats)
+    if len(stats) == 1:
+        return out
+    for k in _SUMMED_STATS:
+        if k in out:  # (the encoder cache's only with a vision-language model)
+            out[k] = sum(s[k] for s in stats)
+    out["kv_usage"] = 1.0 - out["num_free_blocks"] / max(out["num_blocks"], 1)
+    out["prefix_hit_rate"] = sum(s["prefix_hit_rate"] for s in stats) / len(stats)
+    out["weight_version"] = max(s["weight_version"] for s in stats)
+    out["is_paused"] = any(s["is_paused"] for s in stats)
+    out["is_sleeping"] = any(s["is_sleeping"] for s in stats)
+    out["paused_seconds"] = max(s["paused_seconds"] for s in stats)
+    return out
+
+
+class Utility(NamedTuple):
+    arguments: type[_Args]
+    combine: Callable[[list], Any] = first
+
+
+UTILITIES: dict[str, Utility] = {
+    # pause / resume, sleep / wake
+    "pause_generation": Utility(PauseArgs, combine_pause),
+    "resume_generation": Utility(NoArgs, combine_resume),
+    "is_paused": Utility(NoArgs, any_of),
+    "sleep": Utility(SleepArgs),
+    "wake_up": Utility(WakeUpArgs, combine_resume),
+    "is_sleeping": Utility(NoArgs, any_of),
+    # weights: the trainer's group, the two phases of an update, versions
+    "init_weight_transfer": Utility(InitTransferArgs, concat),
+    "close_weight_transfer": Utility(NoArgs),
+    "stage_weights": Utility(StageArgs),
+    "commit_weights": Utility(CommitArgs),
+    "discard_weights": Utility(NoArgs),
+    "send_weights_to_peers": Utility(PeersArgs),
+    "weights_checksum": Utility(NoArgs, agree),
+    "get_weight_version": Utility(WeightVersionArgs, agree),
+    "set_weight_version": Utility(VersionArgs),
+    # caches and stats
+    "reset_prefix_cache": Utility(NoArgs),
+    "reset_encoder_cache": Utility(NoArgs),
+    "reset_mm_cache": Utility(NoArgs),
+    "get_stats": Utility(NoArgs, combine_stats),
+    # LoRA adapters
+    "add_lora": Utility(AddLoRAArgs),
+    "remove_lora": Utility(LoRAIdArgs),
+    "pin_lora": Utility(LoRAIdArgs),
+    "list_loras": Utility(NoArgs),
+    "export_loras": Utility(NoArgs),
+    "import_loras": Utility(ImportLoRAsArgs),
+    # profiling, and the workers
+    "start_profile": Utility(NoArgs),
+    "stop_profile": Utility(NoArgs, concat),
+    "collective_rpc": Utility(RPCArgs, concat),
+}
+
+
+def bind(method: str, args: list | tuple, kwargs: dict) -> dict:
+    """The call's arguments by name, type-checked against its table entry; InvalidRequestError
+    (naming the field) for an unknown verb or malformed arguments."""
+    utility = UTILITIES.get(method) if isinstance(method, str) else None
+    if utility is None:
+        raise InvalidRequestError(f"the engine core has no method {method!r} (no utility call of that name)", "method")
+    fields = utility.arguments.__struct_fields__
+    if len(args) > len(fields):
+        raise InvalidRequestError(f"{method} takes at most {len(fields)} arguments ({', '.join(fields)}), "
+                                  f"got {len(args)}", "method")
+    named = dict(zip(fields, args))
+    twice = sorted(set(named) & set(kwargs))
+    if twice:
+        raise InvalidRequestError(f"{method} got {twice[0]!r} twice", twice[0])
+    try:
+        bound = msgspec.convert({**named, **kwargs}, utility.arguments)
+    except msgspec.ValidationError as e:
+        field = re.search(r"`\$\.(\w+)`|field `(\w+)`", str(e))
+        raise InvalidRequestError(f"{method}: {e}", next(filter(None, field.groups())) if field else None) from None
+    return {f: getattr(bound, f) for f in fields}
+
+
+def combine(method: str, results: list) -> Any:
+    """One answer from every live replica's answer to a utility call."""
+    if len(results) == 1 and method != "get_stats":
+        return results[0]
+    try:
+        return UTILITIES[method].combine(results)
+    except EngineStateError as e:  # (agree)
+        raise EngineStateError(f"the data-parallel replicas disagree on {method}: {e}") from None
+
+
+def weight_update_plan(source: str, args: list, version: int | None, lora_id: int = 0) -> Generator:
+    """Stage the update on every replica; if one refuses, discard it everywhere and raise that
+    refusal; else make it live everywhere under one version (default: the newest + 1). Versions
+    increase strictly, so a token's version names one set of weights: a version at or below the
+    live one is refused (409) after staging, so that a trainer's sender never blocks on a
+    receiver that walked away. `lora_id`: an update of that LoRA adapter (its own versions).
+    Yields (how, method, kwargs): "each" wants every replica's answer or exception, "all" the
+    combined answer."""
+    staged = yield ("each", "stage_weights", {"source": source, "args": args, "lora_id": lora_id})
+    failures = [r for r in staged if isinstance(r, BaseException)]
+    if not failures and version is not None:
+        refusal = stale_version(version, max(s["weight_version"] for s in staged))
+        failures = [refusal] if refusal else []
+    if failures:
+        yield ("each", "discard_weights", {})
+        raise failures[0]
+    if version is None:
+        version = max(s["weight_version"] for s in staged) + 1
+    yield ("all", "commit_weights", {"version": version, "lora_id": lora_id, "lora_path": staged[0].get("lora_path")})
+    return dict(staged[0], weight_version=version)
+

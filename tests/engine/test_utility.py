@@ -1,0 +1,71 @@
+"""The control plane's table (engine/process/utility.py): every verb is an EngineCore method
+whose parameters are its argument struct's fields, calls are bound and typed before anything
+runs, and replicas' answers combine as declared."""
+import inspect
+
+import msgspec
+import pytest
+
+from engine.core.engine_core import EngineCore
+from engine.errors import EngineStateError, InvalidRequestError
+from engine.process.utility import UTILITIES, bind, combine, weight_update_plan
+
+
+@pytest.mark.parametrize("name", sorted(UTILITIES))
+def test_every_verb_is_a_core_method_with_the_declared_parameters(name):
+    params = list(inspect.signature(getattr(EngineCore, name)).parameters.values())[1:]  # (self)
+    fields = UTILITIES[name].arguments.__struct_fields__
+    assert [p.name for p in params] == list(fields)
+    defaults = UTILITIES[name].arguments.__struct_defaults__
+    declared = dict(zip(fields[len(fields) - len(defaults):], defaults))
+    assert {p.name: p.default for p in params if p.default is not p.empty} == declared
+
+
+def test_nothing_else_is_reachable():
+    for method in ("step", "add_request", "abort_all", "take_pending_outputs", "shutdown", "_set_pause", "", None):
+        with pytest.raises(InvalidRequestError, match="no method"):
+            bind(method, [], {})
+
+
+def test_bind_names_and_types_the_arguments():
+    assert bind("pause_generation", ["keep"], {"timeout_s": 2}) == {
+        "mode": "keep", "clear_cache": True, "timeout_s": 2.0, "recompute_kv": False}
+    for method, args, kwargs, field in (("pause_generation", ["keep", "yes"], {}, "clear_cache"),
+                                        ("sleep", [], {"level": "2"}, "level"),
+                                        ("sleep", [], {"depth": 2}, "depth"),
+                                        ("sleep", [1, "abort", 3], {}, "method"),
+                                        ("pause_generation", ["abort"], {"mode": "keep"}, "mode")):
+        with pytest.raises(InvalidRequestError) as e:
+            bind(method, args, kwargs)
+        assert e.value.param == field, (method, args, kwargs, str(e.value))
+    with pytest.raises(InvalidRequestError, match="missing required field `world_size`"):
+        bind("init_weight_transfer", ["127.0.0.1", 1234], {})
+
+
+def test_answers_combine_as_declared():
+    assert combine("is_paused", [False, True]) is True
+    assert combine("collective_rpc", [[1], [2, 3]]) == [1, 2, 3]
+    assert combine("pause_generation", [{"aborted": 1, "kept": 0, "mode": "abort"},
+                                        {"aborted": 2, "kept": 0, "mode": "abort"}])["aborted"] == 3
+    assert combine("resume_generation", [{"paused_seconds": None}, {"paused_seconds": 2.0}]) == {"paused_seconds": 2.0}
+    assert combine("weights_checksum", ["a", "a"]) == "a"
+    with pytest.raises(EngineStateError, match="disagree on weights_checksum"):
+        combine("weights_checksum", ["a", "b"])
+    assert combine("get_stats", [{"num_running": 1}])["num_replicas_alive"] == 1
+
+
+def test_weight_update_plan_stages_then_commits_or_discards():
+    plan = weight_update_plan("disk", ["/w"], None)
+    assert plan.send(None) == ("each", "stage_weights", {"source": "disk", "args": ["/w"], "lora_id": 0})
+    how, method, kwargs = plan.send([{"weight_version": 3}, {"weight_version": 3}])
+    assert (how, method, kwargs["version"]) == ("all", "commit_weights", 4)
+    with pytest.raises(StopIteration) as done:
+        plan.send(4)
+    assert done.value.value["weight_version"] == 4
+    refused = weight_update_plan("disk", ["/w"], 2)
+    refused.send(None)
+    assert refused.send([{"weight_version": 3}, {"weight_version": 3}])[1] == "discard_weights"
+    with pytest.raises(EngineStateError, match="must increase"):
+        refused.send([True, True])
+    for verb in UTILITIES.values():  # the structs are wire-safe
+        assert issubclass(verb.arguments, msgspec.Struct)
