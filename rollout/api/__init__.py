@@ -4,5 +4,5 @@ sessions.py (multi-turn sessions), pooling.py (embeddings, /pooling, /classify),
 holds the request bodies, errors.py the error mapping, state.py what routes share (with the
 session store, session_store.py). Leaves every route may use: cancel.py (until_disconnect,
 gather_all), output_json.py (engine outputs as JSON), streaming.py (prime, merge, SSE/NDJSON).
-Routes import state and the leaves, never the other way round.
+state.py, session_store.py and the leaves import no route module.
 """

@@ -142,6 +142,26 @@ async def final_output(gen) -> RequestOutput:
 async def generate(body: GenerateRequest, request: Request):
     state = get_state(request)
     state.check_can_generate()
+    prompts, field, batch = await _prompts(state, body)
+    # a session turn reads deltas until its chunk ends (the request itself never finishes)
+    kind = RequestOutputKind.DELTA if body.stream or body.session_params else RequestOutputKind.FINAL_ONLY
+    params = _sampling_params(body, kind)
+    ids = await tokenize_prompts(state, prompts, field, batch, params, "sampling_params.")
+    lora = state.resolve_model(body.model)
+    if body.session_params is not None:
+        return await _session_turn(request, body, field, batch, ids, params, lora)
+    base = state.new_request_id(body.request_id, "gen")
+    rids = [f"{base}-{i}" for i in range(len(ids))] if batch else [base]
+    gens = [state.generate(p, params, rid, field, lora) for p, rid in zip(ids, rids)]
+    if not body.stream:
+        outs = await until_disconnect(request, gather_all(final_output(g) for g in gens))
+        return {"results": [request_output_json(o) for o in outs], "usage": usage_json(outs)}
+    return await _streamed(request, body, gens, base)
+
+
+async def _prompts(state, body: GenerateRequest) -> tuple[list, str, bool]:
+    """The request's prompts (texts, token ids, a rendered conversation, or one text with its
+    images), the field they came in and whether it is a batch."""
     prompts, field, batch = body.prompts()
     if body.messages is not None:
         prompts = [await render_chat(state, body.messages, body.add_generation_prompt,
@@ -152,34 +172,36 @@ async def generate(body: GenerateRequest, request: Request):
                            "multi_modal_data")
         check_image_urls(body.multi_modal_data.get("image", []), "multi_modal_data")
         prompts = [{"prompt": prompts[0], "multi_modal_data": body.multi_modal_data}]
-    # a session turn reads deltas until its chunk ends (the request itself never finishes)
-    kind = RequestOutputKind.DELTA if body.stream or body.session_params else RequestOutputKind.FINAL_ONLY
+    return prompts, field, batch
+
+
+def _sampling_params(body: GenerateRequest, kind: RequestOutputKind):
     try:
-        params = make_sampling_params(dict(body.sampling_params.model_dump(), output_kind=kind))
+        return make_sampling_params(dict(body.sampling_params.model_dump(), output_kind=kind))
     except InvalidRequestError as e:
         err = engine_error(e)
         raise APIError(400, str(e), f"sampling_params.{err.param}" if err.param else "sampling_params") from e
-    ids = await tokenize_prompts(state, prompts, field, batch, params, "sampling_params.")
-    lora = state.resolve_model(body.model)
-    if body.session_params is not None:
-        if lora is not None:
-            raise APIError(400, "sessions run on the base model (no LoRA adapter)", "model")
-        if batch:
-            raise APIError(400, "a session turn takes one prompt, not a batch", field)
-        if not isinstance(ids[0], list):
-            raise APIError(400, "session turns take no images", field)
-        if body.request_id is not None:
-            raise APIError(400, "a session turn has no request_id of its own (the session is the request)",
-                           "request_id")
-        return await generate_turn(request, body.session_params.id, field, ids[0], params, body.stream,
-                                   sse if body.stream_format == "sse" else ndjson,
-                                   DONE if body.stream_format == "sse" else None)
-    base = state.new_request_id(body.request_id, "gen")
-    rids = [f"{base}-{i}" for i in range(len(ids))] if batch else [base]
-    gens = [state.generate(p, params, rid, field, lora) for p, rid in zip(ids, rids)]
-    if not body.stream:
-        outs = await until_disconnect(request, gather_all(final_output(g) for g in gens))
-        return {"results": [request_output_json(o) for o in outs], "usage": usage_json(outs)}
+
+
+async def _session_turn(request: Request, body: GenerateRequest, field: str, batch: bool, ids: list, params, lora):
+    """The request as the next turn of an open session (rollout/api/sessions.py)."""
+    if lora is not None:
+        raise APIError(400, "sessions run on the base model (no LoRA adapter)", "model")
+    if batch:
+        raise APIError(400, "a session turn takes one prompt, not a batch", field)
+    if not isinstance(ids[0], list):
+        raise APIError(400, "session turns take no images", field)
+    if body.request_id is not None:
+        raise APIError(400, "a session turn has no request_id of its own (the session is the request)",
+                       "request_id")
+    return await generate_turn(request, body.session_params.id, field, ids[0], params, body.stream,
+                               sse if body.stream_format == "sse" else ndjson,
+                               DONE if body.stream_format == "sse" else None)
+
+
+async def _streamed(request: Request, body: GenerateRequest, gens: list, base: str) -> StreamingResponse:
+    """The streams' deltas as NDJSON or SSE lines, each with its "prompt_index", primed first (a
+    refused prompt is still an error response)."""
     firsts = await prime(gens, request)
     use_sse = body.stream_format == "sse"
     frame = sse if use_sse else ndjson
