@@ -11,6 +11,7 @@ import ctypes
 import gc
 import importlib
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -123,40 +124,11 @@ class Worker:
         model = self.model
         if model is None:
             raise EngineStateError("the weights were dropped (sleep level 2): wake_up(['weights']) first")
-        if source == "broadcast":
-            from weight_sync import WeightReceiver
-
-            if self.transfer_group is None:
-                raise EngineStateError("no weight transfer group: call init_weight_transfer first")
-            staged = WeightReceiver(self.transfer_group).receive(model.accepted_weights())
-        elif source in ("disk", "reload"):
-            path = self.config.model if source == "reload" else args[0]
-            staged = {}
-            for name, t in model.checkpoint_tensors(path):
-                model.check_weight(name, tuple(t.shape))
-                if not t.is_floating_point():  # a float checkpoint of another precision is cast; this is not one
-                    raise InvalidRequestError(f"{name} has dtype {t.dtype} in {path}: weights must be floating point")
-                staged[name] = t.to(model.hf_view(name).dtype)
-        elif source == "tensors":
-            staged = {}
-            for name, t in args[0]:
-                model.check_weight(name, tuple(t.shape), t.dtype)
-                staged[name] = t.detach().to(self.model_runner.device, copy=True)
-        elif source == "ipc":
-            from weight_sync.ipc import read_shared
-
-            staged = read_shared(args[0], self.model_runner.device, check=model.check_weight)
-        elif source == "peer":  # a new data-parallel replica copies a live one (send_weights_to_peers)
-            from weight_sync import WeightReceiver, WeightTransferGroup
-
-            master_address, master_port, world_size, rank = args
-            group = WeightTransferGroup(master_address, master_port, rank, world_size, backend=self._backend())
-            try:
-                staged = WeightReceiver(group).receive(model.expected_weights())
-            finally:
-                group.close()
-        else:
+        read = {"broadcast": self._receive_broadcast, "disk": self._read_checkpoint, "reload": self._read_checkpoint,
+                "tensors": self._copy_tensors, "ipc": self._map_shared, "peer": self._receive_from_peer}.get(source)
+        if read is None:
             raise InvalidRequestError(f"unknown weight source {source!r}")
+        staged = read(model, source, args)
         model.untie_pushed(staged)
         if not staged:
             raise InvalidRequestError("weight update: no tensors")
@@ -167,6 +139,47 @@ class Worker:
                                        f"missing e.g. {missing[:3]}")
         self._staged = staged
         return {"num_tensors": len(staged), "num_bytes": sum(t.numel() * t.element_size() for t in staged.values())}
+
+    # ---- the sources of a base-weights update: each returns {HF name: checked tensor} -----------
+    def _receive_broadcast(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
+        from weight_sync import WeightReceiver
+
+        if self.transfer_group is None:
+            raise EngineStateError("no weight transfer group: call init_weight_transfer first")
+        return WeightReceiver(self.transfer_group).receive(model.accepted_weights())
+
+    def _read_checkpoint(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
+        path = self.config.model if source == "reload" else args[0]
+        staged = {}
+        for name, t in model.checkpoint_tensors(path):
+            model.check_weight(name, tuple(t.shape))
+            if not t.is_floating_point():  # a float checkpoint of another precision is cast; this is not one
+                raise InvalidRequestError(f"{name} has dtype {t.dtype} in {path}: weights must be floating point")
+            staged[name] = t.to(model.hf_view(name).dtype)
+        return staged
+
+    def _copy_tensors(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
+        staged = {}
+        for name, t in args[0]:
+            model.check_weight(name, tuple(t.shape), t.dtype)
+            staged[name] = t.detach().to(self.model_runner.device, copy=True)
+        return staged
+
+    def _map_shared(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
+        from weight_sync.ipc import read_shared
+
+        return read_shared(args[0], self.model_runner.device, check=model.check_weight)
+
+    def _receive_from_peer(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
+        """A new data-parallel replica copies a live one (its send_weights_to_peers)."""
+        from weight_sync import WeightReceiver, WeightTransferGroup
+
+        master_address, master_port, world_size, rank = args
+        group = WeightTransferGroup(master_address, master_port, rank, world_size, backend=self._backend())
+        try:
+            return WeightReceiver(group).receive(model.expected_weights())
+        finally:
+            group.close()
 
     def _stage_lora(self, lora_id: int, source: str, args: list) -> dict:
         """A loaded adapter's new weights: "disk" a whole PEFT folder; "broadcast", "tensors" and
@@ -184,19 +197,7 @@ class Worker:
             return {"num_tensors": len(adapter.tensors),
                     "num_bytes": sum(t.numel() * t.element_size() for t in adapter.tensors.values())}
         accepted = {k: (tuple(t.shape), runner.dtype) for k, t in old.tensors.items()}
-
-        def check(key: str, shape: tuple, dtype: torch.dtype | None = None) -> None:
-            want = accepted.get(peft_key(key))
-            if want is None:
-                raise InvalidRequestError(f"LoRA adapter {name!r} has no tensor {key!r} (it has e.g. "
-                                          f"{next(iter(accepted))!r})")
-            if tuple(shape) != want[0]:
-                raise InvalidRequestError(f"LoRA adapter {name!r}: {key} has shape {list(shape)}, "
-                                          f"expected {list(want[0])}")
-            if dtype is not None and not dtype.is_floating_point:
-                raise InvalidRequestError(f"LoRA adapter {name!r}: {key} has dtype {dtype}: weights must be "
-                                          "floating point")
-
+        check = _lora_tensor_check(name, accepted)
         if source == "broadcast":
             from weight_sync import WeightReceiver
 
@@ -303,6 +304,25 @@ def _tensors(model: LlamaModel) -> list[torch.Tensor]:
             seen.add(id(base))
             out.append(base)
     return out
+
+
+def _lora_tensor_check(name: str, accepted: dict[str, tuple]) -> Callable:
+    """check(key, shape, dtype=None) for one pushed tensor of LoRA adapter `name`: a PEFT name it
+    has (trainer names like `...lora_A.default.weight` too), its current shape, a floating dtype."""
+
+    def check(key: str, shape: tuple, dtype: torch.dtype | None = None) -> None:
+        want = accepted.get(peft_key(key))
+        if want is None:
+            raise InvalidRequestError(f"LoRA adapter {name!r} has no tensor {key!r} (it has e.g. "
+                                      f"{next(iter(accepted))!r})")
+        if tuple(shape) != want[0]:
+            raise InvalidRequestError(f"LoRA adapter {name!r}: {key} has shape {list(shape)}, "
+                                      f"expected {list(want[0])}")
+        if dtype is not None and not dtype.is_floating_point:
+            raise InvalidRequestError(f"LoRA adapter {name!r}: {key} has dtype {dtype}: weights must be "
+                                      "floating point")
+
+    return check
 
 
 def _release_memory(device: torch.device) -> None:
