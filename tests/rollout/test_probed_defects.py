@@ -1,4 +1,4 @@
-"""The defects found by probing the served API as an outside tester (issue 13, "fix first"), one
+"""The defects found by probing the served API as an outside tester, one
 test each, against the real server:
 
 - pause / resume / sleep / wake_up sequences that used to wedge generation;
