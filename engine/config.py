@@ -180,6 +180,13 @@ class EngineConfig:
     model_config: ModelConfig = field(init=False, repr=False)
 
     def __post_init__(self):
+        self._resolve_model()
+        self._resolve_device_and_dtype()
+        self._check_sizes()
+        self._check_scale_out()
+
+    def _resolve_model(self) -> None:
+        """The folder to load (the converted default model for None) and its ModelConfig."""
         from engine.default_model import converted_default_model
 
         if self.model is None:  # the default model, converted by resolve_model() beforehand
@@ -191,6 +198,10 @@ class EngineConfig:
         if not Path(self.model).is_dir():
             raise UnsupportedModelError(f"model {self.model!r}: no such local folder (hub downloads are not supported)")
         self.model_config = ModelConfig.from_folder(self.model)
+
+    def _resolve_device_and_dtype(self) -> None:
+        """Make the "auto" device and dtype concrete (bf16 on GPU and on CPUs with native bf16 matmul),
+        and the step's token budget that depends on the device."""
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -207,6 +218,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
         if self.batch_invariant and (self.device != "cpu" or self.dtype != "float32"):
             raise ValueError(f"batch_invariant runs float32 on CPU (got device={self.device!r}, dtype={self.dtype!r})")
+
+    def _check_sizes(self) -> None:
+        """Context length, batch, cache and timing limits: positive and within the model's."""
         limit = self.model_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -225,6 +239,9 @@ class EngineConfig:
             raise ValueError(f"log_stats_interval_s must be > 0 seconds, got {self.log_stats_interval_s}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def _check_scale_out(self) -> None:
+        """Replica count and backend; the cores split between local CPU replicas by default."""
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be a positive int, got {self.data_parallel_size!r}")
         if self.max_data_parallel_size is not None and (not isinstance(self.max_data_parallel_size, int)
