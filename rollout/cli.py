@@ -154,7 +154,10 @@ def _add_lora_args(group) -> None:
 
 def _add_scale_out_args(group) -> None:
     group.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                       help="engine-core replicas, each with its own scheduler, KV cache and worker")
+                       help="engine-core replicas, each with its own scheduler, KV cache and worker(s)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="worker ranks per replica, each holding a shard of the model and of the KV cache "
+                            "(a model larger than one device)")
     group.add_argument("--max-data-parallel-size", type=int, default=None,
                        help="the most replicas start-up or /scale may ask for (default: one per --num-threads cores, "
                             "or per GPU); /scale still refuses what memory cannot hold")
@@ -188,6 +191,9 @@ def _add_http_args(group) -> None:
                        help="close multi-turn sessions idle this long, freeing their KV")
     group.add_argument("--collective-rpc-method", action="append", default=[], metavar="NAME",
                        help="allow /collective_rpc to call this worker method (repeatable; default: none)")
+    group.add_argument("--apply-model-fn", action="append", default=[], metavar="PATH",
+                       help="allow /apply_model to run this function on the workers' models, by import path "
+                            "'package.module:function' (repeatable; default: none)")
     group.add_argument("--shutdown-grace-s", type=float, default=5.0,
                        help="on SIGINT/SIGTERM, seconds in-flight requests get before they are aborted")
 
@@ -245,7 +251,7 @@ def _serve(args) -> int:
                          kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                          enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                          num_threads=args.num_threads, worker_extension_cls=args.worker_extension_cls,
-                         data_parallel_size=args.data_parallel_size,
+                         data_parallel_size=args.data_parallel_size, tensor_parallel_size=args.tensor_parallel_size,
                          max_data_parallel_size=args.max_data_parallel_size,
                          data_parallel_backend=args.data_parallel_backend, batch_invariant=args.batch_invariant,
                          profiler_dir=args.profiler_dir, log_stats_interval_s=args.log_stats_interval_s,
@@ -258,6 +264,7 @@ def _serve(args) -> int:
                               max_body_bytes=args.max_body_bytes, max_encode_inputs=args.max_encode_inputs,
                               max_request_tokens=args.max_request_tokens,
                               collective_rpc_methods=tuple(args.collective_rpc_method),
+                              apply_model_fns=tuple(args.apply_model_fn),
                               stats_interval_s=args.stats_interval_s, shutdown_grace_s=args.shutdown_grace_s,
                               wandb_project=args.wandb_project, wandb_run_name=args.wandb_run_name,
                               wandb_interval_s=args.wandb_interval_s, log_level=args.log_level,

@@ -266,6 +266,13 @@ class _Endpoints:
         return self._run(_Call("POST", "/collective_rpc", lambda b: b["results"], json=body, admin=True,
                                timeout=LONG_TIMEOUT))
 
+    def apply_model(self, fn: str | Callable):
+        """fn(model) on every worker of the server, one result per worker; `fn` (an import path, or
+        a module-level function the server can import) must be registered there (--apply-model-fn)."""
+        path = fn if isinstance(fn, str) else f"{fn.__module__}:{fn.__qualname__}"
+        return self._run(_Call("POST", "/apply_model", lambda b: b["results"], json={"fn": path}, admin=True,
+                               timeout=LONG_TIMEOUT))
+
     # ---- weights (the four vLLM phases, and ours) ----------------------------------------------------
     def init_weight_transfer_engine(self, init_info: dict):
         return self._run(_Call("POST", "/init_weight_transfer_engine", json={"init_info": init_info}, admin=True,
@@ -317,6 +324,14 @@ class _Endpoints:
 
     def close_weight_transfer_engine(self):
         return self._run(_Call("POST", "/close_weight_transfer", admin=True))
+
+    def save_weights(self, path: str, overwrite: bool = False, max_shard_bytes: int | None = None):
+        """Write the server's live weights (pushes included) as a Hugging Face folder on its disk,
+        which transformers loads; a folder that exists and is not empty is refused unless
+        `overwrite`. Returns {"path", "files", "bytes", "tensors", "weight_version"}."""
+        return self._run(_Call("POST", "/save_weights", json={"path": str(path), "overwrite": overwrite,
+                                                               "max_shard_bytes": max_shard_bytes},
+                               admin=True, timeout=LONG_TIMEOUT))
 
     # ---- the trainer's side of weight pushes (rollout/client_weights.py, `self.weights`) --------
     def init_weight_transfer(self, backend: str = "gloo", master_address: str = "127.0.0.1",

@@ -1,5 +1,6 @@
 """ServerConfig: the HTTP server's options (the engine's own options are EngineConfig fields)."""
 import os
+import re
 from dataclasses import dataclass, field
 
 MiB = 1 << 20
@@ -16,6 +17,8 @@ class ServerConfig:
         one, and the admin routes need the admin key (with only api_key they are closed).
     max_body_bytes: larger request bodies are refused with 413.
     collective_rpc_methods: worker methods /collective_rpc may call, beyond DEFAULT_RPC_METHODS.
+    apply_model_fns: the functions /apply_model may run on the workers' models, by import path
+        ("package.module:function"); none by default.
     shutdown_grace_s: on SIGINT/SIGTERM, in-flight requests get this long to finish, then are
         aborted (they still get a final response, finish_reason "abort").
     api_server_count: API-server processes sharing the listening socket (rollout/launcher.py).
@@ -42,6 +45,7 @@ class ServerConfig:
     admin_api_key: str | None = None
     max_body_bytes: int = 16 * MiB
     collective_rpc_methods: tuple[str, ...] = ()
+    apply_model_fns: tuple[str, ...] = ()
     stats_interval_s: float = 1.0
     shutdown_grace_s: float = 5.0
     wandb_project: str | None = None
@@ -76,7 +80,17 @@ class ServerConfig:
         for m in self.collective_rpc_methods:
             if not m.isidentifier() or m.startswith("_"):
                 raise ValueError(f"collective_rpc method {m!r} must be a public method name")
+            if m == "apply_model":  # through /collective_rpc a caller would name any function
+                raise ValueError("register the functions themselves with --apply-model-fn, not apply_model as a "
+                                 "collective_rpc method")
+        for f in self.apply_model_fns:
+            if not re.fullmatch(r"[A-Za-z_][\w.]*[.:][A-Za-z_][\w.]*", f):
+                raise ValueError(f"apply_model function {f!r} must be an import path ('package.module:function')")
 
     @property
     def rpc_methods(self) -> frozenset[str]:
         return frozenset(DEFAULT_RPC_METHODS) | frozenset(self.collective_rpc_methods)
+
+    def allows_apply_model(self, fn: str) -> bool:
+        """Whether `fn` names a registered function ("a.b:f" and "a.b.f" name the same one)."""
+        return fn.replace(":", ".") in {f.replace(":", ".") for f in self.apply_model_fns}

@@ -45,6 +45,8 @@ from engine.core.scheduler import Scheduler
 from engine.errors import EngineStateError, InvalidRequestError
 from engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, StreamInput
 from engine.worker.executor import InprocExecutor
+from engine.worker.hf_export import DEFAULT_MAX_SHARD_BYTES
+from engine.worker.multiproc_executor import MultiprocExecutor
 from engine.worker.profiler import StepProfiler, phase
 
 logger = logging.getLogger("engine")
@@ -97,12 +99,12 @@ def stale_version(version: int, live: int) -> EngineStateError | None:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
-        cpus = config.replica_cpus()
-        if cpus is not None:  # a data-parallel replica on its own cores
+        cpus = config.rank_cpus(0)
+        if cpus is not None:  # a data- or tensor-parallel rank on its own cores
             os.sched_setaffinity(0, cpus)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.executor = InprocExecutor(config)
+        self.executor = MultiprocExecutor(config) if config.tensor_parallel_size > 1 else InprocExecutor(config)
         num_blocks = self.executor.initialize_kv_cache()
         capacity = num_blocks * config.block_size
         if capacity < config.max_model_len:
@@ -336,7 +338,7 @@ class EngineCore:
         if self.config.data_parallel_rank not in replica_ranks:
             raise InvalidRequestError(f"replica {self.config.data_parallel_rank} is not among the live replicas "
                                       f"{replica_ranks}", "replica_ranks")
-        rank_offset = 1 + replica_ranks.index(self.config.data_parallel_rank) * len(self.executor.workers)
+        rank_offset = 1 + replica_ranks.index(self.config.data_parallel_rank) * self.config.tensor_parallel_size
         if self.group_cancel.is_set():  # a cancelled forming stops within a connect attempt
             deadline = time.monotonic() + 2.0
             while not self.forming_group.done() and time.monotonic() < deadline:
@@ -427,6 +429,19 @@ class EngineCore:
     def weights_checksum(self) -> str:
         self._check_has_weights("to checksum")
         return self.executor.collective_rpc("weights_checksum")[0]
+
+    def save_weights(self, folder: str, overwrite: bool = False,
+                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
+        """Write the live weights (pushes included) as a Hugging Face safetensors folder that
+        transformers loads (Worker.save_weights); the engine does not step meanwhile, so no update
+        lands halfway. Returns {"path", "files", "bytes", "tensors", "weight_version"}."""
+        self._check_has_weights("to save")
+        if "weights" in self.asleep:
+            raise EngineStateError("the weights are asleep: wake_up(tags=['weights']) before saving them")
+        if max_shard_bytes < 1:
+            raise InvalidRequestError(f"max_shard_bytes must be at least 1, got {max_shard_bytes}", "max_shard_bytes")
+        saved = self.executor.collective_rpc("save_weights", [folder, overwrite, max_shard_bytes])[0]
+        return dict(saved, weight_version=self.weight_version)
 
     def _check_has_weights(self, why: str) -> None:
         if self.needs_weights:
@@ -610,5 +625,20 @@ class EngineCore:
         """Run a public worker method on every worker; one result per worker."""
         return self.executor.collective_rpc(method, args, kwargs)
 
+    def save_sharded_state(self, path: str, pattern: str | None = None, max_size: int | None = None) -> dict:
+        """Every rank writes its slices of the live weights into `path` (engine/worker/sharded_state.py)."""
+        self._check_has_weights("to save")
+        if "weights" in self.asleep:
+            raise EngineStateError("the weights are asleep: wake_up(tags=['weights']) before saving them")
+        saved = self.executor.collective_rpc("save_sharded_state", [path, pattern, max_size])
+        return {"path": os.path.abspath(path), "files": [s["files"] for s in saved],
+                "bytes": sum(s["bytes"] for s in saved), "weight_version": self.weight_version}
+
+    def apply_model(self, fn: str) -> list[Any]:
+        """fn(model) on every worker, one result per worker; `fn` is the function's import path
+        (Worker.apply_model)."""
+        return self.executor.collective_rpc("apply_model", [fn])
+
     def shutdown(self) -> None:
         self.scheduler.abort(list(self.scheduler.requests))
+        self.executor.shutdown()

@@ -15,8 +15,10 @@ paused are held there until resume; the control methods here only ask it.
 import asyncio
 import collections
 import logging
+import os
+import time
 import uuid
-from typing import Any, AsyncGenerator, Iterable, Sequence
+from typing import Any, AsyncGenerator, Callable, Iterable, Sequence
 
 import torch
 
@@ -31,6 +33,8 @@ from engine.frontend.processor import Processor, PromptType, load_tokenizer
 from engine.process.core_client import AsyncMPClient
 from engine.protocol import EngineConnection, EngineCoreRequest, StreamInput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.worker.functions import function_path
+from engine.worker.hf_export import DEFAULT_MAX_SHARD_BYTES
 from engine.worker.lora import LoRARequest
 
 __all__ = ["AsyncLLM", "StreamingInput"]
@@ -196,6 +200,19 @@ class AsyncLLM:
         """Whether the request is still live here (not finished, aborted or failed)."""
         return request_id in self.output_processor.requests
 
+    async def wait_for_requests_to_drain(self, drain_timeout: float = 300) -> None:
+        """Return once no request of this frontend is in flight (vLLM's name and default);
+        TimeoutError after `drain_timeout` seconds. Requests held by a pause count: resume, or
+        this times out."""
+        deadline = time.monotonic() + drain_timeout
+        while self.output_processor.requests:
+            if self.dead_error is not None:
+                raise self.dead_error
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{len(self.output_processor.requests)} request(s) still in flight after "
+                                   f"{drain_timeout} s waiting for requests to drain")
+            await asyncio.sleep(0.01)
+
     async def abort(self, request_id: str | Sequence[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             state = self.output_processor.requests.get(rid)
@@ -320,6 +337,16 @@ class AsyncLLM:
     async def weights_checksum(self) -> str:
         return await self._call("weights_checksum")
 
+    async def save_sharded_state(self, path: str | os.PathLike, pattern: str | None = None,
+                                 max_size: int | None = None) -> dict:
+        """Each tensor-parallel rank writes its own slices (see LLM.save_sharded_state)."""
+        return await self._call("save_sharded_state", os.fspath(path), pattern, max_size)
+
+    async def save_weights(self, folder: str | os.PathLike, overwrite: bool = False,
+                           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
+        """Write the live weights as a Hugging Face folder (see LLM.save_weights)."""
+        return await self._call("save_weights", os.fspath(folder), overwrite, max_shard_bytes)
+
     async def get_weight_version(self, lora_id: int = 0) -> int:
         """The live weights' version (or that of the loaded LoRA adapter `lora_id`)."""
         return await self._call("get_weight_version", lora_id)
@@ -412,6 +439,10 @@ class AsyncLLM:
                              timeout: float | None = None) -> list[Any]:
         """Call a public worker method (or worker-extension method) on every worker."""
         return await self._call("collective_rpc", method, list(args), kwargs or {}, timeout=timeout)
+
+    async def apply_model(self, fn: Callable | str) -> list[Any]:
+        """fn(model) on every worker, one result per worker (see LLM.apply_model)."""
+        return await self._call("apply_model", function_path(fn))
 
     async def check_health(self) -> dict:
         """{"replicas": [replica indices], "alive": [the live ones]}; EngineDeadError when none lives."""

@@ -9,9 +9,10 @@ keeps it in this process, for tests and debugging.
 """
 import itertools
 import logging
+import os
 import time
 import weakref
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from tqdm import tqdm
@@ -25,6 +26,8 @@ from engine.frontend.outputs import PoolingOutput, RequestOutput
 from engine.frontend.processor import Processor, PromptType, load_tokenizer
 from engine.process.core_client import InprocClient, SyncMPClient
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.worker.functions import function_path
+from engine.worker.hf_export import DEFAULT_MAX_SHARD_BYTES
 from engine.worker.lora import LoRARequest
 
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None
@@ -193,6 +196,14 @@ class LLM:
         """Call a worker method (or a worker-extension method) on every worker."""
         return self.client.call_utility("collective_rpc", method, list(args), kwargs or {}, timeout=timeout)
 
+    def apply_model(self, fn: Callable | str) -> list[Any]:
+        """fn(model) on every worker (vLLM's LLM.apply_model): one result per worker, in rank order
+        (every replica's with data parallelism). `fn`: a module-level function or its import path
+        ("package.module:function"); the workers import it, code is never pickled (a lambda or a
+        closure is refused). It gets the engine.model.decoder.LlamaModel; its result must travel
+        as msgpack (plain values, tensors)."""
+        return self.client.call_utility("apply_model", function_path(fn))
+
     def check_health(self) -> dict:
         """{"replicas": [replica indices], "alive": [the live ones]}; EngineDeadError when none lives."""
         return self.client.check_health()
@@ -249,6 +260,23 @@ class LLM:
 
     def weights_checksum(self) -> str:
         return self.client.call_utility("weights_checksum")
+
+    def save_sharded_state(self, path: str | os.PathLike, pattern: str | None = None,
+                           max_size: int | None = None) -> dict:
+        """Each tensor-parallel rank writes its own slices (engine/worker/sharded_state.py): an
+        engine with the same tensor_parallel_size starts from the folder reading only its shards.
+        Returns {"path", "files" (per rank), "bytes"}."""
+        return self.client.call_utility("save_sharded_state", os.fspath(path), pattern, max_size)
+
+    def save_weights(self, folder: str | os.PathLike, overwrite: bool = False,
+                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
+        """Write the live weights (pushes included) as a Hugging Face folder that transformers
+        loads: safetensors in the served dtype (shards of at most max_shard_bytes and their index
+        when larger), config.json, generation_config.json, the tokenizer's files. A target that
+        exists and is not empty is refused unless `overwrite`; a failure leaves no half folder.
+        With data parallelism the first replica writes. Returns {"path", "files", "bytes",
+        "tensors", "weight_version"}."""
+        return self.client.call_utility("save_weights", os.fspath(folder), overwrite, max_shard_bytes)
 
     def get_weight_version(self, lora_id: int = 0) -> int:
         """The live weights' version (or that of the loaded LoRA adapter `lora_id`)."""

@@ -7,7 +7,8 @@
 Data parallelism: every new request goes to the least-loaded live replica (this frontend's
 requests in flight there, and the queue depths the DP coordinator publishes, when one runs) and
 stays there (aborts, streaming input); the n samples of one prompt go together (they share its
-KV blocks). Control calls go to every live replica; their answers are combined by `combine`.
+KV blocks). Control calls go to every live replica (a first_replica_only verb to the first);
+their answers are combined by `combine`.
 A weight update is two-phase (`weight_update_plan`): every replica stages it, and it goes live
 on all of them only when all staged, under one version.
 
@@ -38,8 +39,8 @@ from engine.process.core_proc import HANDSHAKE_TIMEOUT_MS, engine_identity
 from engine.process.elastic import ElasticScaling
 from engine.process.managers import CoreEngineActorManager, CoreEngineProcManager, EngineWatcher, check_replica_count
 from engine.process.replicas import EngineState
-from engine.process.serial import MsgpackDecoder, MsgpackEncoder
-from engine.process.utility import bind, combine, weight_update_plan
+from engine.serial import MsgpackDecoder, MsgpackEncoder
+from engine.process.utility import bind, combine, replicas_for, weight_update_plan
 from engine.protocol import (DPLoads, EngineAddresses, EngineConnection, EngineCoreOutput, EngineCoreOutputs,
                              EngineCoreRequest, FinishReason, RequestType, StreamInput, UtilityOutput, UtilityRequest)
 
@@ -441,7 +442,7 @@ class SyncMPClient(_MPClientBase, _SyncPlans):
 
     def call_utility_each(self, method: str, *args, timeout: float | None = None, **kwargs) -> list:
         """One answer (or the exception it raised) per live replica, in replica order."""
-        waiters = [self._call(e, method, args, kwargs) for e in self._live()]
+        waiters = [self._call(e, method, args, kwargs) for e in replicas_for(method, self._live())]
         results = []
         for waiter in waiters:
             try:
@@ -594,7 +595,7 @@ class AsyncMPClient(ElasticScaling, _MPClientBase):
     async def call_utility_each_async(self, method: str, *args, timeout: float | None = None, **kwargs) -> list:
         """One answer (or the exception it raised) per live replica, in replica order."""
         await self._ensure_ready()
-        calls = [self._call(e, method, args, kwargs, timeout) for e in self._live()]
+        calls = [self._call(e, method, args, kwargs, timeout) for e in replicas_for(method, self._live())]
         return list(await asyncio.gather(*calls, return_exceptions=True))
 
     async def call_utility_async(self, method: str, *args, timeout: float | None = None, **kwargs) -> Any:

@@ -6,8 +6,10 @@
 `arguments` a Struct whose fields are that method's parameters: a call's positional and keyword
 arguments are bound to it and type-checked where the call arrives (the engine-core process, or
 the core in process), before the method runs, so a malformed call is an InvalidRequestError
-naming the field. `combine` turns the live replicas' answers into one. Nothing outside the
-table is reachable from the wire; a new verb is one entry here and its EngineCore method.
+naming the field. `combine` turns the live replicas' answers into one; a verb marked
+`first_replica_only` goes to the first live replica alone (one replica's answer is the answer:
+saving the weights writes one folder, not one per replica). Nothing outside the table is
+reachable from the wire; a new verb is one entry here and its EngineCore method.
 
 The weight update is the one call made of several (`weight_update_plan`: stage everywhere,
 then commit everywhere or discard everywhere).
@@ -20,6 +22,7 @@ import msgspec
 
 from engine.core.engine_core import stale_version
 from engine.errors import EngineStateError, InvalidRequestError
+from engine.worker.hf_export import DEFAULT_MAX_SHARD_BYTES
 
 
 class _Args(msgspec.Struct, forbid_unknown_fields=True):
@@ -102,6 +105,22 @@ class RPCArgs(_Args):
     kwargs: dict[str, Any] | None = None
 
 
+class SaveWeightsArgs(_Args):
+    folder: str
+    overwrite: bool = False
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+
+
+class SaveShardedStateArgs(_Args):
+    path: str
+    pattern: str | None = None
+    max_size: int | None = None
+
+
+class ApplyModelArgs(_Args):
+    fn: str  # an import path ("package.module:function"): code never travels
+
+
 # ---- how the live replicas' answers become one ----------------------------------------------------
 def first(results: list) -> Any:
     return results[0]
@@ -160,6 +179,7 @@ def combine_stats(stats: list[dict]) -> dict:
 class Utility(NamedTuple):
     arguments: type[_Args]
     combine: Callable[[list], Any] = first
+    first_replica_only: bool = False
 
 
 UTILITIES: dict[str, Utility] = {
@@ -178,6 +198,8 @@ UTILITIES: dict[str, Utility] = {
     "discard_weights": Utility(NoArgs),
     "send_weights_to_peers": Utility(PeersArgs),
     "weights_checksum": Utility(NoArgs, agree),
+    "save_weights": Utility(SaveWeightsArgs, first, first_replica_only=True),
+    "save_sharded_state": Utility(SaveShardedStateArgs, first, first_replica_only=True),
     "get_weight_version": Utility(WeightVersionArgs, agree),
     "set_weight_version": Utility(VersionArgs),
     # caches and stats
@@ -196,7 +218,14 @@ UTILITIES: dict[str, Utility] = {
     "start_profile": Utility(NoArgs),
     "stop_profile": Utility(NoArgs, concat),
     "collective_rpc": Utility(RPCArgs, concat),
+    "apply_model": Utility(ApplyModelArgs, concat),
 }
+
+
+def replicas_for(method: str, live: list) -> list:
+    """The live replicas a call goes to: all, or the first for a first_replica_only verb."""
+    utility = UTILITIES.get(method) if isinstance(method, str) else None
+    return live[:1] if utility is not None and utility.first_replica_only else live
 
 
 def bind(method: str, args: list | tuple, kwargs: dict) -> dict:

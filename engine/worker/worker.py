@@ -6,28 +6,39 @@ the worker extension class named in the config (how RL frameworks add `update_we
 methods), can be called by name. Weight updates come in two calls: stage_weights receives or
 reads the whole update into fresh tensors and checks it, commit_staged copies it in; a failed
 or interrupted update leaves the old weights serving, bit for bit.
+
+With tensor parallelism there is one Worker per rank, each holding its shard. Updates carry full
+Hugging Face tensors (a trainer's own, whatever the engine's layout) and every rank keeps its
+slice as it stages them; reads of the whole weights (checksum, sharing with a new replica) gather
+the slices on rank 0 (`_full_weights`), so their answers are rank 0's.
 """
 import ctypes
 import gc
 import importlib
+import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
 from engine.config import EngineConfig
 from engine.errors import EngineStateError, InvalidRequestError
 from engine.model.decoder import LlamaModel
+from engine.model.parallel import TPGroup, gather_along
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
+from engine.worker.functions import import_function
+from engine.worker.hf_export import DEFAULT_MAX_SHARD_BYTES, check_target, save_hf_folder, write_side_files
 from engine.worker.lora import Adapter, LoRARequest, build_adapter, load_adapter, peft_key
 from engine.worker.model_runner import ModelRunner
+from engine.worker.sharded_state import is_sharded_state, read_rank, save_rank
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0):
+    def __init__(self, config: EngineConfig, rank: int = 0, tp: TPGroup | None = None):
         self.config = config
-        self.rank = rank
-        self.model_runner = ModelRunner(config)
+        self.rank = rank  # tensor-parallel rank in the replica
+        self.model_runner = ModelRunner(config, tp)
         self.transfer_group = None  # weight_sync.WeightTransferGroup while a trainer's group is open
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # sleep level 1 on CUDA
         self._staged: dict[str, torch.Tensor] | None = None  # a checked update waiting for commit_staged
@@ -38,9 +49,13 @@ class Worker:
         return self.model_runner.model
 
     # ---- the step -------------------------------------------------------------------------
-    def initialize_kv_cache(self) -> int:
-        """Allocate the KV cache; returns its number of blocks."""
-        return self.model_runner.init_kv_cache()
+    def kv_cache_blocks(self) -> int:
+        """How many KV cache blocks this rank's memory holds."""
+        return self.model_runner.kv_cache_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int | None = None) -> int:
+        """Allocate the KV cache (`num_blocks`: the same on every rank); returns its number of blocks."""
+        return self.model_runner.init_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
@@ -91,7 +106,7 @@ class Worker:
     def model_info(self) -> dict:
         mc = self.config.model_config
         return {"architecture": mc.architecture, "dtype": self.config.dtype, "device": self.config.device,
-                "num_parameters": sum(v.numel() for _, v in self.model.hf_views())}
+                "num_parameters": sum(math.prod(shape) for shape, _ in self.model.expected_weights().values())}
 
     # ---- weight updates ---------------------------------------------------------------------
     def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
@@ -146,38 +161,42 @@ class Worker:
 
         if self.transfer_group is None:
             raise EngineStateError("no weight transfer group: call init_weight_transfer first")
-        return WeightReceiver(self.transfer_group).receive(model.accepted_weights())
+        return WeightReceiver(self.transfer_group).receive(model.accepted_weights(), select=_shard_selector(model))
 
     def _read_checkpoint(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
         path = self.config.model if source == "reload" else args[0]
+        if is_sharded_state(path):  # this rank's slices as they are
+            return model.checked_local(read_rank(path, self.rank, self.config.tensor_parallel_size), path)
         staged = {}
         for name, t in model.checkpoint_tensors(path):
             model.check_weight(name, tuple(t.shape))
             if not t.is_floating_point():  # a float checkpoint of another precision is cast; this is not one
                 raise InvalidRequestError(f"{name} has dtype {t.dtype} in {path}: weights must be floating point")
-            staged[name] = t.to(model.hf_view(name).dtype)
+            part = model.shard_of(name, t)  # (a slice is copied: the whole tensor is not kept)
+            staged[name] = part.to(model.hf_view(name).dtype, copy=part is not t)
         return staged
 
     def _copy_tensors(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
         staged = {}
         for name, t in args[0]:
             model.check_weight(name, tuple(t.shape), t.dtype)
-            staged[name] = t.detach().to(self.model_runner.device, copy=True)
+            staged[name] = model.shard_of(name, t.detach()).to(self.model_runner.device, copy=True)
         return staged
 
     def _map_shared(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
         from weight_sync.ipc import read_shared
 
-        return read_shared(args[0], self.model_runner.device, check=model.check_weight)
+        return read_shared(args[0], self.model_runner.device, check=model.check_weight, select=_shard_selector(model))
 
     def _receive_from_peer(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
-        """A new data-parallel replica copies a live one (its send_weights_to_peers)."""
+        """A new data-parallel replica copies a live one (its send_weights_to_peers); `rank` is the
+        replica's first (its tensor-parallel ranks follow it)."""
         from weight_sync import WeightReceiver, WeightTransferGroup
 
         master_address, master_port, world_size, rank = args
-        group = WeightTransferGroup(master_address, master_port, rank, world_size, backend=self._backend())
+        group = WeightTransferGroup(master_address, master_port, rank + self.rank, world_size, backend=self._backend())
         try:
-            return WeightReceiver(group).receive(model.expected_weights())
+            return WeightReceiver(group).receive(model.expected_weights(), select=_shard_selector(model))
         finally:
             group.close()
 
@@ -192,7 +211,7 @@ class Worker:
         mc, name = self.config.model_config, old.request.lora_name
         if source == "disk":
             adapter = load_adapter(LoRARequest(name, lora_id, args[0]), mc, self.config.max_lora_rank,
-                                   runner.dtype, runner.device)
+                                   runner.dtype, runner.device, runner.partition)
             self._staged_lora = adapter
             return {"num_tensors": len(adapter.tensors),
                     "num_bytes": sum(t.numel() * t.element_size() for t in adapter.tensors.values())}
@@ -219,19 +238,41 @@ class Worker:
             raise InvalidRequestError("weight update: no tensors")
         tensors = dict(old.tensors)
         tensors.update({peft_key(k): t.to("cpu", torch.float32, copy=True) for k, t in pushed.items()})
-        self._staged_lora = build_adapter(old.request, tensors, old.rank, old.scale, mc, runner.dtype, runner.device)
+        self._staged_lora = build_adapter(old.request, tensors, old.rank, old.scale, mc, runner.dtype, runner.device,
+                                          runner.partition)
         return {"num_tensors": len(pushed), "num_bytes": sum(t.numel() * t.element_size() for t in pushed.values())}
 
     def send_weights_to_peers(self, master_address: str, master_port: int, world_size: int) -> dict:
-        """Broadcast this worker's live weights to new replicas (their stage_weights("peer", ...)):
-        rank 0 of a group of its own, closed afterwards."""
+        """Broadcast the live weights to new replicas (their stage_weights("peer", ...)): rank 0 of a
+        group of its own, closed afterwards (the other tensor-parallel ranks only help gather)."""
         from weight_sync import WeightSender, WeightTransferGroup
 
+        weights = list(self._full_weights())
+        if self.rank != 0:
+            return None
         group = WeightTransferGroup(master_address, master_port, 0, world_size, backend=self._backend())
         try:
-            return WeightSender(group).send(list(self.model.hf_views()))
+            return WeightSender(group).send(weights)
         finally:
             group.close()
+
+    def _full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every HF tensor whole, in one fixed order: the model's own views, or with tensor
+        parallelism the ranks' slices gathered on rank 0. Every rank must run through it (the
+        gathers are collectives); ranks other than 0 yield nothing."""
+        model = self.model
+        if model.tp is None:
+            yield from model.hf_views()
+            return
+        for name, view in model.hf_views():
+            shard = model.hf_shard(name)
+            if shard.dim is None:
+                if self.rank == 0:
+                    yield name, view
+                continue
+            parts = gather_along(model.tp, view.contiguous(), shard.dim, [n for _, n in shard.ranges])
+            if parts is not None:
+                yield name, shard.assemble(parts)
 
     def _backend(self) -> str:
         return "nccl" if self.model_runner.device.type == "cuda" else "gloo"
@@ -259,7 +300,47 @@ class Worker:
     def weights_checksum(self) -> str:
         from weight_sync import weights_checksum
 
-        return weights_checksum(self.model.hf_views())
+        weights = list(self._full_weights())
+        return weights_checksum(weights) if self.rank == 0 else None
+
+    # ---- saving and inspecting the model ---------------------------------------------------
+    def save_weights(self, folder: str, overwrite: bool = False,
+                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict | None:
+        """Write the live weights (pushes included) as a Hugging Face folder that transformers
+        loads (engine/worker/hf_export.py); returns {"path", "files", "bytes", "tensors"}. Every
+        rank checks the target, then goes through the gathers of _full_weights; rank 0 writes and
+        answers."""
+        if self.model is None:
+            raise EngineStateError("the weights were dropped (sleep level 2): push or reload weights before saving")
+        target = check_target(folder, overwrite, [self.config.model, self.config.tokenizer])
+        weights = self._full_weights()
+        try:
+            if self.rank != 0:
+                return None
+            return save_hf_folder(target, weights, self.config.model, self.config.tokenizer, self.config.dtype,
+                                  max_shard_bytes)
+        finally:
+            for _ in weights:  # a failed write still runs the gathers the other ranks wait in
+                pass
+
+    def save_sharded_state(self, path: str, pattern: str | None = None, max_size: int | None = None) -> dict:
+        """This rank's slices of the live weights into `path` (engine/worker/sharded_state.py);
+        rank 0 adds the metadata and the model folder's config and tokenizer files."""
+        if self.model is None:
+            raise EngineStateError("the weights were dropped (sleep level 2): push or reload weights before saving")
+        c = self.config
+        saved = save_rank(path, self.rank, c.tensor_parallel_size, c.dtype, list(self.model.hf_views()), pattern,
+                          max_size)
+        if self.rank == 0:
+            write_side_files(Path(path), c.model, c.tokenizer, c.dtype)
+        return saved
+
+    def apply_model(self, fn: str):
+        """fn(model) on this worker's model (engine.model.decoder.LlamaModel), as vLLM's
+        WorkerBase.apply_model; `fn` is an import path (engine/worker/functions.py), never code."""
+        if self.model is None:
+            raise EngineStateError("the weights were dropped (sleep level 2): wake_up(['weights']) first")
+        return import_function(fn)(self.model)
 
     # ---- sleep / wake -----------------------------------------------------------------------
     def sleep(self, level: int) -> None:
@@ -283,8 +364,7 @@ class Worker:
         runner = self.model_runner
         if "weights" in tags:
             if runner.model is None:  # level 2: fresh (zero) tensors; a push or reload must fill them
-                runner.model = LlamaModel(self.config.model_config, runner.dtype, runner.device,
-                                          self.config.max_model_len, self.config.batch_invariant)
+                runner.model = runner.new_model()
             elif self._offloaded:
                 for t, host in self._offloaded:
                     t.data = host.to(t.device)
@@ -304,6 +384,11 @@ def _tensors(model: LlamaModel) -> list[torch.Tensor]:
             seen.add(id(base))
             out.append(base)
     return out
+
+
+def _shard_selector(model: LlamaModel) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
+    """What a tensor-parallel rank keeps of each full tensor it receives (None: all of it)."""
+    return None if model.tp is None else model.shard_of
 
 
 def _lora_tensor_check(name: str, accepted: dict[str, tuple]) -> Callable:

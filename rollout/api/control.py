@@ -22,9 +22,11 @@
          (no ids: every request in flight)
     POST /collective_rpc {"method", "args", "kwargs", "timeout"} -> {"results": [one per worker]}
          (registered methods only: ServerConfig.rpc_methods; arguments are JSON values)
+    POST /apply_model {"fn": "package.module:function"}  -> {"results": [fn(model), one per worker]}
+         (registered functions only: --apply-model-fn; tensors in a result come back as lists)
     POST /scale {"data_parallel_size", "drain_timeout_s"} -> {"data_parallel_size", "added", "removed"}
          (and vLLM's POST /scale_elastic_ep {"new_data_parallel_size", "drain_timeout"})
-    GET  /get_world_size                                 -> {"world_size": engine workers}
+    GET  /get_world_size?include_dp=                     -> {"world_size": worker ranks, of all replicas or one}
     GET  /server_info                                    -> model, dtype, device, limits, state
 
 Like vLLM's /sleep, a sleep while generating first pauses with `mode`; the wake-up that
@@ -39,8 +41,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse
 
 from rollout.api.errors import APIError, engine_error
-from rollout.api.protocol import (AbortRequestsBody, CollectiveRPCBody, LoadLoRARequest, ScaleBody, ScaleElasticEPBody,
-                                  UnloadLoRARequest)
+from rollout.api.protocol import (AbortRequestsBody, ApplyModelBody, CollectiveRPCBody, LoadLoRARequest, ScaleBody,
+                                  ScaleElasticEPBody, UnloadLoRARequest)
 from rollout.api.state import get_state
 from rollout.log import log
 
@@ -200,6 +202,30 @@ async def collective_rpc(body: CollectiveRPCBody, request: Request):
                         for r in results]}
 
 
+@router.post("/apply_model")
+async def apply_model(body: ApplyModelBody, request: Request):
+    """AsyncLLM.apply_model for the functions the server was started with (--apply-model-fn):
+    a caller names one, never sends code."""
+    state = get_state(request)
+    if not state.config.allows_apply_model(body.fn):
+        raise APIError(403, f"function {body.fn!r} is not registered for /apply_model (registered: "
+                            f"{sorted(state.config.apply_model_fns)}; add more with --apply-model-fn)", "fn")
+    return {"results": [_json_value(r) for r in await call(state.engine.apply_model(body.fn), "fn")]}
+
+
+def _json_value(value):
+    """A worker's result as JSON: tensors as nested lists, other objects by their str()."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    if hasattr(value, "tolist"):  # a tensor (or a numpy array)
+        return value.tolist()
+    return str(value)
+
+
 @router.post("/scale")
 async def scale(body: ScaleBody, request: Request):
     """Grow or shrink the data-parallel replicas (AsyncLLM.scale); a trainer re-runs
@@ -221,6 +247,8 @@ async def scale_elastic_ep(body: ScaleElasticEPBody, request: Request):
 @info_router.get("/get_world_size")
 async def get_world_size(request: Request, include_dp: bool = Query(True)):
     state = get_state(request)
+    if not include_dp:  # (vLLM's: the ranks of one replica)
+        return {"world_size": state.engine.config.tensor_parallel_size}
     return {"world_size": len(await call(state.engine.collective_rpc("get_rank")))}
 
 
@@ -233,5 +261,6 @@ async def server_info(request: Request):
             "weight_version": await call(state.engine.get_weight_version()),
             "is_paused": await call(state.engine.is_paused()), "is_sleeping": await call(state.engine.is_sleeping()),
             "requests_in_flight": len(state.in_flight), "data_parallel_size": cfg.data_parallel_size,
+            "tensor_parallel_size": cfg.tensor_parallel_size,
             "api_server": state.config.api_server_index, "api_server_count": state.config.api_server_count,
             "supported_tasks": list(state.engine.get_supported_tasks())}

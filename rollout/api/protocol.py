@@ -273,6 +273,10 @@ class CollectiveRPCBody(_Strict):
     timeout: float | None = Field(default=None, gt=0)
 
 
+class ApplyModelBody(_Strict):
+    fn: str  # the import path of a function registered with --apply-model-fn
+
+
 class ScaleBody(_Strict):
     data_parallel_size: int = Field(ge=1)
     drain_timeout_s: float = Field(60.0, ge=0)
@@ -333,6 +337,12 @@ class UpdateFromDiskBody(_Strict):
 
 class ReloadWeightsBody(_Strict):
     version: int | None = None
+
+
+class SaveWeightsBody(_Strict):
+    path: str  # a folder on the server's disk
+    overwrite: bool = False
+    max_shard_bytes: int | None = Field(None, ge=1)  # None: the engine's default (5 GB)
 
 
 class UpdateFromIPCBody(_Strict):

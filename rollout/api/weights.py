@@ -17,7 +17,10 @@ start-up checkpoint: after sleep level 2, or to undo pushes), POST /update_weigh
 {"handles", "version"} (a trainer on the same machine: weight_sync.SharedWeights, CUDA IPC on a
 shared GPU or shared memory on CPU), POST /close_weight_transfer,
 GET /weights/version (and vLLM's GET /weight_info), GET /weights/checksum (compare with
-`weight_sync.weights_checksum` on the trainer's tensors to verify a push).
+`weight_sync.weights_checksum` on the trainer's tensors to verify a push), POST /save_weights
+{"path", "overwrite": false, "max_shard_bytes"} (the live weights, pushes included, as a Hugging
+Face folder on the server's disk that transformers loads; 400 for a folder that exists and is
+not empty unless overwrite, and nothing is written then).
 
 Update the weights with generation paused (POST /pause) or idle: the engine refuses (409)
 while requests run. Versions are integers here (vLLM's are strings): a non-integer one is a 400.
@@ -36,7 +39,7 @@ from fastapi import APIRouter, Request
 from rollout.api.cancel import until_disconnect
 from rollout.api.control import call
 from rollout.api.errors import APIError
-from rollout.api.protocol import (FinishWeightUpdateBody, InitWeightTransferBody, ReloadWeightsBody,
+from rollout.api.protocol import (FinishWeightUpdateBody, InitWeightTransferBody, ReloadWeightsBody, SaveWeightsBody,
                                   StartWeightUpdateBody, UpdateFromDiskBody, UpdateFromIPCBody, UpdateWeightsBody)
 from rollout.api.state import ServerState, WeightUpdate, get_state
 from rollout.log import log
@@ -178,6 +181,20 @@ async def _timed_update(state: ServerState, source: str, update, param: str, lor
     if lora_name is not None:
         return dict(result, lora_name=lora_name, message=f"LoRA adapter {lora_name!r} updated")
     return dict(result, message="Weights updated")
+
+
+@router.post("/save_weights")
+async def save_weights(body: SaveWeightsBody, request: Request):
+    """The live weights as a Hugging Face folder (AsyncLLM.save_weights); under the control lock,
+    so no update lands while it is written."""
+    state = get_state(request)
+    limit = {} if body.max_shard_bytes is None else {"max_shard_bytes": body.max_shard_bytes}
+    t0 = time.monotonic()
+    async with state.control_lock:
+        result = await call(state.engine.save_weights(body.path, body.overwrite, **limit), "path")
+    log(f"weights version {result['weight_version']} saved to {result['path']} ({len(result['files'])} file(s), "
+        f"{time.monotonic() - t0:.2f} s)")
+    return dict(result, message="Weights saved")
 
 
 @router.post("/close_weight_transfer")

@@ -8,7 +8,7 @@ import pytest
 
 from engine.core.engine_core import EngineCore
 from engine.errors import EngineStateError, InvalidRequestError
-from engine.process.utility import UTILITIES, bind, combine, weight_update_plan
+from engine.process.utility import UTILITIES, bind, combine, replicas_for, weight_update_plan
 
 
 @pytest.mark.parametrize("name", sorted(UTILITIES))
@@ -52,6 +52,14 @@ def test_answers_combine_as_declared():
     with pytest.raises(EngineStateError, match="disagree on weights_checksum"):
         combine("weights_checksum", ["a", "b"])
     assert combine("get_stats", [{"num_running": 1}])["num_replicas_alive"] == 1
+
+
+def test_save_weights_goes_to_the_first_replica_only():
+    """One folder, written by the first live replica; every other verb reaches them all."""
+    assert replicas_for("save_weights", ["r0", "r1"]) == ["r0"]
+    for method in ("apply_model", "pause_generation", "no_such_verb", None):
+        assert replicas_for(method, ["r0", "r1"]) == ["r0", "r1"]
+    assert combine("apply_model", [[1], [2]]) == [1, 2]  # one result per worker of every replica
 
 
 def test_weight_update_plan_stages_then_commits_or_discards():
