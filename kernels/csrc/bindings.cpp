@@ -57,4 +57,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_vnni_linear", &rollout_vnni::bf16_vnni_linear,
         "x (M, K) @ weight.T + bias in bfloat16 (float32 sums) from bf16_vnni_pack(weight): for "
         "decode steps", py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  // The GIL is released while a call waits for its peers: they may be threads of this process.
+  using rollout_shm::ShmComm;
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+  py::class_<ShmComm>(m, "ShmComm",
+                      "Collectives over a /dev/shm segment shared by the ranks of one machine "
+                      "(see kernels/shm_comm.py)")
+      .def(py::init([](const std::string& name, int64_t rank, int64_t world_size, int64_t slot_bytes,
+                       double timeout_s) {
+             py::gil_scoped_release release;
+             return std::make_unique<ShmComm>(name, rank, world_size, slot_bytes, timeout_s);
+           }),
+           py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("slot_bytes"),
+           py::arg("timeout_s"))
+      .def("all_reduce_", &ShmComm::all_reduce_, "in-place sum over the ranks", py::arg("t"),
+           release_gil())
+      .def("all_gather", &ShmComm::all_gather, "the ranks' tensors concatenated along dim 0",
+           py::arg("t"), release_gil())
+      .def("gather", &ShmComm::gather, "all_gather on dst; None on the other ranks", py::arg("t"),
+           py::arg("dst"), release_gil())
+      .def("barrier", &ShmComm::barrier, release_gil())
+      .def("close", &ShmComm::close)
+      .def_property_readonly("segment_name", &ShmComm::segment_name);
 }

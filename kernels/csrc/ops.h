@@ -1,12 +1,14 @@
 // The C++ CPU ops of the extension module, declared once: defined in paged_attention.cpp,
-// fused_ops.cpp, invariant_ops.cpp and vnni_linear.cpp, bound to Python in bindings.cpp (the
-// module's only PYBIND11_MODULE).
+// fused_ops.cpp, invariant_ops.cpp, vnni_linear.cpp and shm_comm.cpp, bound to Python in
+// bindings.cpp (the module's only PYBIND11_MODULE).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
+#include <string>
 #include <tuple>
 
 // paged_attention.cpp
@@ -55,3 +57,29 @@ at::Tensor bf16_vnni_pack(const at::Tensor& weight);
 at::Tensor bf16_vnni_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                             const std::optional<at::Tensor>& bias);
 }  // namespace rollout_vnni
+
+// shm_comm.cpp: collectives over one /dev/shm segment shared by the ranks of one machine
+// (kernels/shm_comm.py states the contract). Not thread-safe: one caller thread per object.
+namespace rollout_shm {
+class ShmComm {
+ public:
+  // Creates (rank 0) or attaches to (other ranks, waiting for rank 0) the segment of `name`,
+  // then waits until all world_size ranks have joined.
+  ShmComm(const std::string& name, int64_t rank, int64_t world_size, int64_t slot_bytes,
+          double timeout_s);
+  ~ShmComm();
+  ShmComm(const ShmComm&) = delete;
+  ShmComm& operator=(const ShmComm&) = delete;
+
+  void all_reduce_(const at::Tensor& t);  // in-place sum, rank order 0..N-1, float32 sums
+  at::Tensor all_gather(const at::Tensor& t);  // ranks' tensors concatenated along dim 0
+  std::optional<at::Tensor> gather(const at::Tensor& t, int64_t dst);  // the same, on dst only
+  void barrier();
+  void close();  // idempotent; rank 0 or the last rank out unlinks the segment
+  std::string segment_name() const;  // "/rollout-shm-<name>"
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+}  // namespace rollout_shm
