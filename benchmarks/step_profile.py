@@ -71,7 +71,7 @@ def main():
     model_mod.LlamaModel.forward = timed("forward", model_mod.LlamaModel.forward)
     model_mod.LlamaModel.compute_logits = timed("lm_head", model_mod.LlamaModel.compute_logits)
     model_mod.Linear.__call__ = timed("projections", model_mod.Linear.__call__)
-    ops = llm.client.core.executor.workers[0].model.ops  # the per-layer ops the forward pass calls
+    ops = llm.client.core.executor.worker.model.ops  # the per-layer ops the forward pass calls
     for name in ("add_norm", "rope_and_cache", "silu_and_mul"):
         setattr(ops, name, timed("small fused ops", getattr(ops, name)))
     if ops.decode_attention is not None:

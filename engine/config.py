@@ -123,11 +123,17 @@ class EngineConfig:
         on CPU (a full step takes ~0.6 s there for the default model: running requests wait at
         most that long behind a prefill, and a burst of prompts is answered in pieces; 2048 gave a
         ~40% higher mean TTFT under vLLM's bench serve, README), 2048 on CUDA.
-    num_threads: torch threads of an engine core; None = torch's default, or with data
-        parallelism on CPU the cores split evenly between replicas (each replica is then pinned to
-        its own cores: N replicas never oversubscribe the machine).
-    data_parallel_size: engine-core replicas, each with its own scheduler, KV cache and worker;
+    num_threads: torch threads of each worker rank; None = torch's default, or with data or tensor
+        parallelism on CPU the cores split evenly between all ranks of all replicas (each rank is
+        then pinned to its own cores: they never oversubscribe the machine).
+    data_parallel_size: engine-core replicas, each with its own scheduler, KV cache and worker(s);
         data_parallel_backend: "mp" (local processes) or "ray" (Ray actors, any node of a cluster).
+    tensor_parallel_size: worker ranks per replica, each holding a shard of the model (its heads,
+        intermediate columns and vocabulary rows; engine/model/parallel.py) and of the KV cache:
+        rank 0 in the engine-core process, the others in processes of their own
+        (engine/worker/multiproc_executor.py). tensor_parallel_transport: how the ranks all-reduce:
+        "auto" (shared memory between CPU ranks when the C++ kernels build, NCCL on CUDA), "shm",
+        "gloo", "nccl" (benchmarks/allreduce.py compares them).
     max_data_parallel_size: the most replicas start-up or scale() may ask for. None = what the
         machine holds: one replica per num_threads cores on CPU (at least one core each), one
         per GPU on CUDA, the Ray cluster's CPUs / GPUs under Ray. Setting it replaces that
@@ -165,6 +171,8 @@ class EngineConfig:
     tokenizer: str | None = None
     worker_extension_cls: str | None = None
     data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    tensor_parallel_transport: str = "auto"
     data_parallel_backend: str = "mp"
     data_parallel_rank: int = 0  # set per replica by the process / actor manager
     max_data_parallel_size: int | None = None
@@ -241,25 +249,41 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     def _check_scale_out(self) -> None:
-        """Replica count and backend; the cores split between local CPU replicas by default."""
-        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be a positive int, got {self.data_parallel_size!r}")
+        """Replica count, ranks per replica and backend; the cores split between local CPU ranks by default."""
+        for name in ("data_parallel_size", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.tensor_parallel_transport not in ("auto", "shm", "gloo", "nccl"):
+            raise ValueError(f"tensor_parallel_transport must be 'auto', 'shm', 'gloo' or 'nccl', got "
+                             f"{self.tensor_parallel_transport!r}")
+        if self.tensor_parallel_size > 1 and self.data_parallel_backend == "ray" and self.device.startswith("cuda"):
+            raise ValueError("tensor parallelism under the Ray backend runs on CPU only for now (the rank processes "
+                             "would not see the GPUs Ray gives the engine-core actor): use the mp backend")
+        if self.tensor_parallel_size > 1 and self.batch_invariant:
+            raise ValueError("batch_invariant needs tensor_parallel_size 1 (the trainer's recompute has no "
+                             "all-reduce to match)")
         if self.max_data_parallel_size is not None and (not isinstance(self.max_data_parallel_size, int)
                                                         or self.max_data_parallel_size < 1):
             raise ValueError(f"max_data_parallel_size must be a positive int, got {self.max_data_parallel_size!r}")
         if self.data_parallel_backend not in ("mp", "ray"):
             raise ValueError(f"data_parallel_backend must be 'mp' or 'ray', got {self.data_parallel_backend!r}")
-        if self.num_threads is None and self.data_parallel_size > 1 and self.device == "cpu":
-            self.num_threads = max(1, len(available_cpus()) // self.data_parallel_size)
+        ranks = self.data_parallel_size * self.tensor_parallel_size
+        if self.num_threads is None and ranks > 1 and self.device == "cpu":
+            self.num_threads = max(1, len(available_cpus()) // ranks)
 
-    def replica_cpus(self) -> list[int] | None:
-        """The cores this replica is pinned to (local CPU data parallelism, when they divide evenly;
-        under Ray, Ray places the replicas)."""
+    def init_fields(self) -> dict:
+        """The constructor's arguments that make this config again (what travels to other processes)."""
+        return {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "model_config"}
+
+    def rank_cpus(self, tp_rank: int = 0) -> list[int] | None:
+        """The cores worker rank `tp_rank` of this replica is pinned to (local CPU data or tensor
+        parallelism, when the cores divide evenly; under Ray, Ray places the replicas)."""
         cpus = available_cpus()
-        n, t = self.data_parallel_size, self.num_threads
+        n, t = self.data_parallel_size * self.tensor_parallel_size, self.num_threads
         if self.device != "cpu" or n == 1 or not t or n * t > len(cpus) or self.data_parallel_backend == "ray":
             return None
-        r = self.data_parallel_rank % n
+        r = (self.data_parallel_rank % self.data_parallel_size) * self.tensor_parallel_size + tp_rank
         return cpus[r * t:(r + 1) * t]
 
     @property

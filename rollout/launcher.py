@@ -138,7 +138,7 @@ def _start_server(config: ServerConfig, index: int, connection, fd: int, ready_f
 def read_api_server_spec(spec_json: str):
     """In API-server process k (rollout.server.run_api_server): what _start_server handed it, as
     (config, engine connection, the inherited socket, the ready callback). It dies with the launcher."""
-    from engine.process.core_proc import die_with_parent
+    from engine.lifetime import die_with_parent
     from engine.protocol import EngineConnection
 
     spec = json.loads(spec_json)

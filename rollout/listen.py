@@ -42,6 +42,8 @@ def banner(config: ServerConfig, model: str, url: str, engine_config, max_model_
     auth = " (API key required)" if config.api_key else ""
     n, k = engine_config.data_parallel_size, config.api_server_count
     servers = f", {k} API servers" if k > 1 else ""
+    tp = engine_config.tensor_parallel_size
+    ranks = f" of {tp} tensor-parallel ranks" if tp > 1 else ""
     return (f"[rollout] serving {model} on {url}{auth}\n"
-            f"[rollout] {engine_config.dtype} on {engine_config.device}, {n} replica{'s' if n > 1 else ''}{servers}, "
+            f"[rollout] {engine_config.dtype} on {engine_config.device}, {n} replica{'s' if n > 1 else ''}{ranks}{servers}, "
             f"max_model_len {max_model_len}; Ctrl-C (or SIGTERM) stops it")

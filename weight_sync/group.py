@@ -1,4 +1,5 @@
-"""A stateless process group joining a trainer (rank 0) and engine workers (ranks 1..N).
+"""A stateless process group joining a trainer (rank 0) and engine workers (ranks 1..N) (the
+tensor-parallel ranks of one engine replica also talk over one when they cannot share memory).
 
 "Stateless": it never touches torch.distributed's default group (`init_process_group`), so a
 trainer that runs its own FSDP/DDP group and an engine that runs its own tensor-parallel group
@@ -199,6 +200,19 @@ class WeightTransferGroup:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         self._run("all_reduce", lambda: self._pg.allreduce(t, dist.ReduceOp.MAX, self.timeout))
         return int(t.item())
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place sum over all ranks (every rank gets the same bits); returns `tensor`."""
+        self._run("all_reduce", lambda: self._pg.allreduce([tensor], dist.AllreduceOptions()))
+        return tensor
+
+    def gather(self, tensor: torch.Tensor, dst: int = 0) -> list[torch.Tensor] | None:
+        """Every rank's `tensor` (same shape and dtype on all) on rank `dst`, in rank order; None elsewhere."""
+        outs = [[torch.empty_like(tensor) for _ in range(self.world_size)]] if self.rank == dst else []
+        opts = dist.GatherOptions()
+        opts.rootRank = dst
+        self._run("gather", lambda: self._pg.gather(outs, [tensor.contiguous()], opts))
+        return outs[0] if outs else None
 
     def barrier(self) -> None:
         self.all_reduce_max(0)

@@ -118,33 +118,35 @@ class SharedWeights:
         self.close()
 
 
-def read_shared(handles: dict, device: torch.device, check: Callable | None = None) -> dict[str, torch.Tensor]:
+def read_shared(handles: dict, device: torch.device, check: Callable | None = None,
+                select: Callable | None = None) -> dict[str, torch.Tensor]:
     """The engine's side: fresh copies on `device` of the tensors behind the handles. `check(name,
-    shape, dtype)` runs for every tensor before anything is copied (raise to refuse the push)."""
+    shape, dtype)` runs for every tensor before anything is copied (raise to refuse the push);
+    `select(name, tensor)`: the part of each to copy (a tensor-parallel rank's slice)."""
     if not isinstance(handles, dict) or handles.get("kind") not in ("cuda", "shm") \
             or not isinstance(handles.get("tensors"), list):
         raise ValueError('IPC handles must be {"kind": "cuda" | "shm", "tensors": [...]} (from SharedWeights)')
     if handles["kind"] == "cuda":
         named = [(m["name"], _load_cuda(m["handle"])) for m in handles["tensors"]]
-        return _checked_copies(named, device, check)
+        return _checked_copies(named, device, check, select)
     shm = _attach(str(handles.get("shm")))
     try:
         named = list(_views(shm, handles["tensors"]))
-        out = _checked_copies(named, device, check)
+        out = _checked_copies(named, device, check, select)
         del named
     finally:
         shm.close()
     return out
 
 
-def _checked_copies(named, device, check) -> dict[str, torch.Tensor]:
+def _checked_copies(named, device, check, select=None) -> dict[str, torch.Tensor]:
     names = [n for n, _ in named]
     if len(set(names)) != len(names):
         raise ValueError("a tensor name appears twice in the handles")
     if check is not None:
         for n, t in named:
             check(n, tuple(t.shape), t.dtype)
-    return {n: t.to(device, copy=True) for n, t in named}
+    return {n: (t if select is None else select(n, t)).to(device, copy=True) for n, t in named}
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:

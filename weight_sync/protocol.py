@@ -29,7 +29,7 @@ receiver that raises returns nothing: the caller's live weights are untouched by
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import msgspec
@@ -273,6 +273,11 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+def _kept(select: Callable[[str, torch.Tensor], torch.Tensor], name: str, t: torch.Tensor) -> torch.Tensor:
+    part = select(name, t)
+    return part if part is t else part.clone()  # a copy: the bucket buffer can go
+
+
 class WeightReceiver:
     """Ranks 1..N of a `WeightTransferGroup`: receives one push at a time."""
 
@@ -281,13 +286,16 @@ class WeightReceiver:
         self.group = group
         self.last_stats: dict = {}
 
-    def receive(self, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+    def receive(self, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                select: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Receive one push, checked against `expected` (name -> (shape, dtype) of the model).
 
         Returns name -> tensor for the pushed names only (a subset push is legal), once every
         rank has confirmed the push complete. Tensors are fresh (views into per-bucket buffers,
-        on `group.device`); the caller swaps them in. Raises `WeightTransferError` with the
-        reason if this receiver refuses, another rank refuses or fails, or the transport fails.
+        on `group.device`); the caller swaps them in. `select(name, tensor)`: the part of each
+        tensor to keep (a tensor-parallel rank's slice), taken as its bucket arrives so that no
+        receiver holds the whole push. Raises `WeightTransferError` with the reason if this
+        receiver refuses, another rank refuses or fails, or the transport fails.
         """
         t0 = time.perf_counter()
         header = self._recv_header()
@@ -311,6 +319,8 @@ class WeightReceiver:
                         flat = torch.empty(_nbytes(m), dtype=torch.uint8, device=self.group.device)
                         out[m.name] = flat.view(dtype).view(m.shape)
                     self.group.broadcast(flat[b.piece_start : b.piece_start + b.nbytes])
+                    if select is not None and b.piece_start + b.nbytes == _nbytes(m):  # its last piece
+                        out[m.name] = _kept(select, m.name, out[m.name])
                     continue
                 buf = torch.empty(b.nbytes, dtype=torch.uint8, device=self.group.device)
                 if b.nbytes:
@@ -318,6 +328,8 @@ class WeightReceiver:
                 for i, offset in zip(b.indices, b.offsets):
                     m = header.tensors[i]
                     out[m.name] = buf[offset : offset + _nbytes(m)].view(dtype).view(m.shape)
+                    if select is not None:
+                        out[m.name] = _kept(select, m.name, out[m.name])
         except WeightTransferError:
             raise
         except BaseException as e:  # the sender would block on us: break the group so it fails now

@@ -8,6 +8,11 @@ any write to the plain tensors.
 
 The forward pass takes a flat batch of T tokens from many sequences (see engine/model/attention.py)
 and avoids nn.Module: at this model size per-op overhead is the enemy.
+
+With tensor parallelism (`tp`, engine/model/parallel.py) the model holds one rank's shard: its
+heads, intermediate columns and vocabulary rows. HF names still name full tensors: a rank's view
+of one is its slice (`hf_view`), `expected_weights` gives the full shapes a trainer sends, and
+`shard_of` cuts a rank's slice out of a full tensor.
 """
 from typing import Iterator
 
@@ -17,6 +22,7 @@ import torch.nn.functional as F
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, UnsupportedModelError
 from engine.model.attention import AttentionMetadata, attention
+from engine.model.parallel import Partition, Shard, TPGroup, gather_along
 from engine.model.vision import VisionEncoder
 from kernels import cpu_ext
 from kernels.activation import silu_and_mul
@@ -109,16 +115,25 @@ class LayerOps:
 
 class LlamaModel:
     def __init__(self, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, tp: TPGroup | None = None):
         self.mc, self.dtype, self.device = mc, dtype, device
-        H, D, I = mc.hidden_size, mc.head_dim, mc.intermediate_size
-        self.q_size, self.kv_size = mc.num_heads * D, mc.num_kv_heads * D
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        size, rank = (tp.size, tp.rank) if self.tp else (1, 0)
+        self.partitions = [Partition.of(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, mc.vocab_size, size, r)
+                           for r in range(size)]
+        self.part = part = self.partitions[rank]
+        if self.tp is not None and mc.vision:
+            raise UnsupportedModelError("tensor parallelism does not cover vision-language models yet: "
+                                        "tensor_parallel_size must be 1")
+        H, D, I = mc.hidden_size, mc.head_dim, part.intermediate[1]
+        self.num_heads, self.num_kv_heads = part.q_heads[1], part.kv_heads[1]  # this rank's
+        self.q_size, self.kv_size = self.num_heads * D, self.num_kv_heads * D
         self.scale = D ** -0.5
 
         def vec(n, fill=0.0):
             return torch.full((n,), fill, dtype=dtype, device=device)
 
-        self.embed = torch.zeros(mc.vocab_size, H, dtype=dtype, device=device)
+        self.embed = torch.zeros(part.vocab[1], H, dtype=dtype, device=device)
         self.layers = []
         for _ in range(mc.num_layers):
             layer = Layer()
@@ -131,7 +146,7 @@ class LlamaModel:
             self.layers.append(layer)
         self.norm = vec(H)
         # a causal LM's vocabulary head, or a sequence classifier's label head (`score`)
-        self.lm_head = None if mc.num_labels else Linear(mc.vocab_size, H, False, dtype, device)
+        self.lm_head = None if mc.num_labels else Linear(part.vocab[1], H, False, dtype, device)
         self.score = Linear(mc.num_labels, H, False, dtype, device) if mc.num_labels else None
         if self.lm_head is not None and mc.tie_word_embeddings:
             self.lm_head.weight = self.embed
@@ -161,45 +176,75 @@ class LlamaModel:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + heads
 
     # ---- weights, by Hugging Face names -------------------------------------------------
-    def _hf_name_map(self) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """HF name -> (tensor, first row, number of rows) of the fused tensor it lives in."""
-        q, kv, inter, pre = self.q_size, self.kv_size, self.mc.intermediate_size, self.mc.text_prefix
-        m = {pre + "embed_tokens.weight": (self.embed, 0, self.embed.shape[0]),
-             pre + "norm.weight": (self.norm, 0, self.norm.shape[0])}
+    def _hf_name_map(self) -> dict[str, tuple[torch.Tensor, int, int, Shard]]:
+        """HF name -> (tensor, first row, number of rows) of the fused tensor it lives in, and which
+        slice of the full HF tensor each rank holds."""
+        q, kv, inter, pre = self.q_size, self.kv_size, self.part.intermediate[1], self.mc.text_prefix
+        D, parts = self.mc.head_dim, self.partitions
+        whole = Shard()
+        if self.tp is None:
+            by_q = by_kv = by_inter = by_vocab = whole
+            col_q = col_inter = whole
+        else:
+            by_q = Shard(0, tuple((s * D, n * D) for s, n in (p.q_heads for p in parts)))
+            by_kv = Shard(0, tuple((s * D, n * D) for s, n in (p.kv_heads for p in parts)))
+            by_inter = Shard(0, tuple(p.intermediate for p in parts))
+            by_vocab = Shard(0, tuple(p.vocab for p in parts))
+            col_q, col_inter = Shard(1, by_q.ranges), Shard(1, by_inter.ranges)
+
+        def full(t: torch.Tensor, shard: Shard = whole) -> tuple:
+            return t, 0, t.shape[0], shard
+
+        m = {pre + "embed_tokens.weight": full(self.embed, by_vocab), pre + "norm.weight": full(self.norm)}
         if self.vision is not None:
-            m.update((name, (t, 0, t.shape[0])) for name, t in self.vision.tensors.items())
+            m.update((name, full(t)) for name, t in self.vision.tensors.items())
         if self.score is not None:
-            m["score.weight"] = (self.score.weight, 0, self.mc.num_labels)
+            m["score.weight"] = full(self.score.weight)
         elif not self.mc.tie_word_embeddings:
-            m["lm_head.weight"] = (self.lm_head.weight, 0, self.mc.vocab_size)
+            m["lm_head.weight"] = full(self.lm_head.weight, by_vocab)
         for i, layer in enumerate(self.layers):
             p = f"{pre}layers.{i}."
-            m[p + "input_layernorm.weight"] = (layer.input_norm, 0, layer.input_norm.shape[0])
-            m[p + "post_attention_layernorm.weight"] = (layer.post_norm, 0, layer.post_norm.shape[0])
-            for name, start, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
-                m[p + f"self_attn.{name}.weight"] = (layer.qkv.weight, start, rows)
+            m[p + "input_layernorm.weight"] = full(layer.input_norm)
+            m[p + "post_attention_layernorm.weight"] = full(layer.post_norm)
+            for name, start, rows, shard in (("q_proj", 0, q, by_q), ("k_proj", q, kv, by_kv),
+                                             ("v_proj", q + kv, kv, by_kv)):
+                m[p + f"self_attn.{name}.weight"] = (layer.qkv.weight, start, rows, shard)
                 if layer.qkv.bias is not None:
-                    m[p + f"self_attn.{name}.bias"] = (layer.qkv.bias, start, rows)
+                    m[p + f"self_attn.{name}.bias"] = (layer.qkv.bias, start, rows, shard)
             if layer.q_norm is not None:
-                m[p + "self_attn.q_norm.weight"] = (layer.q_norm, 0, layer.q_norm.shape[0])
-                m[p + "self_attn.k_norm.weight"] = (layer.k_norm, 0, layer.k_norm.shape[0])
-            m[p + "self_attn.o_proj.weight"] = (layer.o.weight, 0, layer.o.weight.shape[0])
-            m[p + "mlp.gate_proj.weight"] = (layer.gate_up.weight, 0, inter)
-            m[p + "mlp.up_proj.weight"] = (layer.gate_up.weight, inter, inter)
-            m[p + "mlp.down_proj.weight"] = (layer.down.weight, 0, layer.down.weight.shape[0])
+                m[p + "self_attn.q_norm.weight"] = full(layer.q_norm)
+                m[p + "self_attn.k_norm.weight"] = full(layer.k_norm)
+            m[p + "self_attn.o_proj.weight"] = full(layer.o.weight, col_q)
+            m[p + "mlp.gate_proj.weight"] = (layer.gate_up.weight, 0, inter, by_inter)
+            m[p + "mlp.up_proj.weight"] = (layer.gate_up.weight, inter, inter, by_inter)
+            m[p + "mlp.down_proj.weight"] = full(layer.down.weight, col_inter)
         return m
 
     def hf_view(self, name: str) -> torch.Tensor:
-        """The in-place view of one HF parameter; KeyError for a name the model does not have."""
-        tensor, start, rows = self._hf[name]
+        """The in-place view of one HF parameter (this rank's slice of it); KeyError for a name
+        the model does not have."""
+        tensor, start, rows, _ = self._hf[name]
         return tensor.narrow(0, start, rows)
 
     def hf_views(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every HF parameter's view: the full tensors, or with tensor parallelism this rank's
+        slices (engine/worker/worker.py's full_weights gathers them)."""
         for name in self._hf:
             yield name, self.hf_view(name)
 
+    def hf_shard(self, name: str) -> Shard:
+        return self._hf[name][3]
+
+    def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full HF tensor `name` (a view; the tensor itself without
+        tensor parallelism). A tied model's pushed lm_head.weight is cut like the embedding."""
+        if name == "lm_head.weight" and name not in self._hf:
+            name = self.mc.text_prefix + "embed_tokens.weight"
+        return self._hf[name][3].of(full, self.part.rank)
+
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {name: (tuple(v.shape), v.dtype) for name, v in self.hf_views()}
+        """HF name -> (shape, dtype) of the full tensors a trainer pushes."""
+        return {name: (self.hf_shard(name).full_shape(tuple(v.shape)), v.dtype) for name, v in self.hf_views()}
 
     def accepted_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """What a push may carry: the model's tensors, and for tied embeddings the copy of
@@ -229,8 +274,9 @@ class LlamaModel:
         if name not in self._hf:
             raise InvalidRequestError(f"unknown parameter {name!r} (this model has no such tensor)")
         view = self.hf_view(name)
-        if tuple(shape) != tuple(view.shape):
-            raise InvalidRequestError(f"{name} has shape {list(shape)}, expected {list(view.shape)}")
+        want = self.hf_shard(name).full_shape(tuple(view.shape))
+        if tuple(shape) != want:
+            raise InvalidRequestError(f"{name} has shape {list(shape)}, expected {list(want)}")
         if dtype is not None and dtype != view.dtype:
             raise InvalidRequestError(f"{name} has dtype {dtype}, expected {view.dtype}")
 
@@ -250,12 +296,33 @@ class LlamaModel:
         try:
             for name, t in self.checkpoint_tensors(path):
                 self.check_weight(name, tuple(t.shape))
-                self.hf_view(name).copy_(t)
+                self.hf_view(name).copy_(self.shard_of(name, t))
                 missing.discard(name)
         except (InvalidRequestError, ValueError, FileNotFoundError) as e:
             raise UnsupportedModelError(f"{path}: {e}") from e
         if missing:
             raise UnsupportedModelError(f"{path}: missing tensors, e.g. {sorted(missing)[:3]}")
+        self.repack()
+
+    def checked_local(self, tensors: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+        """Tensors that are this rank's slices already (a sharded_state folder), each checked
+        against its view; every one of the model's must be there."""
+        missing = sorted(set(self._hf) - set(tensors))
+        if missing:
+            raise UnsupportedModelError(f"{source}: missing tensors, e.g. {missing[:3]}")
+        for name, t in tensors.items():
+            if name not in self._hf:
+                raise UnsupportedModelError(f"{source}: unknown tensor {name!r}")
+            view = self.hf_view(name)
+            if t.shape != view.shape:
+                raise UnsupportedModelError(f"{source}: {name} has shape {list(t.shape)}, this rank holds "
+                                            f"{list(view.shape)}")
+        return {name: t.to(self.dtype) for name, t in tensors.items()}
+
+    def load_local(self, tensors: dict[str, torch.Tensor], source: str) -> None:
+        """Load this rank's slices in place (start-up from a sharded_state folder)."""
+        for name, t in self.checked_local(tensors, source).items():
+            self.hf_view(name).copy_(t)
         self.repack()
 
     def drop_packed(self) -> None:
@@ -279,17 +346,17 @@ class LlamaModel:
         """input_ids, positions: (T,). Returns the final-normed hidden states (T, hidden).
         lora: the step's engine.worker.lora.LoRABatch (adds each token's adapter delta to the projections).
         mm: (rows, embeddings): the vision encoder's outputs replace those rows' token embeddings."""
-        mc = self.mc
+        mc, tp = self.mc, self.tp
         T = input_ids.shape[0]
         q_size, D, eps = self.q_size, mc.head_dim, mc.rms_norm_eps
-        Hq, Hkv = mc.num_heads, mc.num_kv_heads
+        Hq, Hkv = self.num_heads, self.num_kv_heads
         slots, cos_sin, scale, window = md.slot_mapping, self.cos_sin, self.scale, mc.sliding_window
         ops = self.ops
         add_norm, rope, silu = ops.add_norm, ops.rope_and_cache, ops.silu_and_mul
         decode = ops.decode_attention if md.num_decodes == T else None  # the whole step is decodes
         assert decode is not None or not self.batch_invariant, "batch-invariant steps are all decode rows"
         table, lens = md.decode_block_table, md.decode_seq_lens
-        h = F.embedding(input_ids, self.embed)  # (T, H)
+        h = F.embedding(input_ids, self.embed) if tp is None else self._embed_sharded(input_ids)  # (T, H)
         if mm is not None:
             h.index_copy_(0, mm[0], mm[1].to(h.dtype))
         residual = None
@@ -304,9 +371,11 @@ class LlamaModel:
                 a = decode(q, k_cache, v_cache, table, lens, scale, window or 0).view(T, q_size)
             else:
                 a = attention(q, k_cache, v_cache, md, scale, window)
-            h = layer.o(a)  # (T, H)
+            h = layer.o(a)  # (T, H); with tp a partial sum (LoRA's delta included: it is linear in a)
             if lora is not None:
                 lora.apply(i, "o", a, h)
+            if tp is not None:
+                tp.all_reduce_(h)
             x, residual = add_norm(h, residual, layer.post_norm, eps)
             gate_up = layer.gate_up(x)
             if lora is not None:
@@ -315,16 +384,34 @@ class LlamaModel:
             h = layer.down(act)
             if lora is not None:
                 lora.apply(i, "down", act, h)
+            if tp is not None:
+                tp.all_reduce_(h)
         return add_norm(h, residual, self.norm, eps)[0]
+
+    def _embed_sharded(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel embedding: each rank looks up the ids in its rows, zeros elsewhere,
+        and the all-reduce adds the one non-zero row of every token."""
+        start, count = self.part.vocab
+        local = input_ids - start
+        outside = (local < 0) | (local >= count)
+        h = F.embedding(local.masked_fill(outside, 0), self.embed)
+        h.masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce_(h)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """(N, hidden) pooled states -> (N, num_labels) label logits (a sequence classifier's head)."""
         return self.score(pooled)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """(N, hidden) -> (N, vocab) in the model's dtype (the sampler reads bf16 as it is when
-        it can, and converts to float32 where it computes more than an argmax)."""
-        return self.lm_head(hidden)
+        it can, and converts to float32 where it computes more than an argmax). With tensor
+        parallelism every rank computes its vocabulary columns and rank 0 gathers them (it alone
+        samples); the other ranks get None."""
+        logits = self.lm_head(hidden)
+        if self.tp is None:
+            return logits
+        parts = gather_along(self.tp, logits, 1, [p.vocab[1] for p in self.partitions])
+        return None if parts is None else torch.cat(parts, dim=1)
 
 
 _MKLDNN_OK: dict[torch.dtype, bool] = {}

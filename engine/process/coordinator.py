@@ -18,12 +18,12 @@ there is nothing to keep in lockstep (vLLM makes the same choice for dense model
 """
 import os
 import subprocess
-import sys
 import time
 
 import msgspec
 import zmq
 
+from engine.lifetime import child_argv, child_env
 from engine.protocol import DPLoads, EngineLoad
 
 PUBLISH_INTERVAL_S = 0.02
@@ -46,8 +46,7 @@ class DPCoordinator:
             self.frontend_address = f"tcp://{host}:{find_free_port(host)}"
         entry = (f"from engine.process.coordinator import run_coordinator; "
                  f"run_coordinator({self.engine_address!r}, {self.frontend_address!r}, {os.getpid()})")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.proc = subprocess.Popen([sys.executable, "-c", entry], stdin=subprocess.DEVNULL, env=env)
+        self.proc = subprocess.Popen(child_argv(entry, os.getpid()), stdin=subprocess.DEVNULL, env=child_env())
 
     def is_alive(self) -> bool:
         return self.proc.poll() is None
@@ -63,7 +62,7 @@ class DPCoordinator:
 
 
 def run_coordinator(engine_address: str, frontend_address: str, parent_pid: int) -> None:
-    from engine.process.core_proc import die_with_parent
+    from engine.lifetime import die_with_parent
 
     die_with_parent(parent_pid)
     ctx = zmq.Context()

@@ -15,7 +15,6 @@ the GIL). Startup handshake over a separate DEALER (identity = engine index): HE
 with its parent (PR_SET_PDEATHSIG, plus a parent-pid watchdog), so no orphan is left behind.
 """
 import contextlib
-import ctypes
 import logging
 import os
 import queue
@@ -32,14 +31,14 @@ import zmq
 from engine.config import EngineConfig
 from engine.core.engine_core import Deferred, EngineCore
 from engine.errors import InvalidRequestError
-from engine.process.serial import MsgpackDecoder, MsgpackEncoder
+from engine.lifetime import PARENT_DEATH_SIGNAL, die_with_parent
+from engine.serial import MsgpackDecoder, MsgpackEncoder
 from engine.process.utility import bind
 from engine.protocol import (EngineAddresses, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineLoad,
                              FinishReason, Heartbeat, Hello, Ready, RequestType, Startup, StreamInput, UtilityOutput,
                              UtilityRequest)
 
 DEFERRED_POLL_S = 0.005
-PARENT_DEATH_SIGNAL = signal.SIGUSR1  # not SIGTERM: that one means a normal stop
 logger = logging.getLogger("engine")
 HANDSHAKE_TIMEOUT_MS = 30_000
 TO_COORDINATOR = -1  # output-queue destination of load reports
@@ -86,29 +85,6 @@ def run_engine_core(handshake_address: str, parent_pid: int, engine_index: int =
     EngineCoreProc(core, ctx, startup.addresses, engine_index).run()
 
 
-def die_with_parent(parent_pid: int, on_death=None) -> None:
-    """Exit when the parent process dies (`on_death()` first, if given: it must exit). Linux
-    sends SIGKILL, or PARENT_DEATH_SIGNAL when `on_death` is given (the caller's handler for it
-    must call on_death); a watchdog thread covers the rest."""
-    death_signal = signal.SIGKILL if on_death is None else PARENT_DEATH_SIGNAL
-    on_death = on_death or (lambda: os._exit(1))
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, death_signal)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-    def watchdog():
-        while True:
-            if os.getppid() != parent_pid:
-                on_death()
-            threading.Event().wait(1.0)
-
-    threading.Thread(target=watchdog, daemon=True, name="parent-watchdog").start()
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        on_death()
-
-
 class EngineCoreProc:
     def __init__(self, core: EngineCore, ctx: zmq.Context, addresses: EngineAddresses, engine_index: int = 0):
         self.core = core
@@ -122,6 +98,7 @@ class EngineCoreProc:
         self.deferred: list[tuple[int, int, Deferred]] = []  # (frontend, call id, answer once it holds)
         self._last_load: tuple[int, int] | None = None
         self.busy: tuple[str, float] | None = None  # (what, since when) the busy loop is doing; None: idle
+        core.executor.on_death = self._die  # a tensor-parallel rank that dies ends the replica
         threading.Thread(target=self._input_thread, daemon=True, name="core-input").start()
         threading.Thread(target=self._output_thread, daemon=True, name="core-output").start()
         threading.Thread(target=self._heartbeat_thread, daemon=True, name="core-heartbeat").start()
@@ -219,11 +196,16 @@ class EngineCoreProc:
                 if self.addresses.coordinator:
                     self._report_load()
         except BaseException as e:  # a bug in a step: every caller must learn it, now
-            msg = f"engine core {self.engine_index} died: {type(e).__name__}: {e}"
-            logger.error("%s\n%s", msg, traceback.format_exc())
-            self.output_queue.put((0, EngineCoreOutputs(engine_dead=msg)))
-            threading.Event().wait(2.0)  # let the output thread flush
-            os._exit(1)
+            logger.error("%s", traceback.format_exc())
+            self._die(f"{type(e).__name__}: {e}")
+
+    def _die(self, why: str) -> None:
+        """Tell every frontend, then exit (from any thread)."""
+        msg = f"engine core {self.engine_index} died: {why}"
+        logger.error("%s", msg)
+        self.output_queue.put((0, EngineCoreOutputs(engine_dead=msg)))
+        threading.Event().wait(2.0)  # let the output thread flush
+        os._exit(1)
 
     def _idle_timeout(self) -> float | None:
         """None (block) unless a call waits on a thread (poll it) or a pause's deadline is due."""

@@ -87,11 +87,13 @@ class ElasticScaling:
             await self._await_registrations({engine_identity(i) for i in new})
             host = await self._call(source, "collective_rpc", (), {"method": "node_ip_address"}, None)
             port = find_free_port(host[0])
+            tp = self.config.tensor_parallel_size  # every rank of a new replica receives (rank 1 + j * tp + its own)
+            world = 1 + n * tp
             copies = [self._call(self.engines[i], "stage_weights", (),
-                                {"source": "peer", "args": [host[0], port, n + 1, j + 1]}, None)
+                                {"source": "peer", "args": [host[0], port, world, 1 + j * tp]}, None)
                       for j, i in enumerate(new)]
             await asyncio.gather(self._call(source, "send_weights_to_peers", (),
-                                                 {"master_address": host[0], "master_port": port, "world_size": n + 1},
+                                                 {"master_address": host[0], "master_port": port, "world_size": world},
                                                  None),
                                  *copies)
             loras = await self._call(source, "export_loras", (), {}, None)

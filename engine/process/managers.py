@@ -37,6 +37,7 @@ import zmq
 
 from engine.config import EngineConfig, available_cpus
 from engine.errors import EngineStartError, InvalidRequestError
+from engine.lifetime import child_argv, child_env
 from engine.process.core_proc import HANDSHAKE_TIMEOUT_MS
 from engine.protocol import EngineAddresses, Hello, Ready, Startup
 
@@ -52,8 +53,7 @@ class StartCancelled(EngineStartError):
 
 def replica_config(config: EngineConfig, rank: int) -> dict:
     """The init fields of the EngineConfig of the replica in slot `rank` (what travels in the handshake)."""
-    fields = {f: getattr(config, f) for f in config.__dataclass_fields__ if f != "model_config"}
-    return dict(fields, data_parallel_rank=rank)
+    return dict(config.init_fields(), data_parallel_rank=rank)
 
 
 def replica_limit(config: EngineConfig) -> tuple[int, str]:
@@ -63,6 +63,8 @@ def replica_limit(config: EngineConfig) -> tuple[int, str]:
     if config.max_data_parallel_size is not None:
         return config.max_data_parallel_size, "max_data_parallel_size (--max-data-parallel-size)"
     on_gpu = config.device.startswith("cuda")
+    tp = config.tensor_parallel_size
+    gpus_each, threads = tp, (config.num_threads or 1) * tp
     if config.data_parallel_backend == "ray":
         import ray
 
@@ -70,14 +72,15 @@ def replica_limit(config: EngineConfig) -> tuple[int, str]:
             return sys.maxsize, ""
         have = ray.cluster_resources()
         if on_gpu:
-            return int(have.get("GPU", 0)), f"the Ray cluster's {have.get('GPU', 0):g} GPU(s), one per replica"
-        threads = config.num_threads or 1
+            return int(have.get("GPU", 0) // gpus_each), (f"the Ray cluster's {have.get('GPU', 0):g} GPU(s), "
+                                                          f"{gpus_each} per replica")
         return int(have.get("CPU", 0) // threads), f"the Ray cluster's {have.get('CPU', 0):g} CPU(s), {threads} per replica"
     if on_gpu:
         import torch
 
-        return torch.cuda.device_count(), f"this machine's {torch.cuda.device_count()} GPU(s), one per replica"
-    cores, threads = len(available_cpus()), config.num_threads or 1
+        count = torch.cuda.device_count()
+        return count // gpus_each, f"this machine's {count} GPU(s), {gpus_each} per replica"
+    cores = len(available_cpus())
     return max(cores // threads, 1), f"this machine's {cores} CPU core(s), {threads} per replica"
 
 
@@ -104,13 +107,6 @@ def available_memory() -> int:
     return free
 
 
-# The child's first statements: die with the parent (PR_SET_PDEATHSIG = 1) before the seconds of
-# imports, during which nothing else would notice the parent's death.
-_BOOTSTRAP = ("import ctypes, os, signal; ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL); "
-              "os.getppid() == {parent} or os._exit(1); "
-              "from engine.process.core_proc import run_engine_core; run_engine_core({handshake!r}, {parent}, {index})")
-
-
 class CoreEngineProcManager:
     def __init__(self, config: EngineConfig, addresses: EngineAddresses, on_death: Callable[[int, str], None],
                  indices: list[int] | None = None):
@@ -132,15 +128,14 @@ class CoreEngineProcManager:
         hs = zmq.Context.instance().socket(zmq.ROUTER)
         hs.setsockopt(zmq.LINGER, 0)
         hs.bind(handshake)
-        # the children import what this process can (worker extensions, an uninstalled checkout)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        env = child_env()
         started = {}
         try:
             for i in indices:
                 self._check_not_cancelled()
-                entry = _BOOTSTRAP.format(parent=os.getpid(), handshake=handshake, index=i)
+                entry = f"from engine.process.core_proc import run_engine_core; run_engine_core({handshake!r}, {os.getpid()}, {i})"
                 with self._lock:
-                    started[i] = self._starting[i] = subprocess.Popen([sys.executable, "-c", entry],
+                    started[i] = self._starting[i] = subprocess.Popen(child_argv(entry, os.getpid()),
                                                                       stdin=subprocess.DEVNULL, env=env)
             readies = self._handshake(hs, started, dict(zip(indices, ranks or indices)))
         except BaseException:
@@ -316,7 +311,10 @@ class CoreEngineActorManager:
         actors, groups = self._starting_actors, {}
         try:
             for i in indices:
-                groups[i] = placement_group([bundle], strategy="STRICT_PACK", name=f"rollout-replica-{i}-{os.getpid()}")
+                # one bundle per tensor-parallel rank, on one node (the ranks share memory and ipc
+                # sockets); the actor is rank 0 in bundle 0, its rank processes use the others'
+                groups[i] = placement_group([bundle] * self.config.tensor_parallel_size, strategy="STRICT_PACK",
+                                            name=f"rollout-replica-{i}-{os.getpid()}")
             ray.get([g.ready() for g in groups.values()], timeout=STARTUP_TIMEOUT_S)
             for i in indices:
                 strategy = PlacementGroupSchedulingStrategy(groups[i], placement_group_bundle_index=0)

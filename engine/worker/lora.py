@@ -22,6 +22,12 @@ folders, evicting the least recently used one that is neither pinned nor running
 unregistered id is an InvalidRequestError ("not loaded"); one that could never get a slot (every
 slot pinned) is an EngineStateError, and so is a pin that would leave requests no slot.
 
+With tensor parallelism each rank fuses its slice of an adapter, cut like its base projection
+(engine/model/parallel.py): lora_B by output rows where the projection is column-parallel (q, k, v,
+gate, up), lora_A by input columns where it is row-parallel (o, down). A row-parallel delta
+(x_r A_r) B is then a partial sum like the projection's own output, and the one all-reduce after
+it adds both. The adapter's PEFT tensors stay whole on every rank (pushes and exports name them).
+
 Refused with an InvalidRequestError naming the problem (nothing is loaded): a missing folder or
 file, weights that are not safetensors, another PEFT method or DoRA, biases, rank above
 max_lora_rank, per-module rank or alpha patterns, modules the engine has no place for (embeddings,
@@ -39,6 +45,7 @@ from safetensors.torch import load_file
 
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
+from engine.model.parallel import Partition
 
 
 class LoRARequest(msgspec.Struct, frozen=True):
@@ -69,16 +76,39 @@ class Adapter:
     scale: float
 
 
-def module_shapes(mc: ModelConfig) -> dict[str, tuple[int, int, int]]:
-    """HF module -> (first output row in its fused projection, out_features, in_features)."""
-    H, inter = mc.hidden_size, mc.intermediate_size
-    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+def module_shapes(mc: ModelConfig, part: Partition | None = None) -> dict[str, tuple[int, int, int]]:
+    """HF module -> (first output row in its fused projection, out_features, in_features), of the
+    whole model or of one tensor-parallel rank's `part`."""
+    H, inter, q, kv = _sizes(mc, part)
     return {"q_proj": (0, q, H), "k_proj": (q, kv, H), "v_proj": (q + kv, kv, H), "o_proj": (0, H, q),
             "gate_proj": (0, inter, H), "up_proj": (inter, inter, H), "down_proj": (0, H, inter)}
 
 
+def _sizes(mc: ModelConfig, part: Partition | None) -> tuple[int, int, int, int]:
+    """(hidden, intermediate, q rows, kv rows) of the whole model or of one rank."""
+    if part is None:
+        return mc.hidden_size, mc.intermediate_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    return mc.hidden_size, part.intermediate[1], part.q_heads[1] * mc.head_dim, part.kv_heads[1] * mc.head_dim
+
+
+def _rank_slice(module: str, ab: str, t: torch.Tensor, mc: ModelConfig, part: Partition | None) -> torch.Tensor:
+    """A rank's slice of one PEFT tensor (see the module docstring)."""
+    if part is None or not part.sharded:
+        return t
+    D = mc.head_dim
+    rows = {"q_proj": (part.q_heads[0] * D, part.q_heads[1] * D), "k_proj": (part.kv_heads[0] * D, part.kv_heads[1] * D),
+            "v_proj": (part.kv_heads[0] * D, part.kv_heads[1] * D), "gate_proj": part.intermediate,
+            "up_proj": part.intermediate}
+    cols = {"o_proj": (part.q_heads[0] * D, part.q_heads[1] * D), "down_proj": part.intermediate}
+    if ab == "B" and module in rows:
+        return t.narrow(0, *rows[module])
+    if ab == "A" and module in cols:
+        return t.narrow(1, *cols[module])
+    return t
+
+
 def load_adapter(request: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> Adapter:
+                 device: torch.device, part: Partition | None = None) -> Adapter:
     def bad(problem: str) -> InvalidRequestError:
         return InvalidRequestError(f"LoRA adapter {request.lora_name!r} ({request.lora_path}): {problem}", "lora_path")
 
@@ -118,7 +148,7 @@ def load_adapter(request: LoRARequest, mc: ModelConfig, max_rank: int, dtype: to
     for key, t in tensors.items():
         if tuple(t.shape) != shapes[key]:
             raise bad(f"{key} has shape {list(t.shape)}, expected {list(shapes[key])}")
-    return build_adapter(request, {k: t.float() for k, t in tensors.items()}, rank, scale, mc, dtype, device)
+    return build_adapter(request, {k: t.float() for k, t in tensors.items()}, rank, scale, mc, dtype, device, part)
 
 
 def adapter_shapes(tensors: dict, mc: ModelConfig, rank: int, bad) -> dict[str, tuple]:
@@ -146,24 +176,26 @@ def peft_key(name: str) -> str:
 
 
 def build_adapter(request: LoRARequest, tensors: dict[str, torch.Tensor], rank: int, scale: float,
-                  mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> Adapter:
-    """Fuse checked float32 PEFT tensors (adapter_shapes) into the per-layer projections."""
-    shapes = module_shapes(mc)
+                  mc: ModelConfig, dtype: torch.dtype, device: torch.device, part: Partition | None = None) -> Adapter:
+    """Fuse checked float32 PEFT tensors (adapter_shapes) into the per-layer projections (of one
+    tensor-parallel rank's `part`: its slices)."""
+    shapes = module_shapes(mc, part)
     parts: list[dict[str, list]] = [{} for _ in range(mc.num_layers)]  # fused -> [(row, A, B)]
     pairs = sorted({(int(m.group(1)), m.group(2), key[:-len("A.weight")]) for key in tensors
                     if (m := _KEY.match(key)) and m.group(3) == "A"},
                    key=lambda p: (p[0], list(MODULES).index(p[1])))
     for layer, module, prefix in pairs:
-        A, B = tensors[prefix + "A.weight"], tensors[prefix + "B.weight"]
+        A = _rank_slice(module, "A", tensors[prefix + "A.weight"], mc, part)
+        B = _rank_slice(module, "B", tensors[prefix + "B.weight"], mc, part)
         parts[layer].setdefault(MODULES[module], []).append((shapes[module][0], A, B * scale))
-    widths = fused_widths(mc)
+    widths = fused_widths(mc, part)
     fused = [{name: _fuse(ps, widths[name], dtype, device) for name, ps in layer.items()} for layer in parts]
     return Adapter(request, fused, tensors, rank, scale)
 
 
-def fused_widths(mc: ModelConfig) -> dict[str, int]:
-    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-    return {"qkv": q + 2 * kv, "o": mc.hidden_size, "gate_up": 2 * mc.intermediate_size, "down": mc.hidden_size}
+def fused_widths(mc: ModelConfig, part: Partition | None = None) -> dict[str, int]:
+    H, inter, q, kv = _sizes(mc, part)
+    return {"qkv": q + 2 * kv, "o": H, "gate_up": 2 * inter, "down": H}
 
 
 def _fuse(parts: list, width: int, dtype, device) -> Fused:

@@ -6,6 +6,10 @@
 It owns the model weights, the KV cache tensors and each request's sampling state (params,
 seeded generator, prompt-logprob progress); everything else it reads from the SchedulerOutput.
 It never imports the scheduler or the KV block manager.
+
+With tensor parallelism every rank runs this same step on the same SchedulerOutput (its shard of
+the model, its kv heads of the cache); only rank 0 gets the gathered logits, so only rank 0
+samples and computes logprobs, and its output is the step's.
 """
 import bisect
 from collections import OrderedDict
@@ -17,11 +21,13 @@ from engine.config import EngineConfig
 from engine.errors import EngineStateError
 from engine.model.attention import AttentionMetadata, per_token_decode_rows, step_metadata
 from engine.model.decoder import LlamaModel
+from engine.model.parallel import TPGroup
 from engine.protocol import MMFeature
 from engine.sampling_params import SamplingParams
 from engine.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.worker.lora import Adapter, LoRABatch, LoRARequest, load_adapter
 from engine.worker.profiler import phase
+from engine.worker.sharded_state import is_sharded_state, read_rank
 from kernels.sampling import SamplingMetadata, log_softmax, sample
 
 GiB = 1 << 30
@@ -58,19 +64,24 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None):
         self.config = config
+        self.tp = tp
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
-        mc = config.model_config
         if self.device.type == "cpu":
             from kernels import cpu_ext
 
             cpu_ext.load()  # build the C++ kernels now (once per machine), not in the first request
-        self.model: LlamaModel | None = LlamaModel(mc, self.dtype, self.device, config.max_model_len,
-                                                   config.batch_invariant)
-        self.model.load_weights(config.model)
+        self.model: LlamaModel | None = self.new_model()
+        if is_sharded_state(config.model):
+            self.model.load_local(read_rank(config.model, self.model.part.rank, config.tensor_parallel_size),
+                                  config.model)
+        else:
+            self.model.load_weights(config.model)
+        self.partition = self.model.part  # this rank's share of the model (and of LoRA adapters, KV heads)
+        self.num_kv_heads = self.model.num_kv_heads
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)  # unseeded requests
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_cache: torch.Tensor | None = None
@@ -85,27 +96,39 @@ class ModelRunner:
         self.encoder_cache_rows = 0
         self.encoder_cache_hits = self.encoder_cache_queries = 0
 
-    # ---- KV cache -----------------------------------------------------------------------
-    def kv_cache_bytes(self) -> int:
+    def new_model(self) -> LlamaModel:
+        """The model's tensors, zero (load_weights or a weight push fills them)."""
         c = self.config
-        if c.kv_cache_memory is not None:
-            return int(c.kv_cache_memory)
-        if self.device.type == "cpu":
-            return CPU_DEFAULT_KV_CACHE_MEMORY
-        free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        activations = 2 * c.max_num_batched_tokens * c.model_config.vocab_size * 4  # logits dominate
-        return max(int(total * c.gpu_memory_utilization) - used - activations, 0)
+        return LlamaModel(c.model_config, self.dtype, self.device, c.max_model_len, c.batch_invariant, self.tp)
 
-    def init_kv_cache(self) -> int:
-        """Allocate the cache; returns the number of blocks. Pages are touched only as used (CPU)."""
+    # ---- KV cache -----------------------------------------------------------------------
+    def kv_cache_blocks(self) -> int:
+        """How many blocks this rank's memory holds. kv_cache_memory and the CPU default are the
+        replica's (all ranks' heads), as without tensor parallelism; on CUDA each rank's device
+        holds its own heads (the executor takes the least of the ranks)."""
+        c, bs = self.config, self.block_size
+        if c.kv_cache_memory is not None or self.device.type == "cpu":
+            per_block = c.kv_bytes_per_token() * bs
+            budget = int(c.kv_cache_memory) if c.kv_cache_memory is not None else CPU_DEFAULT_KV_CACHE_MEMORY
+        else:
+            mc = c.model_config
+            per_block = mc.num_layers * 2 * self.num_kv_heads * mc.head_dim * self.dtype.itemsize * bs
+            free, total = torch.cuda.mem_get_info(self.device)
+            activations = 2 * c.max_num_batched_tokens * mc.vocab_size * 4  # logits dominate
+            budget = max(int(total * c.gpu_memory_utilization) - (total - free) - activations, 0)
+        if budget < per_block:
+            raise ValueError(f"kv_cache_memory too small: one block needs {per_block} bytes")
+        return budget // per_block
+
+    def init_kv_cache(self, num_blocks: int | None = None) -> int:
+        """Allocate the cache (`num_blocks`, or as many as kv_cache_blocks() the first time);
+        returns the number of blocks. Pages are touched only as used (CPU)."""
         mc, bs = self.config.model_config, self.block_size
+        if num_blocks is not None:
+            self.num_blocks = num_blocks
         if not self.num_blocks:
-            per_block = self.config.kv_bytes_per_token() * bs
-            self.num_blocks = self.kv_cache_bytes() // per_block
-            if self.num_blocks < 1:
-                raise ValueError(f"kv_cache_memory too small: one block needs {per_block} bytes")
-        self.kv_cache = torch.empty(mc.num_layers, 2, self.num_blocks, bs, mc.num_kv_heads, mc.head_dim,
+            self.num_blocks = self.kv_cache_blocks()
+        self.kv_cache = torch.empty(mc.num_layers, 2, self.num_blocks, bs, self.num_kv_heads, mc.head_dim,
                                     dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         return self.num_blocks
@@ -135,6 +158,8 @@ class ModelRunner:
             if len(inputs.logit_rows) < hidden.shape[0]:
                 hidden = hidden[torch.tensor(inputs.logit_rows, dtype=torch.int64, device=self.device)]
             logits = self.model.compute_logits(hidden)  # (len(logit_rows), V) in the model's dtype
+        if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
+            return out
         with phase("sample"):
             if inputs.prompt_rows:
                 self.compute_prompt_logprobs(logits, inputs.prompt_rows, out)
@@ -278,7 +303,7 @@ class ModelRunner:
             raise EngineStateError("LoRA is off: start the engine with enable_lora=True (--enable-lora)")
         if request.lora_int_id in self.loras:
             return False
-        adapter = load_adapter(request, c.model_config, c.max_lora_rank, self.dtype, self.device)
+        adapter = load_adapter(request, c.model_config, c.max_lora_rank, self.dtype, self.device, self.partition)
         if len(self.loras) >= c.max_loras:
             victim = next((i for i in self.loras if i not in keep), None)
             if victim is None:

@@ -9,7 +9,15 @@ class MemoryProbe:
         return cache.numel() * cache.element_size()
 
     def weight_bytes(self) -> int:
+        """This rank's weights (0 while dropped by a level-2 sleep)."""
+        if self.model is None:
+            return 0
         return sum(v.numel() * v.element_size() for _, v in self.model.hf_views())
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
 
     def rss_bytes(self) -> int:
         with open("/proc/self/status") as f:

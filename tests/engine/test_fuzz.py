@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.errors import InvalidRequestError
-from engine.process.serial import MsgpackDecoder, MsgpackEncoder
+from engine.serial import MsgpackDecoder, MsgpackEncoder
 from engine.protocol import EngineCoreRequest, StreamInput, UtilityRequest
 from engine.sampling_params import SamplingParams
 

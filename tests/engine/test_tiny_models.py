@@ -176,7 +176,7 @@ def test_triton_kernels_in_the_engine_match_hf(tiny, monkeypatch):
     from kernels import triton_attention, triton_norm, triton_rotary
 
     name, _, llm, prompts, refs = tiny
-    ops = llm.client.core.executor.workers[0].model.ops
+    ops = llm.client.core.executor.worker.model.ops
     monkeypatch.setattr(attention, "paged_prefill_attention", triton_attention.paged_prefill_attention)
     monkeypatch.setattr(attention, "paged_decode_attention", triton_attention.paged_decode_attention)
     monkeypatch.setattr(ops, "decode_attention", None)  # all-decode steps through attention() too
