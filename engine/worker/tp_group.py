@@ -23,7 +23,8 @@ class TPSetup(msgspec.Struct, frozen=True):
     master_address: str  # the rendezvous (every transport forms a gloo/nccl group there first)
     master_port: int
     shm_name: str = ""
-    timeout_s: float = 600.0
+    # joining, and any one collective (a dead peer is noticed at once: closed socket, or its pid)
+    timeout_s: float = 120.0
 
 
 class ProcessGroupTP:

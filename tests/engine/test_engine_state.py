@@ -208,11 +208,13 @@ def test_held_and_frozen_requests_make_no_progress(core):
 
 
 def _control_methods(cls) -> set[str]:
-    # scale, cancel_scale and has_request: online verbs (an offline LLM has nothing in flight between
-    # generate() calls: build it with the data_parallel_size it needs); generate and encode take a
-    # batch offline and one prompt (with a request id) online, as vLLM's do
+    # scale, cancel_scale, has_request and wait_for_requests_to_drain: online verbs (an offline LLM
+    # has nothing in flight between generate() calls: build it with the data_parallel_size it
+    # needs); generate and encode take a batch offline and one prompt (with a request id) online,
+    # as vLLM's do
     return {n for n, f in inspect.getmembers(cls, callable) if not n.startswith("_")} - {
-        "generate", "encode", "chat", "abort", "shutdown", "scale", "cancel_scale", "has_request"}
+        "generate", "encode", "chat", "abort", "shutdown", "scale", "cancel_scale", "has_request",
+        "wait_for_requests_to_drain"}
 
 
 def test_llm_and_async_llm_have_the_same_control_methods():

@@ -28,7 +28,7 @@ from tests.engine.hf_reference import CHATS, chat_token_ids, load_hf
 from tests.engine.hf_reference import hf_greedy as hf_greedy_real
 from tests.engine.perturb import hf_model_with, perturbed_state
 from tests.engine.test_tiny_models import PARAMS, build_model, compare, hf_greedy, make_prompts
-from weight_sync import WeightTransferError, find_free_port, weights_checksum
+from weight_sync import SharedWeights, WeightTransferError, find_free_port, weights_checksum
 
 EXT = "tests.engine.rl_worker_ext.MemoryProbe"
 
@@ -132,7 +132,8 @@ def test_tp2_push_lands_on_every_shard_and_a_bad_one_on_none(tiny_tp2):
         reference.tie_weights()
     refs = [hf_greedy(reference, p) for p in prompts[:3]]
     compare(name, prompts[:3], refs, llm.generate(prompts[:3], PARAMS, use_tqdm=False))
-    llm.update_weights_from_tensors(state.items(), version=2)  # back, for the module's other tests
+    with SharedWeights() as shared:  # back, for the module's other tests, through shared memory
+        llm.update_weights_from_ipc(shared.share(state.items()), version=2)
     assert llm.weights_checksum() == before
 
 
@@ -388,3 +389,52 @@ def test_ray_replica_of_two_ranks(tiny_folder):
     local, _ = asyncio.run(run())
     on_ray, bundles = asyncio.run(run(data_parallel_backend="ray"))
     assert on_ray == local and bundles == [2]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_only_its_replica(tiny_folder):
+    """-dp 2 -tp 2 (cores oversubscribed on purpose): kill -9 of replica 0's rank 1 fails that
+    replica's callers with EngineDeadError within 5 s, replica 1 serves on, and no process of
+    replica 0 is left."""
+    from engine import EngineDeadError
+
+    async def main(llm):
+        pids = await llm.collective_rpc("pid")  # replica 0: rank 0 (its engine core), rank 1; replica 1: ...
+        assert len(set(pids)) == 4
+        p = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+        results: dict = {}
+
+        async def collect(i):
+            try:
+                async for out in llm.generate([100 + i] * 6, p, request_id=f"r{i}"):
+                    results[i] = out
+            except EngineDeadError as e:
+                results[i] = e
+
+        tasks = [asyncio.ensure_future(collect(i)) for i in range(4)]
+        while len(results) < 4:
+            await asyncio.sleep(0.02)
+        victims = [i for i in range(4) if llm.client.owner[f"r{i}"].index == 0]
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        while not all(isinstance(results[i], EngineDeadError) for i in victims):
+            assert time.monotonic() - t0 < 5, "the replica's callers did not learn of the dead rank within 5 s"
+            await asyncio.sleep(0.02)
+        assert not any(isinstance(results[i], Exception) for i in range(4) if i not in victims)
+        out = None
+        async for out in llm.generate([5] * 6, PARAMS):  # new requests go to the survivor
+            pass
+        assert out.outputs[0].finish_reason == "length"
+        await llm.abort([f"r{i}" for i in range(4)])
+        await asyncio.gather(*tasks)
+        return pids
+
+    llm = AsyncLLM(tiny_folder, dtype="float32", tokenizer=str(default_model_path()), data_parallel_size=2,
+                   tensor_parallel_size=2, max_data_parallel_size=2, kv_cache_memory=32 << 20,
+                   worker_extension_cls=EXT)
+    try:
+        pids = asyncio.run(main(llm))
+    finally:
+        llm.shutdown()
+    time.sleep(1.0)
+    assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}")], "a rank survived"
