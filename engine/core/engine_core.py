@@ -99,12 +99,14 @@ def stale_version(version: int, live: int) -> EngineStateError | None:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        # the other tensor-parallel ranks start first: they inherit this process's cores, and must
+        # see all of them to pin themselves to theirs
+        self.executor = MultiprocExecutor(config) if config.tensor_parallel_size > 1 else InprocExecutor(config)
         cpus = config.rank_cpus(0)
         if cpus is not None:  # a data- or tensor-parallel rank on its own cores
             os.sched_setaffinity(0, cpus)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.executor = MultiprocExecutor(config) if config.tensor_parallel_size > 1 else InprocExecutor(config)
         num_blocks = self.executor.initialize_kv_cache()
         capacity = num_blocks * config.block_size
         if capacity < config.max_model_len:
