@@ -105,7 +105,8 @@ class EngineCore:
         # see all of them to pin themselves to theirs
         self.executor = MultiprocExecutor(config) if config.tensor_parallel_size > 1 else InprocExecutor(config)
         cpus = config.rank_cpus(0)
-        if cpus is not None:  # a data- or tensor-parallel rank on its own cores
+        self._cpus_before = os.sched_getaffinity(0) if cpus is not None else None  # restored at shutdown:
+        if cpus is not None:  # a data- or tensor-parallel rank on its own cores (an in-process core pins its caller)
             os.sched_setaffinity(0, cpus)
         num_blocks = self.executor.initialize_kv_cache()
         capacity = num_blocks * config.block_size
@@ -644,3 +645,5 @@ class EngineCore:
     def shutdown(self) -> None:
         self.scheduler.abort(list(self.scheduler.requests))
         self.executor.shutdown()
+        if self._cpus_before is not None:
+            os.sched_setaffinity(0, self._cpus_before)
