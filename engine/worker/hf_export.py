@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.worker.sharded_state import METADATA as SHARDED_STATE_METADATA
 from weight_sync.checkpoint import save_safetensors_folder
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # huggingface_hub's MAX_SHARD_SIZE ("5GB")
@@ -81,7 +82,7 @@ def write_side_files(folder: Path, model_folder: str, tokenizer_folder: str | No
 def _copy_side_files(source: Path, staging: Path) -> None:
     """Every top-level file of the model folder but its weights, config.json and hidden files."""
     for f in sorted(source.iterdir()):
-        if f.is_file() and f.name not in ("config.json", "sharded_state.json") and not f.name.startswith(".") \
+        if f.is_file() and f.name not in ("config.json", SHARDED_STATE_METADATA) and not f.name.startswith(".") \
                 and not f.name.endswith(_WEIGHT_SUFFIXES):
             shutil.copyfile(f, staging / f.name)
 

@@ -19,8 +19,8 @@ EXT = "tests.engine.rl_worker_ext.MemoryProbe"
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-def start_trainer(port: int, mode: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.engine.trainer_proc", str(port), mode],
+def start_trainer(port: int, mode: str, world_size: int = 2) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.engine.trainer_proc", str(port), mode, str(world_size)],
                             stdout=subprocess.PIPE, text=True)
 
 
@@ -43,11 +43,12 @@ def prompts(default_model_path):
     return chat_token_ids(AutoTokenizer.from_pretrained(default_model_path), CHATS[:3])
 
 
-def push(llm, mode: str, version=None):
-    """Trainer process + engine through one push; returns (engine result or exception, trainer)."""
+def push(llm, mode: str, version=None, world_size: int = 2, timeout_s: float = 20):
+    """Trainer process + engine (world_size - 1 worker ranks) through one push; returns (engine
+    result or exception, trainer)."""
     port = find_free_port()
-    trainer = start_trainer(port, mode)
-    llm.init_weight_transfer("127.0.0.1", port, 2, timeout_s=20)
+    trainer = start_trainer(port, mode, world_size)
+    llm.init_weight_transfer("127.0.0.1", port, world_size, timeout_s=timeout_s)
     try:
         result = llm.update_weights(version=version)
     except Exception as e:  # noqa: BLE001 - the test inspects it

@@ -6,11 +6,8 @@ matmul does, so float32 logits move by ~1e-6 relative; greedy tokens are compare
 flip is reported with HF's top-2 margin where it happened (tests.engine.test_tiny_models.compare).
 """
 import asyncio
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -27,8 +24,9 @@ from engine.worker.lora import LoRARequest
 from tests.engine.hf_reference import CHATS, chat_token_ids, load_hf
 from tests.engine.hf_reference import hf_greedy as hf_greedy_real
 from tests.engine.perturb import hf_model_with, perturbed_state
+from tests.engine.test_rl_control import push
 from tests.engine.test_tiny_models import PARAMS, build_model, compare, hf_greedy, make_prompts
-from weight_sync import SharedWeights, WeightTransferError, find_free_port, weights_checksum
+from weight_sync import SharedWeights, WeightTransferError, weights_checksum
 
 EXT = "tests.engine.rl_worker_ext.MemoryProbe"
 
@@ -203,22 +201,6 @@ def test_a_killed_rank_ends_the_replica_and_leaves_no_process(tmp_path):
 
 
 # ---- the real model, in engine-core processes -------------------------------------------------
-def push_from_trainer(llm, mode: str, world_size: int, version=None):
-    """A real trainer process (tests.engine.trainer_proc) pushes the perturbed default model over gloo."""
-    port = find_free_port()
-    trainer = subprocess.Popen([sys.executable, "-m", "tests.engine.trainer_proc", str(port), mode, str(world_size)],
-                               stdout=subprocess.PIPE, text=True)
-    llm.init_weight_transfer("127.0.0.1", port, world_size, timeout_s=30)
-    try:
-        result = llm.update_weights(version=version)
-    except Exception as e:  # noqa: BLE001 - the test inspects it
-        result = e
-    finally:
-        llm.close_weight_transfer()
-    out, _ = trainer.communicate(timeout=120)
-    return result, json.loads(out.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
 def real_tp2():
     llm = LLM(dtype="float32", tensor_parallel_size=2, worker_extension_cls=EXT, kv_cache_memory=256 << 20)
@@ -253,10 +235,10 @@ def test_real_model_tp2_matches_transformers_then_takes_a_trainer_push(real_tp2,
     assert_matches_hf(llm.generate(chats, params, use_tqdm=False),
                       hf_greedy_real(load_hf(default_model_path), chats, 16), "tp2")
     base = llm.weights_checksum()
-    result, trainer = push_from_trainer(llm, "wrong_shape", 3)
+    result, trainer = push(llm, "wrong_shape", world_size=3, timeout_s=30)
     assert isinstance(result, WeightTransferError) and "shape" in str(result), result
     assert llm.weights_checksum() == base and llm.get_weight_version() == 0
-    result, trainer = push_from_trainer(llm, "full", 3, version=1)
+    result, trainer = push(llm, "full", version=1, world_size=3, timeout_s=30)
     assert trainer["ok"], trainer
     assert llm.weights_checksum() == trainer["checksum"]
     pushed = hf_model_with(default_model_path, perturbed_state(default_model_path))

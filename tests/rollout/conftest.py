@@ -30,6 +30,23 @@ def start_server(*extra: str) -> ServerProcess:
                  "--profiler-dir", PROFILER_DIR, *extra, log_path=log.name, cwd=REPO_ROOT, timeout_s=STARTUP_TIMEOUT_S)
 
 
+def tiny_model_folder(folder: Path, default_model_path: str) -> str:
+    """A tiny random Llama (2 layers, hidden 64) with the default model's tokenizer, saved in
+    `folder`: for servers whose tests need a model, not its quality."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                                                 num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                                 max_position_embeddings=256)).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(default_model_path) / name, Path(folder) / name)
+    return str(folder)
+
+
 def wandb_history(wandb_dir) -> list[dict]:
     """The history rows of the one offline W&B run under `wandb_dir` (read with wandb's own reader
     of its transaction log, as `rollout dashboard` reads them)."""

@@ -1,29 +1,20 @@
 """/health sees an engine core that is alive but stuck: a real `rollout serve` (a tiny random
 Llama) whose engine sits in one long worker call past --engine-stall-timeout-s answers 503
 naming the call, and 200 again once the call returns; the server keeps serving."""
-import shutil
 import threading
 import time
-from pathlib import Path
 
 import httpx
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from rollout.subprocess_server import served
+from tests.rollout.conftest import tiny_model_folder
 
 EXT = "tests.engine.worker_ext.TestWorkerExtension"
 
 
 def test_health_is_503_while_the_engine_is_stuck(tmp_path, default_model_path):
-    folder = tmp_path / "tiny"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
-                                                 num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                                                 max_position_embeddings=256)).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(default_model_path) / name, folder / name)
-    with served(str(folder), "--dtype", "float32", "--engine-stall-timeout-s", "2", "--worker-extension-cls", EXT,
+    folder = tiny_model_folder(tmp_path / "tiny", default_model_path)
+    with served(folder, "--dtype", "float32", "--engine-stall-timeout-s", "2", "--worker-extension-cls", EXT,
                 "--collective-rpc-method", "sleep_for",
                 log_path=tmp_path / "serve.log") as server:
         url = server.url

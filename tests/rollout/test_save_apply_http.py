@@ -10,16 +10,13 @@ The engine-level contracts (and the vLLM sources they follow) are in
 tests/engine/test_save_weights.py and tests/engine/test_apply_model.py.
 """
 import asyncio
-import shutil
-from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from rollout.client import AsyncRolloutClient, RolloutAPIError, RolloutClient
 from rollout.subprocess_server import served
+from tests.rollout.conftest import tiny_model_folder
 from tests.engine import model_fns
 from tests.engine.hf_reference import hf_greedy, load_hf
 from tests.engine.perturb import perturbed_state
@@ -33,14 +30,8 @@ GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, default_model_path):
-    folder = tmp_path_factory.mktemp("tiny_served")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
-                                                 num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                                                 max_position_embeddings=256)).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(default_model_path) / name, folder / name)
-    with served(str(folder), "--dtype", "float32", "--api-key", USER, "--admin-api-key", ADMIN,
+    folder = tiny_model_folder(tmp_path_factory.mktemp("tiny_served"), default_model_path)
+    with served(folder, "--dtype", "float32", "--api-key", USER, "--admin-api-key", ADMIN,
                 "--apply-model-fn", NUM_LAYERS, "--apply-model-fn", SUMMARY,
                 log_path=tmp_path_factory.mktemp("logs") / "serve.log") as s:
         s.model_folder = str(folder)
