@@ -13,8 +13,9 @@ from engine.errors import (EngineDeadError, EngineStartError, EngineStateError, 
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.llm import LLM
 from engine.frontend.outputs import CompletionOutput, RequestOutput
+from engine.process.replicas import Route
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-           "StreamingInput", "EngineDeadError", "EngineStartError", "EngineStateError", "InvalidRequestError",
+           "StreamingInput", "Route", "EngineDeadError", "EngineStartError", "EngineStateError", "InvalidRequestError",
            "UnsupportedModelError"]

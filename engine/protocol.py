@@ -48,6 +48,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     streaming: bool = False  # more input chunks may follow (StreamInput), until one says final
     lora_id: int = 0  # the LoRA adapter (add_lora's lora_int_id) it runs with; 0 = the base model
     mm_features: list[MMFeature] | None = None  # the prompt's images (a vision-language model)
+    cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share blocks
 
 
 class StreamInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -90,8 +90,7 @@ class KVCacheManager:
         toks = req.all_token_ids
         while len(h) < num_full_blocks:
             i = len(h)
-            # a LoRA adapter changes the KV of every token: its id seeds the chain
-            parent = h[-1] if h else (("lora", req.lora_id) if req.lora_id else None)
+            parent = h[-1] if h else req.hash_seed
             key = (parent, tuple(toks[i * bs:(i + 1) * bs]))
             if req.mm_features:  # image placeholders are the same tokens for every image: add the images'
                 key += tuple(f.hash for f in req.mm_features  # hashes to the blocks holding them

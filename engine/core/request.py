@@ -33,6 +33,9 @@ class Request:
         self.stop_reason: int | None = None
         self.eos_token_id = req.eos_token_id
         self.lora_id = req.lora_id
+        # seeds the block hash chain: a LoRA adapter changes the KV of every token, and a cache
+        # salt keeps a tenant's (or a weight version's) prefixes to itself
+        self.hash_seed = ("salt", req.lora_id, req.cache_salt) if req.lora_id or req.cache_salt else None
         self.mm_features = req.mm_features  # its prompt's images (a vision-language model)
         self._set_params(self.params)
         self.stream: InputStream | None = InputStream() if req.streaming else None

@@ -31,6 +31,7 @@ from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.outputs import PoolingOutput, RequestOutput
 from engine.frontend.processor import Processor, PromptType, load_tokenizer
 from engine.process.core_client import AsyncMPClient
+from engine.process.replicas import Route
 from engine.protocol import EngineConnection, EngineCoreRequest, StreamInput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.worker.functions import function_path
@@ -110,11 +111,14 @@ class AsyncLLM:
 
     # ---- generation ---------------------------------------------------------------------------
     async def generate(self, prompt: PromptType | AsyncGenerator, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, lora_request: LoRARequest | None = None
+                       request_id: str | None = None, lora_request: LoRARequest | None = None,
+                       cache_salt: str | None = None, route: Route | None = None
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Stream RequestOutputs for one request (cumulative, delta or final-only, per
         sampling_params.output_kind). Closing the generator or cancelling the task aborts it.
-        lora_request: run with this LoRA adapter (loaded on first use; needs enable_lora)."""
+        lora_request: run with this LoRA adapter (loaded on first use; needs enable_lora).
+        cache_salt: its prompt reuses (and leaves) cached prefix blocks only among requests with
+        the same salt. route: the replica to run on (a data_parallel_rank or a session key)."""
         self._start_output_handler()
         params = sampling_params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
@@ -131,11 +135,11 @@ class AsyncLLM:
             await self.add_lora(lora_request)
         collector = RequestOutputCollector(params.output_kind)
         reqs = self.processor.core_requests(request_id, ids, params, lora_request.lora_int_id if lora_request else 0,
-                                            mm)
+                                            mm, cache_salt)
         self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in reqs], queue=collector)
         finished = False
         try:
-            await self.client.add_requests_async(reqs)
+            await self.client.add_requests_async(reqs, route)
             while not finished:
                 out = await collector.get()
                 finished = out.finished

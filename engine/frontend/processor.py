@@ -78,15 +78,18 @@ class Processor:
         return ProcessedPrompt(text, ids, features or None)
 
     def core_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                      lora_id: int = 0, mm_features: list[MMFeature] | None = None) -> list[EngineCoreRequest]:
+                      lora_id: int = 0, mm_features: list[MMFeature] | None = None,
+                      cache_salt: str | None = None) -> list[EngineCoreRequest]:
         """What the engine core runs for one request: itself, or its n children ("<id>-<i>", each
         n=1, seeded seed+i) sharing the prompt's blocks (and its images' encoder outputs)."""
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string if provided", "cache_salt")
         if params.n == 1:
             return [EngineCoreRequest(request_id, token_ids, params, self.eos_token_id, lora_id=lora_id,
-                                      mm_features=mm_features)]
+                                      mm_features=mm_features, cache_salt=cache_salt)]
         return [EngineCoreRequest(f"{request_id}-{i}", token_ids,
                                   params.clone(n=1, seed=None if params.seed is None else params.seed + i),
-                                  self.eos_token_id, lora_id=lora_id, mm_features=mm_features)
+                                  self.eos_token_id, lora_id=lora_id, mm_features=mm_features, cache_salt=cache_salt)
                 for i in range(params.n)]
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -33,12 +33,12 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, EngineStateError, remote_error
+from engine.errors import EngineDeadError, EngineStateError, InvalidRequestError, remote_error
 from engine.process.coordinator import DPCoordinator
 from engine.process.core_proc import HANDSHAKE_TIMEOUT_MS, engine_identity
 from engine.process.elastic import ElasticScaling
 from engine.process.managers import CoreEngineActorManager, CoreEngineProcManager, EngineWatcher, check_replica_count
-from engine.process.replicas import EngineState
+from engine.process.replicas import EngineState, Route, affinity
 from engine.serial import MsgpackDecoder, MsgpackEncoder
 from engine.process.utility import bind, combine, replicas_for, weight_update_plan
 from engine.protocol import (DPLoads, EngineAddresses, EngineConnection, EngineCoreOutput, EngineCoreOutputs,
@@ -229,16 +229,27 @@ class _MPClientBase:
             raise EngineDeadError(self.dead_reason or "no engine core is alive")
         return live
 
-    def _choose_engine(self) -> EngineState:
-        """The least-loaded live replica (ties: round robin)."""
+    def _choose_engine(self, route: Route | None = None) -> EngineState:
+        """The replica `route` asks for (a data_parallel_rank, or the one a session key hashes
+        to), else the least-loaded live replica (ties: round robin)."""
         live = self._live(routable=True)
+        if route is not None and route.data_parallel_rank is not None:
+            for e in live:
+                if e.rank == route.data_parallel_rank:
+                    return e
+            raise InvalidRequestError(f"data_parallel_rank {route.data_parallel_rank} is not a replica taking "
+                                      f"requests (live: {sorted(e.rank for e in live)})", "data_parallel_rank")
+        if route is not None and route.session_key is not None:
+            # Rendezvous hashing: every frontend (API server) picks the same replica for a key
+            # without sharing state, and a scale moves only the keys of the replicas it changes.
+            return max(live, key=lambda e: affinity(route.session_key, e.rank))
         start = self._next_engine % len(live)
         self._next_engine += 1
         order = live[start:] + live[:start]
         return min(order, key=lambda e: max(self.client_count * e.num_in_flight, e.load))
 
-    def _assign(self, group: list[EngineCoreRequest]) -> EngineState:
-        engine = self._choose_engine()
+    def _assign(self, group: list[EngineCoreRequest], route: Route | None = None) -> EngineState:
+        engine = self._choose_engine(route)
         for req in group:
             self.owner[req.request_id] = engine
         engine.num_in_flight += len(group)
@@ -516,9 +527,9 @@ class AsyncMPClient(ElasticScaling, _MPClientBase):
         except zmq.ZMQError as e:
             raise EngineDeadError(f"cannot reach engine core {engine.index}: {e}") from e
 
-    async def add_requests_async(self, group: list[EngineCoreRequest]) -> None:
-        """One prompt's requests (its n samples), to one replica."""
-        await self._send(self._assign(group), RequestType.ADD_MANY if len(group) > 1 else RequestType.ADD,
+    async def add_requests_async(self, group: list[EngineCoreRequest], route: Route | None = None) -> None:
+        """One prompt's requests (its n samples), to one replica (the one `route` names, if any)."""
+        await self._send(self._assign(group, route), RequestType.ADD_MANY if len(group) > 1 else RequestType.ADD,
                          group if len(group) > 1 else group[0])
 
     async def add_stream_input_async(self, chunk: StreamInput) -> None:

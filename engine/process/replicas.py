@@ -1,7 +1,23 @@
 """One data-parallel replica as a frontend sees it: where it is, whether it lives and takes
 requests, its load, and its heartbeats."""
+import hashlib
 import time
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a request should run, when the caller cares: a replica by its data_parallel_rank
+    (vLLM's X-data-parallel-rank header), or the replica a session key maps to (every request
+    carrying that key on one replica, so each turn finds the last one's prefix blocks)."""
+
+    data_parallel_rank: int | None = None
+    session_key: str | None = None
+
+
+def affinity(key: str, rank: int) -> int:
+    """The weight of (key, replica) in rendezvous hashing: stable across processes (not hash())."""
+    return int.from_bytes(hashlib.blake2b(f"{rank}:{key}".encode(), digest_size=8).digest(), "little")
 
 
 @dataclass

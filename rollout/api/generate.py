@@ -31,7 +31,7 @@ from rollout.api.errors import APIError, engine_error
 from rollout.api.output_json import request_output_json, usage_json
 from rollout.api.protocol import GenerateRequest, make_sampling_params
 from rollout.api.sessions import generate_turn
-from rollout.api.state import get_state
+from rollout.api.state import get_state, request_route
 from rollout.api.streaming import DONE, error_event, merge, ndjson, prime, sse
 
 INLINE_CHARS = 8192  # shorter texts are tokenized on the event loop (a thread hop costs more)
@@ -152,7 +152,8 @@ async def generate(body: GenerateRequest, request: Request):
         return await _session_turn(request, body, field, batch, ids, params, lora)
     base = state.new_request_id(body.request_id, "gen")
     rids = [f"{base}-{i}" for i in range(len(ids))] if batch else [base]
-    gens = [state.generate(p, params, rid, field, lora) for p, rid in zip(ids, rids)]
+    route = request_route(request)
+    gens = [state.generate(p, params, rid, field, lora, body.cache_salt, route) for p, rid in zip(ids, rids)]
     if not body.stream:
         outs = await until_disconnect(request, gather_all(final_output(g) for g in gens))
         return {"results": [request_output_json(o) for o in outs], "usage": usage_json(outs)}

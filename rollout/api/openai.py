@@ -22,7 +22,7 @@ from rollout.api.generate import final_output, off_loop, render_chat, tokenize_p
 from rollout.api.output_json import usage_json
 from rollout.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                   normalize_prompts)
-from rollout.api.state import ServerState, get_state
+from rollout.api.state import ServerState, get_state, request_route
 from rollout.api.streaming import DONE, error_event, merge, prime, sse
 
 router = APIRouter(tags=["openai"])
@@ -170,7 +170,8 @@ async def _serve(request: Request, body, prompts: list, field: str, chat: bool):
     ids = await tokenize_prompts(state, prompts, field, len(prompts) > 1, params)
     base = _request_id(state, request, body, "chatcmpl" if chat else "cmpl")
     rids = [f"{base}-{i}" for i in range(len(ids))] if len(ids) > 1 else [base]
-    gens = [state.generate(p, params, rid, field, lora) for p, rid in zip(ids, rids)]
+    route = request_route(request)
+    gens = [state.generate(p, params, rid, field, lora, body.cache_salt, route) for p, rid in zip(ids, rids)]
     echo = [p if isinstance(p, str) else state.engine.tokenizer.decode(p) for p in prompts] \
         if getattr(body, "echo", False) else [""] * len(prompts)
     if getattr(body, "echo", False) and body.stream and (body.logprobs is not None or body.max_tokens == 0):

@@ -84,6 +84,7 @@ class _OpenAISampling(_Strict):
     repetition_penalty: float = 1.0
     return_token_ids: bool = False  # add token ids (prompt and completion) to the response
     request_id: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: a prefix-cache namespace
 
     def check_unsupported(self) -> None:
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
@@ -221,6 +222,7 @@ class GenerateRequest(_Strict):
     session_params: SessionParams | None = None  # a turn of a session (rollout/api/sessions.py)
     model: str | None = None  # the served model (default) or a loaded LoRA adapter's name
     multi_modal_data: dict[str, list[str]] | None = None  # {"image": [data URLs]} for one text prompt
+    cache_salt: str | None = Field(default=None, min_length=1)  # prefix blocks shared only within a salt
 
     def prompts(self) -> tuple[list[str | list[int]], str, bool]:
         """(prompts, the field they came from, whether the request was a batch); `messages` are

@@ -19,6 +19,7 @@ from typing import AsyncGenerator
 from fastapi import Request
 
 from engine.frontend.outputs import RequestOutput
+from engine.process.replicas import Route
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.worker.lora import LoRARequest
 from rollout.api.errors import APIError, engine_error
@@ -90,10 +91,12 @@ class ServerState:
             raise APIError(503, "the server is shutting down")
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       param: str = "prompt", lora_request: LoRARequest | None = None
+                       param: str = "prompt", lora_request: LoRARequest | None = None,
+                       cache_salt: str | None = None, route: Route | None = None
                        ) -> AsyncGenerator[RequestOutput, None]:
         """AsyncLLM.generate with tracking, metrics and error translation (`param` names the
-        request field a prompt error is about); lora_request: a LoRA adapter to run with."""
+        request field a prompt error is about); lora_request: a LoRA adapter to run with;
+        cache_salt, route: as AsyncLLM.generate takes them."""
         self.check_can_generate()
         arrival = time.monotonic()
         first_token: float | None = None
@@ -103,7 +106,8 @@ class ServerState:
         self.metrics.request_started()
         delta = params.output_kind == RequestOutputKind.DELTA
         try:
-            async for out in self.engine.generate(prompt, params, request_id, lora_request=lora_request):
+            async for out in self.engine.generate(prompt, params, request_id, lora_request=lora_request,
+                                                  cache_salt=cache_salt, route=route):
                 prompt_len = len(out.prompt_token_ids)
                 first_token = out.first_token_time  # also right when only the final output comes
                 for c in out.outputs:
@@ -126,6 +130,22 @@ class ServerState:
         if ids:
             await self.engine.abort(ids)
         return len(ids)
+
+
+def request_route(request: Request) -> Route | None:
+    """The replica a request asks for in its headers: `X-data-parallel-rank` (vLLM's: pin to a
+    replica) or `X-Session-ID` (every request of a session on one replica, for its prefix hits;
+    what SkyRL's router and vllm-router key on)."""
+    rank, session = request.headers.get("x-data-parallel-rank"), request.headers.get("x-session-id")
+    if rank is None and not session:
+        return None
+    if rank is not None:
+        try:
+            rank = int(rank)
+        except ValueError:
+            raise APIError(400, f"the X-data-parallel-rank header must be an integer, got {rank!r}",
+                           "X-data-parallel-rank") from None
+    return Route(rank, session or None)
 
 
 def get_state(request: Request) -> ServerState:

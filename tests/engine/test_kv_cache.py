@@ -11,9 +11,10 @@ BS = 4  # block size used throughout
 _ids = itertools.count()
 
 
-def make_request(tokens, **params) -> Request:
+def make_request(tokens, cache_salt: str | None = None, lora_id: int = 0, **params) -> Request:
     params.setdefault("max_tokens", 8)
-    return Request(EngineCoreRequest(f"r{next(_ids)}", list(tokens), SamplingParams(**params)))
+    return Request(EngineCoreRequest(f"r{next(_ids)}", list(tokens), SamplingParams(**params), lora_id=lora_id,
+                                     cache_salt=cache_salt))
 
 
 def admit(kv: KVCacheManager, req: Request) -> int:
@@ -113,6 +114,19 @@ def test_shared_prefix_ref_counts_and_hits():
     assert kv.num_free_blocks == 20 - 4  # only a's private block came back
     kv.free(b)
     assert kv.num_free_blocks == 20 and all(blk.ref_cnt == 0 for blk in kv.blocks)
+
+
+def test_cache_salts_and_loras_never_share_prefix_blocks():
+    """vLLM's cache_salt: a salt seeds the hash chain, so only requests with the same salt (and
+    the same LoRA adapter) hit each other's blocks."""
+    kv = KVCacheManager(num_blocks=40, block_size=BS, enable_caching=True)
+    prefix = list(range(1000, 1012))  # 3 full blocks
+    first = {}
+    for salt, lora in ((None, 0), ("a", 0), ("b", 0), ("a", 1)):
+        first[salt, lora] = admit(kv, make_request(prefix + [1], cache_salt=salt, lora_id=lora))
+        assert first[salt, lora] == 0, (salt, lora)  # nobody else's blocks
+    for salt, lora in ((None, 0), ("a", 0), ("b", 0), ("a", 1)):
+        assert admit(kv, make_request(prefix + [2], cache_salt=salt, lora_id=lora)) == 12, (salt, lora)
 
 
 def test_freed_blocks_still_hit_and_are_revived():
