@@ -31,8 +31,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.errors import EngineDeadError
 from rollout.api import control, generate, openai, pooling, sessions, weights
+from rollout.api.dispatch import document_bodies
 from rollout.api.errors import ERROR_SCOPE_KEY, document_errors, error_body, install_error_handlers
 from rollout.api.state import ServerState, get_state
+from rollout.compat import DIALECTS
 from rollout.config import ServerConfig
 from rollout.launcher import read_api_server_spec, run_api_servers
 from rollout.listen import banner, listen, url_of
@@ -177,9 +179,10 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="rollout", lifespan=_lifespan(engine, config, holder), docs_url=None, redoc_url=None)
     install_error_handlers(app)
     document_errors(app)
+    document_bodies(app)
     app.add_middleware(GuardMiddleware, config=config, state_getter=lambda: holder.get("state"))
     app.include_router(info_router)
-    for module in (openai, generate, pooling, sessions, control, weights):
+    for module in (openai, generate, pooling, sessions, control, weights, *DIALECTS):
         app.include_router(module.router)
         if hasattr(module, "info_router"):
             app.include_router(module.info_router)

@@ -1,0 +1,4 @@
+"""(being written)"""
+from fastapi import APIRouter
+
+router = APIRouter(tags=["compat"])
