@@ -149,6 +149,8 @@ class EngineConfig:
         while they run; None = only when called.
     profiler_dir: where start_profile() / stop_profile() write torch-profiler traces of the engine
         core (engine/worker/profiler.py); None = profiling off (the calls are refused).
+    otlp_traces_endpoint: LLM / AsyncLLM export one OpenTelemetry span per finished request to this OTLP
+        HTTP/protobuf URL (e.g. http://localhost:4318/v1/traces; engine/frontend/tracing.py); None = off.
     encoder_cache_size: a vision-language model's encoder cache holds at most this many image
         embeddings (placeholder tokens), least recently used out first.
     heartbeat_interval_s, engine_stall_timeout_s: an engine-core process sends a heartbeat this
@@ -179,6 +181,7 @@ class EngineConfig:
     batch_invariant: bool = False
     profiler_dir: str | None = None
     log_stats_interval_s: float | None = None
+    otlp_traces_endpoint: str | None = None
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16

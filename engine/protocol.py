@@ -86,6 +86,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     error: str | None = None  # the core refused this request (bad input found there)
     error_type: str | None = None  # InvalidRequestError or a subclass
     pooled: list[float] | None = None  # an encode request's result (it ends with it)
+    # (arrived, first scheduled): time.monotonic() in the core, on the output with the first token of
+    # the prompt (or of a streaming-input chunk, or after a preemption's recompute); for tracing
+    timings: tuple[float, float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -214,6 +214,10 @@ def _add_observability_args(group) -> None:
                        help="log the /metrics series to this W&B project (offline without an API key; default: off)")
     group.add_argument("--wandb-run-name", default=None, help="the W&B run's name (default: W&B picks one)")
     group.add_argument("--wandb-interval-s", type=float, default=5.0, help="seconds between two W&B rows")
+    group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="export one OpenTelemetry span per finished request (vLLM's attributes) to this OTLP "
+                            "HTTP/protobuf collector, e.g. http://localhost:4318/v1/traces; a request's traceparent "
+                            "header is its parent (needs `pip install 'rollout[tracing]'`; default: off)")
     group.add_argument("--profiler-dir", default=None,
                        help="enables /start_profile and /stop_profile: torch-profiler traces of the engine core go "
                             "here (default: profiling off)")
@@ -257,7 +261,15 @@ def _serve(args) -> int:
                          profiler_dir=args.profiler_dir, log_stats_interval_s=args.log_stats_interval_s,
                          enable_lora=args.enable_lora or bool(args.lora_modules), max_loras=args.max_loras,
                          max_lora_rank=args.max_lora_rank, engine_stall_timeout_s=args.engine_stall_timeout_s,
-                         encoder_cache_size=args.encoder_cache_size)
+                         encoder_cache_size=args.encoder_cache_size, otlp_traces_endpoint=args.otlp_traces_endpoint)
+    if args.otlp_traces_endpoint:  # before the model loads: a missing SDK is a start-up error
+        from engine.frontend.tracing import check_otlp_endpoint
+
+        try:
+            check_otlp_endpoint(args.otlp_traces_endpoint)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     try:
         config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                               api_key=args.api_key, admin_api_key=args.admin_api_key,

@@ -51,10 +51,13 @@ ENGINE_WATCH_S = 0.5
 class GuardMiddleware:
     """Pure ASGI (streams pass through untouched): refuses bodies over `max_body_bytes` (413, by
     Content-Length or while reading a chunked body), checks the Bearer key (401; admin routes,
-    those tagged "admin", need the admin key: 403 for a valid non-admin key) and counts requests."""
+    those tagged "admin", need the admin key: 403 for a valid non-admin key) and counts requests.
+    With tracing on, a request's W3C `traceparent` becomes the current OpenTelemetry context
+    while it is served: the engine parents the request's span on it (engine/frontend/tracing.py)."""
 
     def __init__(self, app, config: ServerConfig, state_getter):
         self.app, self.config, self.state_getter = app, config, state_getter
+        self.tracing = bool(config.engine_kwargs.get("otlp_traces_endpoint"))
         self.server_header = ((b"x-rollout-api-server", str(config.api_server_index).encode())
                               if config.api_server_count > 1 else None)
         self._admin_paths: frozenset | None = None
@@ -108,7 +111,8 @@ class GuardMiddleware:
                         return {"type": "http.disconnect"}
                 return message
 
-            await self.app(scope, receive_limited, send_counting)
+            with _trace_context(scope) if self.tracing else contextlib.nullcontext():
+                await self.app(scope, receive_limited, send_counting)
         finally:
             state = self.state_getter()
             if state is not None:
@@ -144,6 +148,15 @@ class GuardMiddleware:
         if is_user or is_admin:
             return None
         return 401, "missing or wrong API key (Authorization: Bearer <key>)", "authorization"
+
+
+def _trace_context(scope):
+    """The request's W3C trace headers as the current OpenTelemetry context (none sent: unchanged)."""
+    from engine.frontend.tracing import TRACE_HEADERS, trace_context_from
+
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers") or ()
+               if k.decode("latin-1") in TRACE_HEADERS}
+    return trace_context_from(headers) if "traceparent" in headers else contextlib.nullcontext()
 
 
 def iter_routes(app):

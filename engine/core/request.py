@@ -1,6 +1,7 @@
 """Request: the scheduler's state of one sequence (token ids only, no text). Workers never
 see it: what they need travels in the SchedulerOutput (engine/step_io.py)."""
 import enum
+import time
 
 from engine.core.streaming import InputStream
 from engine.protocol import EngineCoreRequest, FinishReason, StreamInput
@@ -28,6 +29,8 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache when first scheduled
+        self.arrival_time = time.monotonic()  # in the core; scheduled_time: when first scheduled (0.0: not yet)
+        self.scheduled_time = 0.0
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | None = None

@@ -17,6 +17,7 @@ whose adapter has no slot waits; so do the requests behind it that would keep an
 adapter's slot busy (otherwise a stream of them could starve it), while base-model requests and
 those of pinned adapters pass it.
 """
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -147,6 +148,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.status == RequestStatus.WAITING and req.num_computed_tokens == 0:
                 req.num_cached_tokens = num_hit
+                req.scheduled_time = time.monotonic()
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -175,7 +177,8 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:  # aborted while the step ran
                 continue
             n = len(sr.token_ids)
-            if req.num_computed_tokens < req.chunk_start:  # the prompt, or a streaming chunk's new input
+            prefill = req.num_computed_tokens < req.chunk_start
+            if prefill:  # the prompt, or a streaming chunk's new input
                 self.num_prefill_tokens += min(n, req.chunk_start - req.num_computed_tokens)
             req.num_computed_tokens += n
             if rid in result.prompt_logprobs:
@@ -195,6 +198,8 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end
             ended = req.append_token(token, self.max_model_len)
             o = self._output(req, [token], weight_version)
+            if prefill:  # the prompt's first token: when the request arrived here and first ran (tracing)
+                o.timings = (req.arrival_time, req.scheduled_time)
             if req.lora_id and lora_version is not None:
                 o.lora_version = lora_version(req.lora_id)
             if rid in result.logprobs:

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, AsyncGenerator, Callable, Iterable, Sequence
+from typing import Any, AsyncGenerator, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -30,6 +30,7 @@ from engine.frontend.metrics import StatsLogger, engine_metrics
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.outputs import PoolingOutput, RequestOutput
 from engine.frontend.processor import Processor, PromptType, load_tokenizer
+from engine.frontend.tracing import RequestTracer
 from engine.process.core_client import AsyncMPClient
 from engine.process.replicas import Route
 from engine.protocol import EngineConnection, EngineCoreRequest, StreamInput
@@ -96,10 +97,12 @@ class AsyncLLM:
 
     def __init__(self, model: str | None = None, connection: EngineConnection | None = None, **config):
         self.config = EngineConfig(model=resolve_model(model), **config)
+        endpoint = self.config.otlp_traces_endpoint  # (before the engine starts: a missing SDK fails here)
+        tracer = RequestTracer.otlp(endpoint) if endpoint else None
         self.tokenizer = load_tokenizer(self.config)
         self.client = AsyncMPClient(self.config, connection)
         self.processor = Processor(self.config, self.tokenizer, self.client.max_model_len)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, tracer)
         self._output_handler: asyncio.Task | None = None
         self._stats_task: asyncio.Task | None = None
         self._stats_logger = StatsLogger()
@@ -112,13 +115,15 @@ class AsyncLLM:
     # ---- generation ---------------------------------------------------------------------------
     async def generate(self, prompt: PromptType | AsyncGenerator, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, lora_request: LoRARequest | None = None,
-                       cache_salt: str | None = None, route: Route | None = None
-                       ) -> AsyncGenerator[RequestOutput, None]:
+                       cache_salt: str | None = None, route: Route | None = None,
+                       trace_headers: Mapping[str, str] | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Stream RequestOutputs for one request (cumulative, delta or final-only, per
         sampling_params.output_kind). Closing the generator or cancelling the task aborts it.
         lora_request: run with this LoRA adapter (loaded on first use; needs enable_lora).
         cache_salt: its prompt reuses (and leaves) cached prefix blocks only among requests with
-        the same salt. route: the replica to run on (a data_parallel_rank or a session key)."""
+        the same salt. route: the replica to run on (a data_parallel_rank or a session key).
+        trace_headers: W3C traceparent / tracestate: the parent of its span when tracing is on
+        (vLLM's argument; without it, the OpenTelemetry context current here)."""
         self._start_output_handler()
         params = sampling_params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
@@ -136,7 +141,8 @@ class AsyncLLM:
         collector = RequestOutputCollector(params.output_kind)
         reqs = self.processor.core_requests(request_id, ids, params, lora_request.lora_int_id if lora_request else 0,
                                             mm, cache_salt)
-        self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in reqs], queue=collector)
+        self.output_processor.add_request(request_id, text, ids, params, [r.request_id for r in reqs], queue=collector,
+                                          trace_headers=trace_headers)
         finished = False
         try:
             await self.client.add_requests_async(reqs, route)
@@ -265,7 +271,7 @@ class AsyncLLM:
                 msg = await self.client.get_output_async()
                 outs = msg.outputs
                 for start in range(0, len(outs), OUTPUTS_PER_SLICE):
-                    ready, to_abort = op.process_outputs(outs[start:start + OUTPUTS_PER_SLICE])
+                    ready, to_abort = op.process_outputs(outs[start:start + OUTPUTS_PER_SLICE], msg.timestamp)
                     for state, out in ready:
                         if isinstance(out, RequestOutput):
                             out.core_timestamp = msg.timestamp
@@ -459,8 +465,14 @@ class AsyncLLM:
     def errored(self) -> bool:
         return self.dead_error is not None or self.client.dead_reason is not None
 
+    async def is_tracing_enabled(self) -> bool:
+        """Whether each finished request exports a span (otlp_traces_endpoint; vLLM's method)."""
+        return self.output_processor.tracer is not None
+
     def shutdown(self) -> None:
         for task in (self._output_handler, self._stats_task):
             if task is not None:
                 task.cancel()
         self.client.shutdown()
+        if self.output_processor.tracer is not None:  # the spans still batched go out now
+            self.output_processor.tracer.shutdown()

@@ -24,6 +24,7 @@ from engine.frontend.metrics import StatsLogger, engine_metrics
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.outputs import PoolingOutput, RequestOutput
 from engine.frontend.processor import Processor, PromptType, load_tokenizer
+from engine.frontend.tracing import RequestTracer
 from engine.process.core_client import InprocClient, SyncMPClient
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.worker.functions import function_path
@@ -39,13 +40,15 @@ class LLM:
 
     def __init__(self, model: str | None = None, multiprocess: bool = True, **config):
         self.config = EngineConfig(model=resolve_model(model), **config)
+        endpoint = self.config.otlp_traces_endpoint  # (before the engine starts: a missing SDK fails here)
+        tracer = RequestTracer.otlp(endpoint) if endpoint else None
         self.tokenizer = load_tokenizer(self.config)
         self.client = SyncMPClient(self.config) if multiprocess else InprocClient(self.config)
         # An LLM dropped without shutdown() stops its engine cores when collected: the client's
         # output thread keeps the client alive, so nothing else would.
         self._finalizer = weakref.finalize(self, self.client.shutdown)
         self.processor = Processor(self.config, self.tokenizer, self.client.max_model_len)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, tracer)
         self._ids = itertools.count()
         self._stats_logger = StatsLogger()
         self._next_log = time.monotonic() + (self.config.log_stats_interval_s or 0)
@@ -119,7 +122,8 @@ class LLM:
                 if self.config.log_stats_interval_s and time.monotonic() >= self._next_log:
                     self._next_log = time.monotonic() + self.config.log_stats_interval_s
                     self.do_log_stats()
-                ready, to_abort = self.output_processor.process_outputs(self.client.get_output().outputs)
+                msg = self.client.get_output()
+                ready, to_abort = self.output_processor.process_outputs(msg.outputs, msg.timestamp)
                 if to_abort:
                     self.client.abort_requests(to_abort)
                 for _, out in ready:
@@ -299,6 +303,8 @@ class LLM:
 
     def shutdown(self) -> None:
         self._finalizer()  # client.shutdown(), once
+        if self.output_processor.tracer is not None:  # the spans still batched go out now
+            self.output_processor.tracer.shutdown()
 
     def __enter__(self) -> "LLM":
         return self

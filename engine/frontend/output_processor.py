@@ -6,12 +6,14 @@ does detokenization, stop checks and output assembly.
 """
 import time
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from tokenizers.decoders import DecodeStream
 
 from engine.errors import InvalidRequestError, remote_error
 from engine.frontend.metrics import FrontendStats
 from engine.frontend.outputs import CompletionOutput, RequestOutput
+from engine.frontend.tracing import RequestTracer
 from engine.protocol import EngineCoreOutput, FinishReason
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -70,6 +72,11 @@ class RequestState:
     queue: object = None  # the AsyncLLM's per-request queue (None offline)
     arrival_time: float = field(default_factory=time.monotonic)
     pooled: list[float] | None = None  # an encode request's result
+    # tracing (engine/frontend/tracing.py): the span's parent; the core's (arrived, first scheduled)
+    # and its clock at the first token
+    trace_context: object = None
+    core_timings: tuple[float, float] | None = None
+    first_token_core_time: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -77,18 +84,22 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, tracer: RequestTracer | None = None):
         self.tokenizer = tokenizer
+        self.tracer = tracer  # None: tracing off (one span per ended request when on)
         self.requests: dict[str, RequestState] = {}  # caller's request id -> state
         self.child_to_parent: dict[str, str] = {}
         self.stats = FrontendStats()  # finished requests, for get_metrics()
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, child_ids: list[str], queue=None) -> RequestState:
+                    params: SamplingParams, child_ids: list[str], queue=None,
+                    trace_headers: Mapping[str, str] | None = None) -> RequestState:
         seqs = [SequenceState(i, params, Detokenizer(self.tokenizer, params.skip_special_tokens)
                               if params.detokenize else None) for i in range(len(child_ids))]
         state = RequestState(request_id, prompt, prompt_token_ids, params, seqs,
                              {cid: i for i, cid in enumerate(child_ids)}, queue=queue)
+        if self.tracer is not None:
+            state.trace_context = self.tracer.parent_context(trace_headers)
         self.requests[request_id] = state
         for cid in child_ids:
             self.child_to_parent[cid] = request_id
@@ -97,9 +108,11 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[tuple[RequestState, object]], list[str]]:
+    def process_outputs(self, outputs: list[EngineCoreOutput], timestamp: float = 0.0
+                        ) -> tuple[list[tuple[RequestState, object]], list[str]]:
         """Returns (request outputs to hand out, core request ids to abort: stop strings hit).
-        An output is a RequestOutput, or an InvalidRequestError the core raised for the request."""
+        An output is a RequestOutput, or an InvalidRequestError the core raised for the request.
+        `timestamp`: the core's clock when it sent these outputs (EngineCoreOutputs.timestamp)."""
         ready: dict[str, RequestState] = {}
         to_abort: list[str] = []
         failed = []
@@ -124,6 +137,7 @@ class OutputProcessor:
                 state.num_cached_tokens = max(state.num_cached_tokens, o.num_cached_tokens)
                 if state.first_token_time is None:
                     state.first_token_time = time.monotonic()
+                    state.first_token_core_time, state.core_timings = timestamp, o.timings
             stopped = self._append(seq, o)
             if stopped:
                 to_abort.append(o.request_id)
@@ -137,13 +151,16 @@ class OutputProcessor:
                 results.append((state, out))
             if state.finished:
                 del self.requests[state.request_id]
-                self._observe(state)
+                self._observe(state, timestamp)
         return results, to_abort
 
-    def _observe(self, state: RequestState) -> None:
+    def _observe(self, state: RequestState, timestamp: float = 0.0) -> None:
+        """A request ended (finished, or aborted: timestamp 0.0): its stats, and its span when tracing."""
         self.stats.observe(state.arrival_time, state.first_token_time, len(state.prompt_token_ids),
                            sum(len(s.token_ids) for s in state.seqs),
                            [s.finish_reason or str(FinishReason.ABORT) for s in state.seqs])
+        if self.tracer is not None:
+            self.tracer.emit(state, timestamp)
 
     def _append(self, seq: SequenceState, o: EngineCoreOutput) -> bool:
         """Add one step's tokens; True if a stop string ended the sequence here."""

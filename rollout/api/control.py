@@ -263,4 +263,5 @@ async def server_info(request: Request):
             "requests_in_flight": len(state.in_flight), "data_parallel_size": cfg.data_parallel_size,
             "tensor_parallel_size": cfg.tensor_parallel_size,
             "api_server": state.config.api_server_index, "api_server_count": state.config.api_server_count,
-            "supported_tasks": list(state.engine.get_supported_tasks())}
+            "supported_tasks": list(state.engine.get_supported_tasks()),
+            "tracing": await state.engine.is_tracing_enabled()}
