@@ -29,10 +29,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Mapping
-
-if TYPE_CHECKING:
-    from engine.frontend.output_processor import RequestState
+from typing import Any, Mapping
 
 logger = logging.getLogger("engine")
 SPAN_NAME = "llm_request"  # vLLM's
@@ -112,7 +109,7 @@ class RequestTracer:
                 return TraceContextTextMapPropagator().extract(carrier)
         return context.get_current()
 
-    def emit(self, state: RequestState, last_core_time: float) -> None:
+    def emit(self, state, last_core_time: float) -> None:
         """The span of a request that just ended. `last_core_time`: the core's clock when its last
         token was sampled (0.0 when the end came from elsewhere: an abort)."""
         from opentelemetry.trace import SpanKind
@@ -148,7 +145,7 @@ def trace_context_from(trace_headers: Mapping[str, str]):
         context.detach(token)
 
 
-def request_attributes(state: RequestState, now: float, last_core_time: float) -> dict[str, Any]:
+def request_attributes(state, now: float, last_core_time: float) -> dict[str, Any]:
     """The span's attributes for a request that ended at `now` (frontend clock)."""
     A = SpanAttributes
     p = state.params
