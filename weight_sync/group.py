@@ -112,7 +112,8 @@ class WeightTransferGroup:
     default the current CUDA device). Both take the same calls; tensors must live on
     `group.device`. The constructor blocks until all `world_size` ranks have joined (or raises
     after `timeout_s`); a joining rank gives up early when `cancel` is set while it waits for
-    rank 0 to listen.
+    rank 0 to listen. With `group_name`, the group is a named torch.distributed group as SGLang,
+    slime and AReaL form theirs (see _join_named).
     """
 
     def __init__(
@@ -125,6 +126,7 @@ class WeightTransferGroup:
         timeout_s: float = 60.0,
         device: torch.device | str | None = None,
         cancel: threading.Event | None = None,
+        group_name: str | None = None,
     ):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -147,9 +149,13 @@ class WeightTransferGroup:
         else:
             self.device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
         self._store = self._pg = None
-        listen_fd = _listen_fd(master_address, master_port) if rank == 0 else None
+        self.group_name = group_name
+        listen_fd = _listen_fd(master_address, master_port) if rank == 0 and group_name is None else None
         if rank != 0:  # joining ranks wait for the master's port first: bounded and cancellable
             _wait_for_master(master_address, master_port, time.monotonic() + timeout_s, cancel)
+        if group_name is not None:
+            self._join_named(master_address, master_port, group_name)
+            return
         try:
             # wait_for_workers=False: the backend's rendezvous below does the waiting, with our
             # timeout. On rank 0 the store lives as long as the group (peers may still be reading
@@ -182,6 +188,27 @@ class WeightTransferGroup:
             ) from e
         # Returns once every rank has joined; it also connects NCCL eagerly.
         self.barrier()
+
+    def _join_named(self, master_address: str, master_port: int, group_name: str) -> None:
+        """Form the group the way torch.distributed forms a named group: a TCPStore rendezvous at
+        tcp://address:port, the store prefixed with the group's name, then torch's own group
+        helper. It is the recipe SGLang's init_custom_process_group uses, copied by slime and
+        AReaL for their trainers, so a trainer running it meets these ranks (the store keys and
+        the gloo / NCCL rendezvous must match theirs exactly). No handshake follows: that
+        dialect's trainer only broadcasts."""
+        from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, rendezvous
+
+        url = f"tcp://{master_address}:{master_port}"
+        try:
+            store, _, _ = next(rendezvous(url, self.rank, self.world_size, timeout=self.timeout))
+            store.set_timeout(self.timeout)
+            self._store = PrefixStore(group_name, store)
+            self._pg, _ = _new_process_group_helper(self.world_size, self.rank, [], Backend(self.backend), self._store,
+                                                    group_name=group_name, timeout=self.timeout)
+        except (RuntimeError, ValueError) as e:  # (ValueError: the name is taken in this process)
+            self._release()
+            raise WeightGroupError(f"could not join the weight group {group_name!r} at {url} as rank {self.rank} of "
+                                   f"{self.world_size} within {self.timeout_s:g}s: {e}") from e
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._broken else "ok")
@@ -233,7 +260,10 @@ class WeightTransferGroup:
         pg, self._pg = getattr(self, "_pg", None), None
         if pg is not None:
             try:
-                (pg.abort if self._broken else pg.shutdown)()
+                if getattr(self, "group_name", None) is not None:  # torch's registry frees the name too
+                    dist.destroy_process_group(pg)
+                else:
+                    (pg.abort if self._broken else pg.shutdown)()
             except Exception:  # noqa: BLE001 - best effort on teardown, the group is gone anyway
                 pass
             del pg

@@ -331,17 +331,20 @@ class EngineCore:
 
     def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
                              backend: str = "gloo", timeout_s: float = 60.0,
-                             replica_ranks: list[int] | None = None) -> list[int]:
+                             replica_ranks: list[int] | None = None, rank_offset: int = 1,
+                             group_name: str | None = None) -> list[int]:
         """Every worker joins the trainer's group: the trainer is rank 0, then the workers of the
         live replicas in the order of `replica_ranks` (their data_parallel_ranks, as the frontend
         sees them now: replicas come and go, so positions are counted afresh at every init; None:
-        this replica alone). Returns the workers' ranks."""
+        this replica alone), from `rank_offset` on (SGLang's trainers put several servers in one
+        group). `group_name`: a named torch.distributed group (SGLang's recipe). Returns the
+        workers' ranks."""
         if replica_ranks is None:
             replica_ranks = [self.config.data_parallel_rank]
         if self.config.data_parallel_rank not in replica_ranks:
             raise InvalidRequestError(f"replica {self.config.data_parallel_rank} is not among the live replicas "
                                       f"{replica_ranks}", "replica_ranks")
-        rank_offset = 1 + replica_ranks.index(self.config.data_parallel_rank) * self.config.tensor_parallel_size
+        rank_offset += replica_ranks.index(self.config.data_parallel_rank) * self.config.tensor_parallel_size
         if self.group_cancel.is_set():  # a cancelled forming stops within a connect attempt
             deadline = time.monotonic() + 2.0
             while not self.forming_group.done() and time.monotonic() < deadline:
@@ -354,7 +357,8 @@ class EngineCore:
         def form() -> list[int]:
             ranks = self.executor.collective_rpc(
                 "init_weight_transfer", [master_address, master_port, world_size],
-                {"backend": backend, "rank_offset": rank_offset, "timeout_s": timeout_s, "cancel": cancel})
+                {"backend": backend, "rank_offset": rank_offset, "timeout_s": timeout_s, "cancel": cancel,
+                 "group_name": group_name})
             if cancel.is_set():  # closed (the caller went away) just as it formed
                 from weight_sync import WeightGroupError
 

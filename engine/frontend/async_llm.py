@@ -312,14 +312,26 @@ class AsyncLLM:
 
     # ---- RL control: weights and sleep ------------------------------------------------------------
     async def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
-                                   backend: str = "gloo", timeout_s: float = 60.0) -> list[int]:
+                                   backend: str = "gloo", timeout_s: float = 60.0, rank_offset: int = 1,
+                                   group_name: str | None = None) -> list[int]:
+        """Join the trainer's group (see LLM.init_weight_transfer); `rank_offset`: this server's
+        first rank in it; `group_name`: form it as a named torch.distributed group, the way
+        SGLang's trainers (slime, AReaL) do, for update_weights_from_named."""
         return await self._call("init_weight_transfer", master_address, master_port, world_size, backend, timeout_s,
-                                replica_ranks=self.client.replica_ranks())
+                                replica_ranks=self.client.replica_ranks(), rank_offset=rank_offset,
+                                group_name=group_name)
 
     # `lora_id`: update that loaded LoRA adapter instead (see LLM.update_weights).
     async def update_weights(self, version: int | None = None, lora_id: int = 0) -> dict:
         """Receive one push from the trainer's WeightSender; bumps the version, clears caches."""
         return await self._update_weights("broadcast", [], version, lora_id)
+
+    async def update_weights_from_named(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        flattened: bool = False, version: int | None = None) -> dict:
+        """Receive one push in SGLang's wire (weight_sync/named.py) over the named group: the
+        trainer broadcasts these tensors in this order (or one flattened bucket). Atomic like
+        every update: checked after every byte arrived, live only if every rank staged it."""
+        return await self._update_weights("named", [names, dtypes, shapes, flattened], version)
 
     async def update_weights_from_disk(self, path: str, version: int | None = None, lora_id: int = 0) -> dict:
         return await self._update_weights("disk", [path], version, lora_id)

@@ -56,10 +56,12 @@ class InitTransferArgs(_Args):
     backend: str = "gloo"
     timeout_s: float = 60.0
     replica_ranks: list[int] | None = None
+    rank_offset: int = 1
+    group_name: str | None = None
 
 
 class StageArgs(_Args):
-    source: str  # "broadcast" | "disk" | "tensors" | "ipc" | "reload" | "peer"
+    source: str  # "broadcast" | "named" | "disk" | "tensors" | "ipc" | "reload" | "peer"
     args: list[Any]  # the source's own (a path, named tensors, IPC handles, a peer's address)
     lora_id: int = 0
 

@@ -111,15 +111,16 @@ class Worker:
     # ---- weight updates ---------------------------------------------------------------------
     def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
                              backend: str = "gloo", rank_offset: int = 1, timeout_s: float = 60.0,
-                             cancel: threading.Event | None = None) -> int:
+                             cancel: threading.Event | None = None, group_name: str | None = None) -> int:
         """Join the trainer's group (trainer = rank 0); returns this worker's rank in it. Setting
-        `cancel` (from another thread) gives up while rank 0 is not listening yet."""
+        `cancel` (from another thread) gives up while rank 0 is not listening yet. `group_name`:
+        a named torch.distributed group, as SGLang's trainers form theirs."""
         from weight_sync import WeightTransferGroup
 
         self.close_weight_transfer()
         rank = rank_offset + self.rank
         self.transfer_group = WeightTransferGroup(master_address, master_port, rank, world_size, backend=backend,
-                                                  timeout_s=timeout_s, cancel=cancel)
+                                                  timeout_s=timeout_s, cancel=cancel, group_name=group_name)
         return rank
 
     def close_weight_transfer(self) -> bool:
@@ -139,8 +140,9 @@ class Worker:
         model = self.model
         if model is None:
             raise EngineStateError("the weights were dropped (sleep level 2): wake_up(['weights']) first")
-        read = {"broadcast": self._receive_broadcast, "disk": self._read_checkpoint, "reload": self._read_checkpoint,
-                "tensors": self._copy_tensors, "ipc": self._map_shared, "peer": self._receive_from_peer}.get(source)
+        read = {"broadcast": self._receive_broadcast, "named": self._receive_named, "disk": self._read_checkpoint,
+                "reload": self._read_checkpoint, "tensors": self._copy_tensors, "ipc": self._map_shared,
+                "peer": self._receive_from_peer}.get(source)
         if read is None:
             raise InvalidRequestError(f"unknown weight source {source!r}")
         staged = read(model, source, args)
@@ -162,6 +164,22 @@ class Worker:
         if self.transfer_group is None:
             raise EngineStateError("no weight transfer group: call init_weight_transfer first")
         return WeightReceiver(self.transfer_group).receive(model.accepted_weights(), select=_shard_selector(model))
+
+    def _receive_named(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
+        """SGLang's wire (weight_sync/named.py): args = [names, dtypes, shapes, flattened]. Every
+        byte is received before anything is checked: that trainer broadcasts whatever we answer."""
+        from weight_sync.named import named_metas, receive_named
+
+        if self.transfer_group is None or self.transfer_group.group_name is None:
+            raise EngineStateError("no named weight group: call init_weight_transfer with a group_name first")
+        names, dtypes, shapes, flattened = args
+        pushed = receive_named(self.transfer_group, named_metas(names, dtypes, shapes), flattened)
+        for name, t in pushed.items():
+            model.check_weight(name, tuple(t.shape))
+            if not t.is_floating_point():
+                raise InvalidRequestError(f"{name} has dtype {t.dtype}: weights must be floating point")
+        # a trainer's precision (bf16 into an fp32 engine) is cast, as SGLang's loader does
+        return {name: model.shard_of(name, t).to(model.hf_view(name).dtype, copy=True) for name, t in pushed.items()}
 
     def _read_checkpoint(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
         path = self.config.model if source == "reload" else args[0]

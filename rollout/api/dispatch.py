@@ -4,12 +4,34 @@ route reads the JSON once and picks the dialect by the fields it carries. The bo
 validated against the chosen model with the same 400s as a FastAPI-declared body, and the
 OpenAPI document lists every accepted body (`one_of`)."""
 import json
+from collections.abc import Awaitable, Callable
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from rollout.api.errors import APIError
+
+
+# route path -> [(does this body belong to the dialect, its handler(request, body dict), its
+# model)]: the dialect modules register here, so rollout/api never imports rollout/compat
+_ALTERNATES: dict[str, list[tuple[Callable[[dict], bool], Callable[[Request, dict], Awaitable],
+                                  type[BaseModel]]]] = {}
+
+
+def register(path: str, matches: Callable[[dict], bool], handler: Callable[[Request, dict], Awaitable],
+             model: type[BaseModel]) -> None:
+    """A dialect's body for the POST route `path`: bodies for which `matches` holds go to
+    `handler`; `model` is the body's schema in /openapi.json."""
+    _ALTERNATES.setdefault(path, []).append((matches, handler, model))
+
+
+async def alternate(path: str, request: Request, data: dict):
+    """The answer of the dialect whose body this is, or None (the body is the route's own)."""
+    for matches, handler, _ in _ALTERNATES.get(path, ()):
+        if matches(data):
+            return await handler(request, data)
+    return None
 
 
 async def json_object(request: Request) -> dict:
@@ -32,18 +54,23 @@ def parse(model: type[BaseModel], data: dict) -> BaseModel:
         raise RequestValidationError([dict(err, loc=("body", *err["loc"])) for err in e.errors()]) from None
 
 
+def one_of(*models: type[BaseModel]) -> dict:
+    """`openapi_extra` for a route that reads its body itself (it takes `models`, and what the
+    dialects register for its path: document_bodies adds those)."""
+    _DOCUMENTED.update((m.__name__, m) for m in models)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+        "oneOf": [_ref(m) for m in models]}}}}}
+
+
 _DOCUMENTED: dict[str, type[BaseModel]] = {}  # the bodies one_of names, added to /openapi.json's components
 
 
-def one_of(*models: type[BaseModel]) -> dict:
-    """`openapi_extra` for a route that takes any of these bodies."""
-    _DOCUMENTED.update((m.__name__, m) for m in models)
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
-        "oneOf": [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]}}}}}
+def _ref(model: type[BaseModel]) -> dict:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
 def document_bodies(app) -> None:
-    """Put the bodies of one_of routes into the OpenAPI document's components."""
+    """Put the bodies of one_of routes, and the dialects' bodies for them, into /openapi.json."""
     build = app.openapi
 
     def openapi() -> dict:
@@ -51,7 +78,12 @@ def document_bodies(app) -> None:
         schema = build()
         if first:
             schemas = schema.setdefault("components", {}).setdefault("schemas", {})
-            for name, model in _DOCUMENTED.items():
+            models = dict(_DOCUMENTED)
+            for path, entries in _ALTERNATES.items():
+                body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+                body["oneOf"] += [_ref(m) for _, _, m in entries]
+                models.update((m.__name__, m) for _, _, m in entries)
+            for name, model in models.items():
                 body = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 schemas.update(body.pop("$defs", {}))
                 schemas.setdefault(name, body)

@@ -27,6 +27,7 @@ from engine.errors import InvalidRequestError
 from engine.frontend.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind
 from rollout.api.cancel import gather_all, until_disconnect
+from rollout.api.dispatch import alternate, json_object, one_of, parse
 from rollout.api.errors import APIError, engine_error
 from rollout.api.output_json import request_output_json, usage_json
 from rollout.api.protocol import GenerateRequest, make_sampling_params
@@ -138,8 +139,13 @@ async def final_output(gen) -> RequestOutput:
     return out
 
 
-@router.post("/generate")
-async def generate(body: GenerateRequest, request: Request):
+@router.post("/generate", openapi_extra=one_of(GenerateRequest))
+async def generate(request: Request):
+    data = await json_object(request)
+    answer = await alternate("/generate", request, data)  # SGLang's body (rollout/compat/sglang.py)
+    if answer is not None:
+        return answer
+    body: GenerateRequest = parse(GenerateRequest, data)
     state = get_state(request)
     state.check_can_generate()
     prompts, field, batch = await _prompts(state, body)

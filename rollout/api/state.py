@@ -46,6 +46,7 @@ class ServerState:
         self.model_name = config.served_model_name or _model_name(engine)
         self.in_flight: dict[str, float] = {}  # request id -> arrival (monotonic)
         self.weight_update: WeightUpdate | None = None
+        self.weight_group_name: str | None = None  # the SGLang dialect's named weight group, while one is open
         self.shutting_down = asyncio.Event()
         self.control_lock = asyncio.Lock()  # pause/resume/sleep/wake/weight routes run one at a time
         self.sessions = Sessions(self, config.session_timeout_s, config.max_sessions)

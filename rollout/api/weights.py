@@ -9,6 +9,8 @@
          "weight_version" (ours, optional)}}
          -> receives one push from the trainer's WeightSender (concurrent with it) and swaps it in
             atomically; the prefix and encoder caches are cleared
+         (prime-rl's body {"weight_dir"} on the same route: an update from that folder,
+          rollout/compat/vllm_rl.py)
     POST /finish_weight_update {"weight_version": v}   -> closes the update; v labels the weights
          (default: the previous version + 1 per /update_weights)
 
@@ -38,6 +40,7 @@ from fastapi import APIRouter, Request
 
 from rollout.api.cancel import until_disconnect
 from rollout.api.control import call
+from rollout.api.dispatch import alternate, json_object, one_of, parse
 from rollout.api.errors import APIError
 from rollout.api.protocol import (FinishWeightUpdateBody, InitWeightTransferBody, ReloadWeightsBody, SaveWeightsBody,
                                   StartWeightUpdateBody, UpdateFromDiskBody, UpdateFromIPCBody, UpdateWeightsBody)
@@ -72,6 +75,7 @@ async def init_weight_transfer_engine(body: InitWeightTransferBody, request: Req
         if e.status == 499:
             await call(state.engine.close_weight_transfer())
         raise
+    state.weight_group_name = None  # (it replaced a named group, if one was open)
     return {"message": "Weight transfer initialized", "ranks": ranks, "backend": backend}
 
 
@@ -82,8 +86,13 @@ async def start_weight_update(request: Request, body: StartWeightUpdateBody | No
     return {"message": "Weight update started"}
 
 
-@router.post("/update_weights")
-async def update_weights(body: UpdateWeightsBody, request: Request):
+@router.post("/update_weights", openapi_extra=one_of(UpdateWeightsBody))
+async def update_weights(request: Request):
+    data = await json_object(request)
+    answer = await alternate("/update_weights", request, data)  # prime-rl's body {weight_dir}
+    if answer is not None:
+        return answer
+    body: UpdateWeightsBody = parse(UpdateWeightsBody, data)
     state = get_state(request)
     info = body.update_info
     lengths = {k: len(v) for k, v in (("names", info.names), ("dtype_names", info.dtype_names),
@@ -130,8 +139,13 @@ async def finish_weight_update(request: Request, body: FinishWeightUpdateBody | 
     return {"message": "Weight update finished", "weight_version": current}
 
 
-@router.post("/update_weights_from_disk")
-async def update_weights_from_disk(body: UpdateFromDiskBody, request: Request):
+@router.post("/update_weights_from_disk", openapi_extra=one_of(UpdateFromDiskBody))
+async def update_weights_from_disk(request: Request):
+    data = await json_object(request)
+    answer = await alternate("/update_weights_from_disk", request, data)  # SGLang's body {model_path, ...}
+    if answer is not None:
+        return answer
+    body: UpdateFromDiskBody = parse(UpdateFromDiskBody, data)
     if not Path(body.path).is_dir():
         raise APIError(400, f"path {body.path!r} is not a folder on the server", "path")
     state = get_state(request)
@@ -199,7 +213,9 @@ async def save_weights(body: SaveWeightsBody, request: Request):
 
 @router.post("/close_weight_transfer")
 async def close_weight_transfer(request: Request):
-    await call(get_state(request).engine.close_weight_transfer())
+    state = get_state(request)
+    await call(state.engine.close_weight_transfer())
+    state.weight_group_name = None
     return {"message": "Weight transfer closed"}
 
 
