@@ -27,7 +27,8 @@
     POST /scale {"data_parallel_size", "drain_timeout_s"} -> {"data_parallel_size", "added", "removed"}
          (and vLLM's POST /scale_elastic_ep {"new_data_parallel_size", "drain_timeout"})
     GET  /get_world_size?include_dp=                     -> {"world_size": worker ranks, of all replicas or one}
-    GET  /server_info                                    -> model, dtype, device, limits, state
+    GET  /server_info?config_format=json                 -> model, dtype, device, limits, state, and vLLM's
+                                                            `vllm_config` (the parts TRL reads)
 
 Like vLLM's /sleep, a sleep while generating first pauses with `mode`; the wake-up that
 leaves nothing asleep resumes what that sleep paused. The engine core owns the pause and sleep
@@ -252,11 +253,25 @@ async def get_world_size(request: Request, include_dp: bool = Query(True)):
     return {"world_size": len(await call(state.engine.collective_rpc("get_rank")))}
 
 
+def _vllm_config(state) -> dict:
+    """The part of vLLM's `vllm_config` that trainers read (TRL 1.16's VLLMClient: init_communicator
+    needs `weight_transfer_config`, GRPO warns unless `model_config.logprobs_mode` is
+    "processed_logprobs", which our default logprobs are)."""
+    cfg = state.engine.config
+    return {"model_config": {"model": state.model_path, "served_model_name": state.model_name, "dtype": cfg.dtype,
+                             "max_model_len": state.engine.max_model_len, "logprobs_mode": "processed_logprobs"},
+            "parallel_config": {"tensor_parallel_size": cfg.tensor_parallel_size,
+                                "data_parallel_size": cfg.data_parallel_size},
+            "weight_transfer_config": {"backend": "nccl" if cfg.device.startswith("cuda") else "gloo"}}
+
+
 @info_router.get("/server_info")
-async def server_info(request: Request):
+async def server_info(request: Request, config_format: Literal["json"] = Query("json")):
+    """Ours, plus vLLM's `vllm_config` (as `?config_format=json` asks vLLM for it)."""
     state = get_state(request)
     cfg = state.engine.config
-    return {"model": state.model_name, "model_path": state.model_path, "dtype": cfg.dtype, "device": cfg.device,
+    return {"vllm_config": _vllm_config(state),
+            "model": state.model_name, "model_path": state.model_path, "dtype": cfg.dtype, "device": cfg.device,
             "max_model_len": state.engine.max_model_len, "max_num_seqs": cfg.max_num_seqs,
             "weight_version": await call(state.engine.get_weight_version()),
             "is_paused": await call(state.engine.is_paused()), "is_sleeping": await call(state.engine.is_sleeping()),

@@ -1,15 +1,20 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (SSE with
 "stream": true, `data: [DONE]` at the end; usage in a last chunk with
-stream_options.include_usage); vLLM's /tokenize, /detokenize, /tokenizer_info and /version.
+stream_options.include_usage); vLLM's /v1/chat/completions/render, /tokenize, /detokenize,
+/tokenizer_info and /version.
 
-Beyond OpenAI (as vLLM): top_k, min_p, min_tokens, stop_token_ids, ignore_eos, ...; with
-"return_token_ids": true each choice also carries `token_ids`, `prompt_token_ids` and
-`weight_versions`. Several prompts with n samples each: choice index = prompt * n + sample.
-An X-Request-Id header (or "request_id") names the engine request, for /abort_requests.
+Beyond OpenAI, as vLLM answers them (what TRL's VLLMClient reads): top_k, min_p, min_tokens,
+stop_token_ids, ignore_eos, ...; "return_token_ids": true adds each choice's `token_ids` and
+`weight_versions` (ours), and the prompt's ids: per choice on /v1/completions
+(`prompt_token_ids`), once at the top level on /v1/chat/completions; "return_tokens_as_token_ids"
+labels logprob tokens "token_id:<id>"; /v1/completions' "prompt_logprobs": k gives each choice
+vLLM's `prompt_logprobs` (rollout/api/logprobs_json.py). Several prompts with n samples each:
+prompt-major, choice index = prompt * n + sample. An X-Request-Id header (or "request_id") names
+the engine request, for /abort_requests.
 """
 import time
-from functools import lru_cache
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -19,6 +24,7 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 from rollout.api.cancel import gather_all, until_disconnect
 from rollout.api.errors import APIError, engine_error
 from rollout.api.generate import final_output, off_loop, render_chat, tokenize_prompts
+from rollout.api.logprobs_json import TokenText, chat_logprobs, completion_logprobs, echo_logprobs, vllm_prompt_logprobs
 from rollout.api.output_json import usage_json
 from rollout.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                   normalize_prompts)
@@ -40,55 +46,14 @@ async def list_models(request: Request):
     return {"object": "list", "data": [base, *adapters]}
 
 
-class _Tokens:
-    """Token id -> its text, for logprobs (cached: the same ids recur)."""
-
-    def __init__(self, tokenizer):
-        self.text = lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
-
-
-def _tokens(state: ServerState) -> _Tokens:
+def _tokens(state: ServerState) -> TokenText:
     tok = getattr(state, "_tokens", None)
     if tok is None:
-        tok = state._tokens = _Tokens(state.engine.tokenizer)
+        tok = state._tokens = TokenText(state.engine.tokenizer)
     return tok
 
 
-def completion_logprobs(c: CompletionOutput, tokens: _Tokens, offset: int) -> dict | None:
-    if c.logprobs is None:
-        return None
-    strs = [tokens.text(t) for t in c.token_ids]
-    top = []
-    for i in range(len(c.token_ids)):
-        d = {strs[i]: c.logprobs[i]}
-        if c.top_logprobs is not None:
-            d.update({tokens.text(k): v for k, v in c.top_logprobs[i].items()})
-        top.append(d)
-    offsets, pos = [], offset
-    for s in strs:
-        offsets.append(pos)
-        pos += len(s)
-    return {"tokens": strs, "token_logprobs": list(c.logprobs), "top_logprobs": top, "text_offset": offsets}
-
-
-def prompt_logprobs_json(out: RequestOutput, tokens: _Tokens) -> dict:
-    """OpenAI's logprobs of the prompt tokens (echo): the first has none (no prefix); each
-    top_logprobs entry holds the actual token and the top-k alternatives."""
-    strs = [tokens.text(t) for t in out.prompt_token_ids]
-    top: list[dict | None] = [None]
-    for i in range(1, len(strs)):
-        d = {strs[i]: out.prompt_logprobs[i]}
-        if out.prompt_top_logprobs is not None and out.prompt_top_logprobs[i] is not None:
-            d.update({tokens.text(k): v for k, v in out.prompt_top_logprobs[i].items()})
-        top.append(d)
-    offsets, pos = [], 0
-    for s in strs:
-        offsets.append(pos)
-        pos += len(s)
-    return {"tokens": strs, "token_logprobs": list(out.prompt_logprobs), "top_logprobs": top, "text_offset": offsets}
-
-
-def _echoed(out: RequestOutput, c: CompletionOutput, tokens: _Tokens, prompt_text: str, body) -> dict:
+def _echoed(out: RequestOutput, c: CompletionOutput, tokens: TokenText, label, prompt_text: str, body) -> dict:
     """A completion choice with the prompt echoed: its text and, with logprobs, the prompt's
     per-token logprobs before the generated ones (max_tokens 0: the prompt's alone)."""
     score_only = body.scores_prompt_only
@@ -97,27 +62,13 @@ def _echoed(out: RequestOutput, c: CompletionOutput, tokens: _Tokens, prompt_tex
         ch.update(finish_reason="length", stop_reason=None)
     if body.logprobs is None or out.prompt_logprobs is None:
         return ch
-    lp = prompt_logprobs_json(out, tokens)
+    lp = echo_logprobs(out, tokens, label)
     if not score_only and c.logprobs is not None:
-        gen = completion_logprobs(c, tokens, len(prompt_text))
+        gen = completion_logprobs(c, tokens, len(prompt_text), label)
         for k in lp:
             lp[k] = lp[k] + gen[k]
     ch["logprobs"] = lp
     return ch
-
-
-def chat_logprobs(c: CompletionOutput, tokens: _Tokens) -> dict | None:
-    if c.logprobs is None:
-        return None
-    content = []
-    for i, t in enumerate(c.token_ids):
-        s = tokens.text(t)
-        top = []
-        if c.top_logprobs is not None:
-            top = [{"token": tokens.text(k), "logprob": v, "bytes": list(tokens.text(k).encode())}
-                   for k, v in sorted(c.top_logprobs[i].items(), key=lambda kv: -kv[1])]
-        content.append({"token": s, "logprob": c.logprobs[i], "bytes": list(s.encode()), "top_logprobs": top})
-    return {"content": content}
 
 
 def check_model(state: ServerState, model: str | None) -> None:
@@ -138,26 +89,34 @@ def _params(body, stream: bool):
         raise engine_error(e) from e
 
 
+def _versions(c: CompletionOutput) -> dict:
+    d = {"token_ids": c.token_ids, "weight_versions": c.weight_versions}
+    if c.lora_versions:
+        d["lora_versions"] = c.lora_versions
+    return d
+
+
 def _choices(outs: list[RequestOutput], n: int, state: ServerState, chat: bool, body, prefix_text: list[str]):
+    """Prompt-major: the n choices of prompt 0 (index 0..n-1), then prompt 1's, ..."""
     tokens = _tokens(state)
+    label = tokens.labeler(body.return_tokens_as_token_ids)
     choices = []
     for p, out in enumerate(outs):
-        for c in out.outputs:
+        for c in sorted(out.outputs, key=lambda c: c.index):
             text = prefix_text[p] + c.text
             ch = {"index": p * n + c.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if chat:
                 ch["message"] = {"role": "assistant", "content": text}
-                ch["logprobs"] = chat_logprobs(c, tokens)
+                ch["logprobs"] = chat_logprobs(c, label)
             elif getattr(body, "echo", False):
-                ch.update(_echoed(out, c, tokens, prefix_text[p], body))
+                ch.update(_echoed(out, c, tokens, label, prefix_text[p], body))
             else:
                 ch["text"] = text
-                ch["logprobs"] = completion_logprobs(c, tokens, len(prefix_text[p]))
-            if body.return_token_ids:
-                ch.update(token_ids=c.token_ids, prompt_token_ids=out.prompt_token_ids,
-                          weight_versions=c.weight_versions)
-                if c.lora_versions:
-                    ch["lora_versions"] = c.lora_versions
+                ch["logprobs"] = completion_logprobs(c, tokens, len(prefix_text[p]), label)
+            if body.return_token_ids:  # (chat: the prompt's ids once, at the top level, as vLLM)
+                ch.update(_versions(c) if chat else dict(_versions(c), prompt_token_ids=out.prompt_token_ids))
+            if not chat and body.prompt_logprobs is not None:
+                ch["prompt_logprobs"] = vllm_prompt_logprobs(out, tokens)
             choices.append(ch)
     return choices
 
@@ -176,14 +135,18 @@ async def _serve(request: Request, body, prompts: list, field: str, chat: bool):
         if getattr(body, "echo", False) else [""] * len(prompts)
     if getattr(body, "echo", False) and body.stream and (body.logprobs is not None or body.max_tokens == 0):
         raise APIError(400, "echo with logprobs or max_tokens 0 needs stream: false", "echo")
+    if not chat and body.stream and body.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs needs stream: false", "prompt_logprobs")
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
     headers = {"X-Request-Id": base}
     if not body.stream:
         outs = await until_disconnect(request, gather_all(final_output(g) for g in gens))
-        return JSONResponse({"id": base, "object": obj, "created": created, "model": state.model_name,
-                             "choices": _choices(outs, params.n, state, chat, body, echo),
-                             "usage": usage_json(outs)}, headers=headers)
+        answer = {"id": base, "object": obj, "created": created, "model": state.model_name,
+                  "choices": _choices(outs, params.n, state, chat, body, echo), "usage": usage_json(outs)}
+        if chat and body.return_token_ids:
+            answer["prompt_token_ids"] = outs[0].prompt_token_ids
+        return JSONResponse(answer, headers=headers)
     firsts = await prime(gens, request)
     return StreamingResponse(_events(state, body, gens, firsts, params.n, base, created, chat, echo),
                              media_type="text/event-stream", headers=headers)
@@ -191,6 +154,7 @@ async def _serve(request: Request, body, prompts: list, field: str, chat: bool):
 
 async def _events(state, body, gens, firsts, n: int, base: str, created: int, chat: bool, echo: list[str]):
     tokens = _tokens(state)
+    label = tokens.labeler(body.return_tokens_as_token_ids)
     obj = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": base, "object": obj, "created": created, "model": state.model_name}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -201,6 +165,9 @@ async def _events(state, body, gens, firsts, n: int, base: str, created: int, ch
         if isinstance(out, BaseException):
             yield sse(error_event(out))
             continue
+        chunk = dict(head)
+        if chat and body.return_token_ids and not sent_first:  # vLLM's: the prompt's ids in the first chunk
+            chunk["prompt_token_ids"] = out.prompt_token_ids
         prompt_lens[p] = len(out.prompt_token_ids)
         choices = []
         for c in out.outputs:
@@ -213,21 +180,19 @@ async def _events(state, body, gens, firsts, n: int, base: str, created: int, ch
                 if idx not in sent_first:
                     delta["role"] = "assistant"
                 ch["delta"] = delta
-                ch["logprobs"] = chat_logprobs(c, tokens)
+                ch["logprobs"] = chat_logprobs(c, label)
             else:
                 ch["text"] = prefix + c.text
-                ch["logprobs"] = completion_logprobs(c, tokens, 0)
+                ch["logprobs"] = completion_logprobs(c, tokens, 0, label)
             if c.finish_reason is not None:
                 ch["stop_reason"] = c.stop_reason
             if body.return_token_ids:
-                ch.update(token_ids=c.token_ids, weight_versions=c.weight_versions)
-                if c.lora_versions:
-                    ch["lora_versions"] = c.lora_versions
-                if idx not in sent_first:
+                ch.update(_versions(c))
+                if not chat and idx not in sent_first:
                     ch["prompt_token_ids"] = out.prompt_token_ids
             sent_first.add(idx)
             choices.append(ch)
-        yield sse(dict(head, choices=choices))
+        yield sse(dict(chunk, choices=choices))
     if include_usage:
         prompt = sum(prompt_lens.values())
         yield sse(dict(head, choices=[], usage={"prompt_tokens": prompt, "completion_tokens": num_tokens,
@@ -240,11 +205,40 @@ async def completions(body: CompletionRequest, request: Request):
     return await _serve(request, body, normalize_prompts(body.prompt), "prompt", chat=False)
 
 
+async def _render(state: ServerState, body: ChatCompletionRequest) -> str | dict:
+    return await render_chat(state, body.messages, body.add_generation_prompt, body.continue_final_message,
+                             body.chat_template_kwargs, body.tools)
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    prompt = await render_chat(get_state(request), body.messages, body.add_generation_prompt,
-                               body.continue_final_message, body.chat_template_kwargs, body.tools)
-    return await _serve(request, body, [prompt], "messages", chat=True)
+    return await _serve(request, body, [await _render(get_state(request), body)], "messages", chat=True)
+
+
+@router.post("/v1/chat/completions/render")
+async def render_chat_completion(body: ChatCompletionRequest, request: Request):
+    """vLLM's render step (served there with --enable-scale-out): what /v1/chat/completions would
+    run, as vLLM's GenerateRequest, without running it: the rendered prompt's `token_ids` and the
+    request's `sampling_params` (max_tokens made concrete as vLLM does). `features` stays null:
+    a conversation with images is refused (501), as their vLLM MultiModalFeatures (processed
+    pixel tensors and hashes) are not a format this engine produces."""
+    state = get_state(request)
+    state.resolve_model(body.model)
+    params = _params(body, stream=False)
+    prompt = await _render(state, body)
+    if isinstance(prompt, dict):
+        raise APIError(501, "conversations with images cannot be rendered here: vLLM's MultiModalFeatures "
+                            "(the `features` of its answer) are not produced by this engine; send the "
+                            "conversation to /v1/chat/completions instead", "messages")
+    [ids] = await tokenize_prompts(state, [prompt], "messages", False, params)
+    sampling = {k: v for k, v in msgspec.structs.asdict(params).items() if k not in ("pooling", "logprobs_mode")}
+    if sampling["max_tokens"] is None:
+        sampling["max_tokens"] = state.engine.max_model_len - len(ids)
+    sampling["output_kind"] = int(params.output_kind)
+    return {"request_id": _request_id(state, request, body, "chatcmpl"), "token_ids": ids, "token_offsets": None,
+            "features": None, "content_parts": None, "sampling_params": sampling, "model": state.model_name,
+            "stream": body.stream, "stream_options": body.stream_options and body.stream_options.model_dump(),
+            "cache_salt": body.cache_salt, "priority": 0, "kv_transfer_params": None, "ec_transfer_params": None}
 
 
 # ---- vLLM's tokenizer and info routes ---------------------------------------------------------------

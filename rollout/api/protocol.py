@@ -83,8 +83,10 @@ class _OpenAISampling(_Strict):
     skip_special_tokens: bool = True
     repetition_penalty: float = 1.0
     return_token_ids: bool = False  # add token ids (prompt and completion) to the response
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>", not text
     request_id: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: a prefix-cache namespace
+    structured_outputs: dict[str, Any] | None = None  # vLLM's guided decoding: refused (named, not "unknown")
 
     def check_unsupported(self) -> None:
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
@@ -92,6 +94,9 @@ class _OpenAISampling(_Strict):
                 raise APIError(400, f"{name} is not supported by this engine (only {neutral})", name)
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported by this engine", "logit_bias")
+        if self.structured_outputs:
+            raise APIError(400, "structured_outputs (guided decoding: regex, json, grammar, choice) is not "
+                                "supported by this engine", "structured_outputs")
 
     def sampling_kwargs(self) -> dict:
         kw: dict[str, Any] = dict(n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
@@ -108,6 +113,7 @@ class CompletionRequest(_OpenAISampling):
     prompt: PromptInput
     max_tokens: int | None = 16
     logprobs: int | None = None  # top-k alternatives per token (OpenAI: 0..5; we allow 0..20)
+    prompt_logprobs: int | None = None  # vLLM's: each choice's `prompt_logprobs`, top-k per prompt token
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -129,11 +135,12 @@ class CompletionRequest(_OpenAISampling):
         self.check_unsupported()
         if self.max_tokens == 0 and not self.echo:
             raise APIError(400, "max_tokens 0 needs echo: true (scoring the prompt)", "max_tokens")
-        echo_logprobs = self.echo and self.logprobs is not None
+        prompt_logprobs = self.prompt_logprobs  # (vLLM's rule: echo with logprobs scores the prompt too)
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
         return make_sampling_params(dict(self.sampling_kwargs(), max_tokens=1 if self.scores_prompt_only
                                          else self.max_tokens, logprobs=self.logprobs,
-                                         prompt_logprobs=self.logprobs if echo_logprobs else None,
-                                         output_kind=output_kind))
+                                         prompt_logprobs=prompt_logprobs, output_kind=output_kind))
 
 
 class ContentPart(BaseModel):
@@ -162,7 +169,14 @@ class ChatCompletionRequest(_OpenAISampling):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: str | dict | None = None  # "none" (TRL's): tools rendered into the prompt, no call parsed
+    chat_template: str | None = None  # vLLM's: refused, as vLLM does without --trust-request-chat-template
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.chat_template is not None:
+            raise APIError(400, "chat_template: this server renders with the model's own chat template only "
+                                "(a template sent in a request is not trusted)", "chat_template")
 
     def to_sampling_params(self, output_kind: RequestOutputKind) -> SamplingParams:
         self.check_unsupported()

@@ -79,3 +79,13 @@ def test_bad_images_are_400s(setup):
                        timeout=60)
         assert r.status_code == 400 and "data URL" in r.text
     assert client.generate("still serving", {"max_tokens": 2})[0].token_ids
+
+
+def test_render_refuses_images(setup):
+    """/v1/chat/completions/render (vLLM's, what TRL's image_features calls) answers vLLM's
+    MultiModalFeatures for images, a format this engine does not produce: 501 naming `messages`."""
+    _, url, _, _ = setup
+    image = {"type": "image_url", "image_url": {"url": data_url(random_image(16, 16, 5))}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}]
+    r = httpx.post(url + "/v1/chat/completions/render", json={"messages": messages, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 501 and r.json()["error"]["param"] == "messages", r.text

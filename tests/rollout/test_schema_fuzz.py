@@ -20,6 +20,10 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 CAPS = {"n": 2, "best_of": 2, "max_tokens": 8, "max_completion_tokens": 8, "min_tokens": 4, "timeout_s": 2.0,
         "timeout": 2.0, "drain_timeout_s": 2.0, "drain_timeout": 2.0, "world_size": 3}
 seen: dict[str, int] = {}  # status -> count, printed at the end
+# routes that answer 501 by design (rollout/compat/trl.py: `trl vllm-serve`'s NCCL weight routes;
+# /v1/chat/completions/render for images)
+NOT_IMPLEMENTED = {"/init_communicator/", "/update_named_param/", "/close_communicator/",
+                   "/v1/chat/completions/render"}
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +67,9 @@ def check_one(case, fuzz_server) -> None:
         case.query = cap(case.query)
     response = case.call(base_url=fuzz_server.url, headers=ADMIN, timeout=120)
     seen[str(response.status_code)] = seen.get(str(response.status_code), 0) + 1
-    assert response.status_code < 500, (f"{case.method} {case.path} -> {response.status_code}: "
-                                        f"{response.text[:500]}\nbody: {case.body!r}\nquery: {case.query!r}")
+    allowed = response.status_code == 501 and case.path in NOT_IMPLEMENTED
+    assert response.status_code < 500 or allowed, (f"{case.method} {case.path} -> {response.status_code}: "
+                                                   f"{response.text[:500]}\nbody: {case.body!r}\nquery: {case.query!r}")
     with httpx.Client(base_url=fuzz_server.url, headers=ADMIN, timeout=120) as http:
         http.post("/wake_up")
         http.post("/resume")
