@@ -42,8 +42,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse
 
 from rollout.api.errors import APIError, engine_error
-from rollout.api.protocol import (AbortRequestsBody, ApplyModelBody, CollectiveRPCBody, LoadLoRARequest, ScaleBody,
-                                  ScaleElasticEPBody, UnloadLoRARequest)
+from rollout.api.protocol import (AbortRequestsBody, ApplyModelBody, CollectiveRPCBody, LoadLoRARequest,
+                                  ResetPrefixCacheBody, ScaleBody, ScaleElasticEPBody, UnloadLoRARequest)
 from rollout.api.state import get_state
 from rollout.log import log
 
@@ -123,7 +123,11 @@ async def is_sleeping(request: Request):
 
 @router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request, reset_running_requests: bool = Query(False),
-                             reset_external: bool = Query(False)):
+                             reset_external: bool = Query(False), body: ResetPrefixCacheBody | None = None):
+    """vLLM's flags come as query parameters, or as a JSON body (SkyRL's RemoteInferenceClient
+    sends {"reset_running_requests": bool}). Both are accepted and change nothing: the reset
+    forgets every cached block, running requests' too (they keep their KV, nobody finds it), and
+    there is no external (connector) cache."""
     return {"success": bool(await call(get_state(request).engine.reset_prefix_cache()))}
 
 

@@ -341,6 +341,13 @@ class UpdateWeightsBody(_Strict):
     update_info: UpdateInfo = Field(default_factory=UpdateInfo)
 
 
+class ResetPrefixCacheBody(_Strict):
+    """vLLM's /reset_prefix_cache flags (query parameters there) as a JSON body, as SkyRL sends them."""
+
+    reset_running_requests: bool = False
+    reset_external: bool = False
+
+
 class FinishWeightUpdateBody(_Strict):
     weight_version: None | int | str = None
 

@@ -21,9 +21,9 @@ CAPS = {"n": 2, "best_of": 2, "max_tokens": 8, "max_completion_tokens": 8, "min_
         "timeout": 2.0, "drain_timeout_s": 2.0, "drain_timeout": 2.0, "world_size": 3}
 seen: dict[str, int] = {}  # status -> count, printed at the end
 # routes that answer 501 by design (rollout/compat/trl.py: `trl vllm-serve`'s NCCL weight routes;
-# /v1/chat/completions/render for images)
+# /v1/chat/completions/render for images; rollout/compat/vllm_rl.py: prime-rl's NCCL broadcaster)
 NOT_IMPLEMENTED = {"/init_communicator/", "/update_named_param/", "/close_communicator/",
-                   "/v1/chat/completions/render"}
+                   "/v1/chat/completions/render", "/init_broadcaster"}
 
 
 @pytest.fixture(scope="module")
