@@ -50,3 +50,15 @@ def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: t
         top.update(f"{name}\0{str(_out_dtype(t, dtype)).removeprefix('torch.')}\0{tuple(t.shape)}\0".encode())
         top.update(digest)
     return top.hexdigest()
+
+
+def tensor_digests(model) -> dict[str, str]:
+    """{Hugging Face name: sha256 hex of its raw bytes in the served dtype} of one worker's
+    weights (a tensor-parallel rank's slices as it holds them): vLLM's /weight_checker values.
+    `model` is an engine model (anything with hf_views()); it runs on the worker, by import
+    path, through AsyncLLM.apply_model."""
+    out = {}
+    for name, view in model.hf_views():
+        t = view.detach().cpu().contiguous()
+        out[name] = hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+    return out

@@ -12,7 +12,6 @@ from pydantic import BaseModel, ValidationError
 
 from rollout.api.errors import APIError
 
-
 # route path -> [(does this body belong to the dialect, its handler(request, body dict), its
 # model)]: the dialect modules register here, so rollout/api never imports rollout/compat
 _ALTERNATES: dict[str, list[tuple[Callable[[dict], bool], Callable[[Request, dict], Awaitable],

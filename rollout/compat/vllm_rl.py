@@ -33,13 +33,11 @@ weights). Errors take our shape ({"error": {"message", "type", "param", "code"}}
 clients read: SkyRL's raise_for_status takes `error.message`, prime-rl's raise_for_status the status.
 """
 import asyncio
-import hashlib
 import math
 import time
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, field_validator
@@ -61,7 +59,7 @@ from rollout.api.weights import _timed_update
 router = APIRouter(tags=["compat"])
 LIVENESS_TIMEOUT_S = 30.0  # prime-rl's server.liveness_timeout_seconds default
 LOGPROB_FLOOR = -9999.0  # vLLM's clamp for -inf / NaN logprobs (JSON has neither)
-TENSOR_CHECKSUMS = "rollout.compat.vllm_rl:tensor_checksums"  # run on every worker by apply_model
+TENSOR_CHECKSUMS = "weight_sync.checksum:tensor_digests"  # run on every worker by apply_model
 MAX_VERSION = (1 << 63) - 1  # (an update adds 1: it still fits the wire's 64 bits)
 
 
@@ -333,6 +331,7 @@ class UpdateWeightVersionBody(_Strict):
     """vLLM's /update_weight_version body (a string there; an integer, or its digits, here)."""
 
     new_version: int | str
+    abort_all_requests: bool = False  # SGLang's field on the same route (its default is true there)
 
 
 @router.post("/update_weight_version", tags=["admin"])
@@ -346,12 +345,15 @@ async def update_weight_version(body: UpdateWeightVersionBody, request: Request)
         if state.weight_update is not None:
             raise APIError(409, "a weight update is in progress (/start_weight_update): its /finish_weight_update "
                                 "sets the version", "new_version")
+        if body.abort_all_requests:
+            await call(state.abort_all_in_flight())
         try:
             await state.engine.set_weight_version(version)
         except Exception as e:  # (the engine names its own field, weight_version: this body's is new_version)
             err = engine_error(e, "new_version")
             raise APIError(err.status, err.message, "new_version", err.type) from e
-    return {"success": True, "new_version": str(version), "weight_version": version}
+    return {"success": True, "message": f"Weight version updated to {version}.", "new_version": str(version),
+            "weight_version": version}
 
 
 def _int_version(value: int | str) -> int:
@@ -393,16 +395,6 @@ async def weight_checker(body: WeightCheckerBody, request: Request):
         return {"checksums": checksums}
     mismatches = sorted(k for k in checksums.keys() | body.baseline.keys() if checksums.get(k) != body.baseline.get(k))
     return {"match": not mismatches, "mismatches": mismatches}
-
-
-def tensor_checksums(model) -> dict[str, str]:
-    """{HF name: sha256 hex of its raw bytes} of this worker's weights (runs on the worker, by
-    import path, through AsyncLLM.apply_model)."""
-    out = {}
-    for name, view in model.hf_views():
-        t = view.detach().cpu().contiguous()
-        out[name] = hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()  # raw bytes, bf16 too
-    return out
 
 
 # ---- prime-rl's routes ---------------------------------------------------------------------------

@@ -169,6 +169,11 @@ def test_control_routes(http):
         assert http.get("/is_paused").json()["is_paused"] is True
         assert http.post("/continue_generation", json={}).json()["status"] == "ok"
     assert http.post("/pause_generation", json={"mode": "sideways"}).status_code == 400
+    # SGLang's /update_weight_version (vLLM's route name, SGLang's extra field): a relabel
+    version = int(http.get("/get_weight_version").json()["weight_version"]) + 10
+    r = http.post("/update_weight_version", json={"new_version": str(version), "abort_all_requests": True})
+    assert r.status_code == 200 and r.json()["success"] is True and r.json()["new_version"] == str(version)
+    assert http.get("/get_weight_version").json()["weight_version"] == str(version)
 
 
 def test_abort_all_returns_partial_outputs(http):
