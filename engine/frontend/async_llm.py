@@ -314,9 +314,7 @@ class AsyncLLM:
     async def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
                                    backend: str = "gloo", timeout_s: float = 60.0, rank_offset: int = 1,
                                    group_name: str | None = None) -> list[int]:
-        """Join the trainer's group (see LLM.init_weight_transfer); `rank_offset`: this server's
-        first rank in it; `group_name`: form it as a named torch.distributed group, the way
-        SGLang's trainers (slime, AReaL) do, for update_weights_from_named."""
+        """See LLM.init_weight_transfer."""
         return await self._call("init_weight_transfer", master_address, master_port, world_size, backend, timeout_s,
                                 replica_ranks=self.client.replica_ranks(), rank_offset=rank_offset,
                                 group_name=group_name)

@@ -229,9 +229,15 @@ class LLM:
         return self.client.call_utility("is_paused")
 
     def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
-                             backend: str = "gloo", timeout_s: float = 60.0) -> list[int]:
+                             backend: str = "gloo", timeout_s: float = 60.0, rank_offset: int = 1,
+                             group_name: str | None = None) -> list[int]:
+        """Every worker joins the trainer's group (the trainer is rank 0; the workers take
+        `rank_offset`, `rank_offset` + 1, ...); returns their ranks. `group_name`: form it as a
+        named torch.distributed group, as SGLang's trainers (slime, AReaL) do, for
+        update_weights_from_named."""
         return self.client.call_utility("init_weight_transfer", master_address, master_port, world_size,
-                                        backend, timeout_s, replica_ranks=self.client.replica_ranks())
+                                        backend, timeout_s, replica_ranks=self.client.replica_ranks(),
+                                        rank_offset=rank_offset, group_name=group_name)
 
     # Every update_weights* takes `lora_id`: then it updates that loaded LoRA adapter instead
     # (tensors by PEFT names, a subset is fine; "disk": a PEFT folder), atomically, under the
@@ -240,6 +246,12 @@ class LLM:
     def update_weights(self, version: int | None = None, lora_id: int = 0) -> dict:
         """Receive one push from the trainer's WeightSender; bumps the version, clears caches."""
         return self.client.update_weights("broadcast", [], version, lora_id)
+
+    def update_weights_from_named(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                  flattened: bool = False, version: int | None = None) -> dict:
+        """Receive one push in SGLang's wire (weight_sync/named.py) over the named group: the
+        trainer broadcasts these tensors in this order (or one flattened bucket)."""
+        return self.client.update_weights("named", [names, dtypes, shapes, flattened], version)
 
     def update_weights_from_disk(self, path: str, version: int | None = None, lora_id: int = 0) -> dict:
         return self.client.update_weights("disk", [path], version, lora_id)
@@ -300,6 +312,10 @@ class LLM:
 
     def is_sleeping(self) -> bool:
         return self.client.call_utility("is_sleeping")
+
+    def is_tracing_enabled(self) -> bool:
+        """Whether each finished request exports a span (otlp_traces_endpoint; vLLM's method)."""
+        return self.output_processor.tracer is not None
 
     def shutdown(self) -> None:
         self._finalizer()  # client.shutdown(), once
