@@ -56,11 +56,13 @@ async def init_weight_transfer_engine(body: InitWeightTransferBody, request: Req
     state = get_state(request)
     info = body.init_info
     num_workers = len(await call(state.engine.collective_rpc("get_rank")))
-    if info.rank_offset != 1:
-        raise APIError(400, "rank_offset must be 1 (the trainer is rank 0)", "init_info.rank_offset")
-    if info.world_size != num_workers + 1:
-        raise APIError(400, f"world_size must be {num_workers + 1} (the trainer + {num_workers} engine worker(s)), "
-                            f"got {info.world_size}", "init_info.world_size")
+    # SkyRL gives each of its servers its own rank_offset in one group (1, 1 + workers, ...)
+    if info.rank_offset < 1:
+        raise APIError(400, "rank_offset must be at least 1 (the trainer is rank 0)", "init_info.rank_offset")
+    if info.world_size < info.rank_offset + num_workers:
+        raise APIError(400, f"world_size must be at least rank_offset + {num_workers} (this server's engine "
+                            f"worker(s) take ranks {info.rank_offset}..{info.rank_offset + num_workers - 1}), got "
+                            f"{info.world_size}", "init_info.world_size")
     on_gpu = str(state.engine.config.device).startswith("cuda")
     backend = info.backend or ("nccl" if on_gpu else "gloo")
     if backend == "nccl" and not on_gpu:
@@ -70,7 +72,8 @@ async def init_weight_transfer_engine(body: InitWeightTransferBody, request: Req
     # closes the group it was forming.
     try:
         ranks = await until_disconnect(request, call(state.engine.init_weight_transfer(
-            info.master_address, info.master_port, info.world_size, backend, info.timeout_s), "init_info"))
+            info.master_address, info.master_port, info.world_size, backend, info.timeout_s,
+            rank_offset=info.rank_offset), "init_info"))
     except APIError as e:
         if e.status == 499:
             await call(state.engine.close_weight_transfer())

@@ -142,6 +142,29 @@ def test_streamed_generate_is_the_same_tokens_in_sse_deltas(http, prompts, hf_st
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == NUM_TOKENS
 
 
+def test_openai_package_with_vllm_extra_body(server, model_name, prompts, hf_start):
+    """prime-rl's chat path (src/prime_rl/orchestrator/utils.py get_sampling_args through the
+    verifiers client): the official `openai` package with vLLM's fields in `extra_body`
+    (return_token_ids, top_k -1, min_p, min_tokens, repetition_penalty, cache_salt) and routing
+    headers in `extra_headers`; token ids come back in the answer's extra fields."""
+    from openai import OpenAI
+
+    from tests.engine.hf_reference import CHATS
+
+    oai = OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    extra = {"return_token_ids": True, "top_k": -1, "min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0,
+             "cache_salt": "run-1", "ignore_eos": True}
+    chat = oai.chat.completions.create(model=model_name, messages=CHATS[0], max_tokens=NUM_TOKENS, temperature=0,
+                                       logprobs=True, extra_body=extra, extra_headers={"X-Session-ID": "s-1"})
+    assert chat.model_extra["prompt_token_ids"] == prompts[0]
+    assert chat.choices[0].model_extra["token_ids"] == hf_start[0][0]
+    assert len(chat.choices[0].logprobs.content) == NUM_TOKENS
+    done = oai.completions.create(model=model_name, prompt=prompts[1], max_tokens=NUM_TOKENS, temperature=0,
+                                  extra_body=extra, extra_headers={"X-data-parallel-rank": "0"})
+    assert done.choices[0].model_extra["token_ids"] == hf_start[1][0]
+    assert done.choices[0].model_extra["prompt_token_ids"] == prompts[1]
+
+
 def test_bad_input_is_a_400_in_our_shape_and_the_server_keeps_serving(http, prompts, hf_start):
     cases = [
         ({"token_ids": [5, -1, 7], "sampling_params": GREEDY}, None, "token_ids"),

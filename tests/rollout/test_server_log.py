@@ -11,9 +11,11 @@ from tests.rollout.conftest import API_KEY
 USER = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def wait_for(server, text: str, timeout_s: float = 10.0) -> str:
+def wait_for(server, text: str, timeout_s: float = 10.0, after: int = 0) -> str:
+    """The log once it holds more than `after` lines with `text` (the session's server is shared:
+    earlier tests may have logged the same kind of line)."""
     deadline = time.monotonic() + timeout_s
-    while text not in server.log(100_000):
+    while server.log(100_000).count(text) <= after:
         assert time.monotonic() < deadline, f"{text!r} not in the server's log:\n{server.log()}"
         time.sleep(0.05)
     return server.log(100_000)
@@ -31,9 +33,10 @@ def test_banner_says_where_what_and_how_to_stop(server):
 def test_requests_errors_and_control_are_logged(server, client):
     client.generate("hi", {"max_tokens": 2})
     wait_for(server, "POST /generate 200 ")
+    before = server.log(100_000).count("POST /generate 400 ")
     r = httpx.post(server.url + "/generate", json={"prompt": "a", "sampling_params": {"top_p": 5}}, headers=USER)
     assert r.status_code == 400
-    log = wait_for(server, "POST /generate 400 ")
+    log = wait_for(server, "POST /generate 400 ", after=before)
     assert "(param: sampling_params.top_p)" in log.split("POST /generate 400 ")[-1].splitlines()[0]
     client.pause(mode="keep")
     client.resume()
