@@ -43,6 +43,18 @@ def check_wire_values(value: Any, path: str = "") -> None:
             check_wire_values(v, f"{path}[{i}]")
 
 
+PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}  # neutral values
+
+
+def refuse_penalties(values, prefix: str = "") -> None:
+    """A 400 naming the first sampling penalty (OpenAI's, vLLM's, SGLang's) set to anything but
+    its neutral value: the engine has none. `values`: a body (attributes) or a dict."""
+    for name, neutral in PENALTIES.items():
+        value = values.get(name, neutral) if isinstance(values, dict) else getattr(values, name, neutral)
+        if value != neutral:
+            raise APIError(400, f"{name} is not supported by this engine (only {neutral})", prefix + name)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -89,9 +101,7 @@ class _OpenAISampling(_Strict):
     structured_outputs: dict[str, Any] | None = None  # vLLM's guided decoding: refused (named, not "unknown")
 
     def check_unsupported(self) -> None:
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            if getattr(self, name) != neutral:
-                raise APIError(400, f"{name} is not supported by this engine (only {neutral})", name)
+        refuse_penalties(self)
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported by this engine", "logit_bias")
         if self.structured_outputs:

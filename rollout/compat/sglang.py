@@ -46,7 +46,7 @@ from rollout.api.control import call
 from rollout.api.dispatch import parse, register
 from rollout.api.errors import APIError
 from rollout.api.generate import final_output, tokenize_prompts
-from rollout.api.protocol import check_wire_values, make_sampling_params
+from rollout.api.protocol import check_wire_values, make_sampling_params, refuse_penalties
 from rollout.api.state import ServerState, get_state
 from rollout.api.streaming import DONE, merge, prime, sse
 from rollout.log import log
@@ -92,10 +92,7 @@ class SGLangSamplingParams(BaseModel):
     logit_bias: dict[str, float] | None = None
 
     def to_engine(self, logprobs: int | None, prompt_logprobs: int | None, kind: RequestOutputKind):
-        for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
-            if getattr(self, name) != neutral:
-                raise APIError(400, f"{name} is not supported by this engine (only {neutral})",
-                               f"sampling_params.{name}")
+        refuse_penalties(self, "sampling_params.")
         for name in ("json_schema", "regex", "ebnf"):
             if getattr(self, name) is not None:
                 raise APIError(400, f"constrained decoding ({name}) is not supported by this engine",

@@ -51,11 +51,10 @@ from rollout.api.dispatch import json_object, one_of
 from rollout.api.errors import APIError, engine_error, validation_message, validation_param
 from rollout.api.generate import final_output, render_chat, tokenize_prompts
 from rollout.api.logprobs_json import ranked_prompt_logprobs
-from rollout.api.protocol import ChatMessage, check_wire_values, make_sampling_params
+from rollout.api.protocol import PENALTIES, ChatMessage, check_wire_values, make_sampling_params, refuse_penalties
 from rollout.api.state import get_state
 
 router = APIRouter(tags=["trl"])
-NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 ENGINE_FIELDS = frozenset(SamplingParams.__struct_fields__) - {"output_kind", "pooling"}
 WEIGHT_ROUTES = ("TRL 1.10's weight sync joins vLLM's StatelessProcessGroup with a PyNcclCommunicator, a wire "
                  "protocol this server does not speak; push weights through /init_weight_transfer_engine, "
@@ -131,9 +130,9 @@ def _sampling_params(body: TRLSampling) -> SamplingParams:
     kw = {"n": body.n, "repetition_penalty": body.repetition_penalty, "temperature": body.temperature,
           "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p, "max_tokens": body.max_tokens,
           "logprobs": body.logprobs, **body.generation_kwargs}
-    for name, neutral in NEUTRAL.items():
-        if kw.pop(name, neutral) != neutral:
-            raise APIError(400, f"{name} is not supported by this engine (only {neutral})", name)
+    refuse_penalties(kw)
+    for name in PENALTIES:
+        kw.pop(name, None)
     unknown = sorted(set(kw) - ENGINE_FIELDS)
     if unknown:
         raise APIError(400, f"not a sampling parameter of this engine: {unknown} (it takes "
