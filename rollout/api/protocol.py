@@ -5,6 +5,7 @@ translation into the engine's SamplingParams.
 OpenAI fields we do not implement (penalties, logit_bias, best_of != n, suffix) are accepted at
 their neutral value and refused otherwise, naming the field.
 """
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -376,6 +377,14 @@ class SaveWeightsBody(_Strict):
     path: str  # a folder on the server's disk
     overwrite: bool = False
     max_shard_bytes: int | None = Field(None, ge=1)  # None: the engine's default (5 GB)
+
+    @model_validator(mode="after")
+    def _absolute(self):
+        # a relative path would land wherever the server was started (its working directory),
+        # which the caller cannot see: refuse it rather than fill an unknown folder
+        if not os.path.isabs(self.path):
+            raise APIError(400, f"path must be an absolute folder on the server's disk, got {self.path!r}", "path")
+        return self
 
 
 class UpdateFromIPCBody(_Strict):
