@@ -194,6 +194,9 @@ def _add_http_args(group) -> None:
     group.add_argument("--apply-model-fn", action="append", default=[], metavar="PATH",
                        help="allow /apply_model to run this function on the workers' models, by import path "
                             "'package.module:function' (repeatable; default: none)")
+    group.add_argument("--min-weight-version", type=_non_negative_int, default=0,
+                       help="GET /ready answers 503 until every replica holds at least this weight version (a server "
+                            "restarted mid-run: the version the trainer last pushed; default 0)")
     group.add_argument("--shutdown-grace-s", type=float, default=5.0,
                        help="on SIGINT/SIGTERM, seconds in-flight requests get before they are aborted")
 
@@ -246,6 +249,16 @@ def _bytes(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _serve(args) -> int:
     from rollout.config import ServerConfig
     from rollout.server import run_server
@@ -284,7 +297,8 @@ def _serve(args) -> int:
                               exit_on_engine_death=not args.stay_up_when_engine_dies,
                               session_timeout_s=args.session_timeout_s, max_sessions=args.max_sessions,
                               lora_modules=tuple(_name_path(m) for m in args.lora_modules),
-                              log_requests=not args.disable_log_requests)
+                              log_requests=not args.disable_log_requests,
+                              min_weight_version=args.min_weight_version)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

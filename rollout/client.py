@@ -176,6 +176,17 @@ class _Endpoints:
     def health(self):
         return self._run(_Call("GET", "/health", lambda b: b.get("status") == "ok", idempotent=True))
 
+    def ready(self, min_weight_version: int | None = None, wait_s: float = 0.0) -> dict:
+        """GET /ready: {"status": "ready", "weight_version", "replicas": [{"replica", "weight_version",
+        "has_weights"}]} once every
+        replica holds weights of at least `min_weight_version` (and of the newest version any
+        replica holds); the server waits up to `wait_s` for that. Not ready: RolloutAPIError 503
+        saying what is missing."""
+        params = {"wait_s": wait_s} if min_weight_version is None else \
+            {"wait_s": wait_s, "min_weight_version": min_weight_version}
+        return self._run(_Call("GET", "/ready", params=params, idempotent=True,
+                               timeout=None if not wait_s else httpx.Timeout(wait_s + 30.0, connect=10.0)))
+
     def metrics(self):
         return self._run(_Call("GET", "/metrics", raw=True, idempotent=True))
 

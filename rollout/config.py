@@ -36,6 +36,8 @@ class ServerConfig:
         the API server (measured ~0.2 KB a sampled token with logprobs: ~400 MB at the default).
     log_requests: log one line per request on stderr (method, path, status, ms); False keeps only
         the failed ones. Pauses, weight pushes, sleep and wake-up are logged either way.
+    min_weight_version: GET /ready answers 503 until every replica holds at least this weight
+        version (a server restarted in the middle of a run: the version the trainer last pushed).
     """
 
     host: str = "127.0.0.1"
@@ -63,6 +65,7 @@ class ServerConfig:
     max_encode_inputs: int = 2048
     max_request_tokens: int = 1 << 21
     log_requests: bool = True
+    min_weight_version: int = 0
 
     def __post_init__(self):
         self.api_key = self.api_key or os.environ.get("ROLLOUT_API_KEY") or None

@@ -25,7 +25,7 @@ import threading
 import time
 
 import uvicorn
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -42,9 +42,12 @@ from rollout.log import log
 from rollout.metrics import WandbLogger
 
 logger = logging.getLogger("rollout")
-OPEN_PATHS = frozenset({"/health"})
-POLLED_PATHS = frozenset({"/health", "/metrics"})  # monitoring polls: logged only when they fail
+OPEN_PATHS = frozenset({"/health", "/ready"})
+POLLED_PATHS = frozenset({"/health", "/ready", "/metrics"})  # monitoring polls: logged only when they fail
 HEALTH_STATS_TIMEOUT_S = 1.0
+READY_STATS_TIMEOUT_S = 5.0
+READY_POLL_S = 0.1
+MAX_READY_WAIT_S = 600.0
 ENGINE_WATCH_S = 0.5
 
 
@@ -238,30 +241,96 @@ def _lifespan(engine, config: ServerConfig, holder: dict):
 info_router = APIRouter(tags=["info"])
 
 
+async def _liveness(engine) -> tuple[dict | None, JSONResponse | None]:
+    """The engine's health, or the 503 that says why it has none: dead, or every live replica
+    stalled."""
+    try:
+        health = await engine.check_health()
+    except Exception as e:  # noqa: BLE001 - dead (or unreachable) engine
+        return None, JSONResponse(error_body(503, f"the engine is not healthy: {e}"), status_code=503)
+    stalled = health.get("stalled", [])
+    if len(stalled) == len(health["alive"]):
+        what = "; ".join(f"replica {s['replica']}: {s['in']} for {s['seconds']} s" for s in stalled)
+        return None, JSONResponse(error_body(503, f"the engine is stalled ({what})"), status_code=503)
+    return health, None
+
+
+async def _weights_ready(state, health: dict, min_weight_version: int | None) -> tuple[dict, str | None]:
+    """Each live replica's weight version, and why they are not ready (None when they are): a
+    replica that holds no weights (a level-2 sleep), or one below the version wanted, which is the
+    highest of `min_weight_version`, the server's --min-weight-version and the newest version any
+    replica holds (a replica that missed a push, or one a /scale added, is behind until it has it)."""
+    stats = await asyncio.wait_for(state.engine.get_stats(), READY_STATS_TIMEOUT_S)
+    replicas = [{"replica": replica, "weight_version": s["weight_version"], "has_weights": s["has_weights"]}
+                for replica, s in zip(health["alive"], stats["replicas"])]
+    wanted = max(min_weight_version or 0, state.config.min_weight_version, *(r["weight_version"] for r in replicas))
+    body = {"weight_version": wanted, "replicas": replicas}
+    empty = [r["replica"] for r in replicas if not r["has_weights"]]
+    if empty:
+        return body, f"replica(s) {empty} hold no weights (slept at level 2): push weights or reload them"
+    behind = [r for r in replicas if r["weight_version"] < wanted]
+    if behind:
+        return body, "; ".join(f"replica {r['replica']} holds weight version {r['weight_version']} < {wanted}"
+                               for r in behind)
+    return body, None
+
+
 @info_router.get("/health")
-async def health(request: Request):
+async def health(request: Request, min_weight_version: int | None = Query(None, ge=0)):
     """200 {"status": "ok"} while every replica lives, {"status": "degraded", "dead_replicas",
     "stalled_replicas"} while some serve on; 503 once none does: all dead, or every live one
     stalled (no heartbeat, or stuck in one step or call, for --engine-stall-timeout-s). While
     generation is paused it says for how long ("paused_seconds"): a pause nobody lifts is
-    visible to an orchestrator."""
-    engine = get_state(request).engine
-    try:
-        health = await engine.check_health()
-    except Exception as e:  # noqa: BLE001 - dead (or unreachable) engine
-        return JSONResponse(error_body(503, f"the engine is not healthy: {e}"), status_code=503)
+    visible to an orchestrator. With `min_weight_version`: also 503 until every replica holds at
+    least that version (as /ready)."""
+    state = get_state(request)
+    engine = state.engine
+    health, refusal = await _liveness(engine)
+    if refusal is not None:
+        return refusal
     dead = sorted(set(health["replicas"]) - set(health["alive"]))
     stalled = health.get("stalled", [])
-    if len(stalled) == len(health["alive"]):
-        what = "; ".join(f"replica {s['replica']}: {s['in']} for {s['seconds']} s" for s in stalled)
-        return JSONResponse(error_body(503, f"the engine is stalled ({what})"), status_code=503)
     body = {"status": "degraded", "dead_replicas": dead, "stalled_replicas": stalled} if dead or stalled \
         else {"status": "ok"}
+    if min_weight_version is not None:
+        return await _ready_answer(state, health, min_weight_version, body)
     with contextlib.suppress(Exception):  # a busy or dying engine: liveness is the answer
         stats = await asyncio.wait_for(engine.get_stats(), HEALTH_STATS_TIMEOUT_S)
         if stats["is_paused"]:
             body["paused_seconds"] = round(stats["paused_seconds"], 3)
     return body
+
+
+@info_router.get("/ready")
+async def ready(request: Request, min_weight_version: int | None = Query(None, ge=0),
+                wait_s: float = Query(0.0, ge=0, le=MAX_READY_WAIT_S)):
+    """200 once the engine lives and every live replica holds weights of the version wanted
+    (`min_weight_version`, --min-weight-version, and the newest any replica holds: see
+    _weights_ready), 503 naming what is missing until then. For an orchestrator's readiness
+    probe, and for a trainer that waits for its push to be everywhere before it samples: with
+    `wait_s` the answer waits up to that long for readiness instead of the caller polling."""
+    state = get_state(request)
+    deadline = time.monotonic() + wait_s
+    while True:
+        health, answer = await _liveness(state.engine)
+        if answer is None:
+            answer = await _ready_answer(state, health, min_weight_version, {"status": "ready"})
+        if not isinstance(answer, JSONResponse) or time.monotonic() + READY_POLL_S > deadline:
+            return answer
+        await asyncio.sleep(READY_POLL_S)
+
+
+async def _ready_answer(state, health: dict, min_weight_version: int | None, ok: dict):
+    try:
+        body, missing = await _weights_ready(state, health, min_weight_version)
+    except asyncio.TimeoutError:
+        return JSONResponse(error_body(503, "not ready: the engine did not report its weight versions within "
+                                            f"{READY_STATS_TIMEOUT_S:g} s (busy in a step or a call)"), status_code=503)
+    if missing is not None:
+        answer = error_body(503, f"not ready: {missing}")
+        answer["error"].update(body)
+        return JSONResponse(answer, status_code=503)
+    return {**ok, **body}
 
 
 @info_router.get("/metrics")

@@ -109,7 +109,7 @@ def generate_stream(url: str, i: int, box: dict) -> None:
 
 def test_scale_1_2_1_while_32_requests_stream():
     """/scale grows to 2 replicas (the new one holds the weights pushed since start-up: same
-    checksum) and back to 1 while 32 requests stream: none lost, none duplicated, all complete."""
+    checksum, and /ready counts it at that version) and back to 1 while 32 requests stream: none lost, none duplicated, all complete."""
     from rollout.client import RolloutClient
 
     server = start_server()
@@ -124,6 +124,9 @@ def test_scale_1_2_1_while_32_requests_stream():
                 t.start()
             assert client.scale(2) == {"data_parallel_size": 2, "added": [1], "removed": []}
             assert client.weights_checksum() == live  # both replicas (the server checks they agree)
+            # the new replica is ready at the version pushed before it existed
+            assert [(r["replica"], r["weight_version"]) for r in client.ready(min_weight_version=2)["replicas"]] == \
+                [(0, 2), (1, 2)]
             assert client.get_world_size() == 2
             for t in threads[16:]:
                 t.start()
