@@ -42,7 +42,7 @@ _REMOTE_TYPES = {c.__name__: c for c in (InvalidRequestError, EngineStateError, 
 def remote_error(type_name: str | None, message: str, default: type = RuntimeError,
                  param: str | None = None) -> Exception:
     """The exception for a failure the engine core reported as (type name, message, field)."""
-    if type_name in ("WeightTransferError", "WeightPushRefused", "WeightGroupError"):
+    if type_name in ("WeightTransferError", "WeightPushRefused", "WeightGroupError", "WeightDeadlineError"):
         from weight_sync import group
 
         return getattr(group, type_name)(message)

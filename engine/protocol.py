@@ -14,9 +14,10 @@ class FinishReason(enum.IntEnum):
     STOP = 0  # EOS, a stop token, or a stop string
     LENGTH = 1  # max_tokens or the context is full
     ABORT = 2  # aborted by the caller, or a stop string found by the frontend
+    STALE = 3  # a weight update left its oldest token more than max_weight_staleness versions behind
 
     def __str__(self) -> str:
-        return ("stop", "length", "abort")[self.value]
+        return ("stop", "length", "abort", "stale")[self.value]
 
 
 class RequestType(bytes, enum.Enum):
@@ -68,6 +69,26 @@ class UtilityRequest(msgspec.Struct, array_like=True, gc=False):
     kwargs: dict[str, Any]
 
 
+class SamplingMask(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The kept set of one sampled token (SamplingParams.return_sampling_mask): the tokens top-k /
+    top-p / min-p left the sampler to draw from. Every filter keeps a prefix of the vocabulary
+    ordered by logit, highest first, ties by lower token id (a cut through equal logits keeps the
+    lower ids), so the set is the first `num_kept` tokens of that order, all of them at or above
+    `min_logprob`.
+
+    Logprobs here are of the distribution before truncation: log-softmax of logits / temperature
+    (tokens banned by min_tokens excluded, never kept). `kept_logmass` = log of the kept set's
+    probability mass under it, so a "processed" logprob (renormalised over the set) + kept_logmass
+    = the untruncated logprob. No truncation: the whole vocabulary (minus banned tokens). Greedy
+    (temperature 0): the one token drawn, its logprob of the raw logits. `ids`: the set, highest
+    first, when asked ("ids") and at most MAX_SAMPLING_MASK_IDS; else None."""
+
+    num_kept: int
+    min_logprob: float
+    kept_logmass: float
+    ids: list[int] | None = None
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What one step produced for one request: at most one new token (more after a resume)."""
 
@@ -89,6 +110,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # (arrived, first scheduled): time.monotonic() in the core, on the output with the first token of
     # the prompt (or of a streaming-input chunk, or after a preemption's recompute); for tracing
     timings: tuple[float, float] | None = None
+    # its output so far is void (stale_action "restart"): the frontend drops what it accumulated, and
+    # the request generates again from its prompt under the new weights
+    restarted: bool = False
+    new_sampling_masks: list[SamplingMask] | None = None  # with return_sampling_mask: one per new token
 
     @property
     def finished(self) -> bool:
@@ -134,7 +159,7 @@ class EngineLoad(msgspec.Struct, array_like=True, gc=False):
     """A replica's queue depth, published to the DP coordinator whenever it changes."""
 
     engine_index: int
-    num_waiting: int  # held requests (arrived while paused) included
+    num_waiting: int  # held requests (arrived while paused) and those awaiting a weight version included
     num_running: int
 
 

@@ -10,6 +10,11 @@ from engine.errors import InvalidRequestError
 # what msgpack carries between the frontend and the engine core
 INT64_MIN, INT64_MAX, UINT64_MAX = -(1 << 63), (1 << 63) - 1, (1 << 64) - 1
 MAX_N = 1024  # samples per request (a request fans out into n sequences)
+STALE_ACTIONS = ("finish", "restart")  # what max_weight_staleness does to a request it catches
+SAMPLING_MASK_MODES = (False, True, "threshold", "ids")
+# ids of one token's kept set sent at most (return_sampling_mask "ids"): a larger set is sent as its
+# size and threshold only (prime-rl bounds its replayed sets at 512 too)
+MAX_SAMPLING_MASK_IDS = 512
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -27,10 +32,24 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     top-k / top-p / min-p filters, i.e. of the distribution the token was drawn from (greedy:
     the raw logits); "raw" = log-softmax of the model's raw logits.
     prompt_logprobs: None or k >= 0; the raw log-softmax of each prompt token given its prefix.
+    temp_scaled_prompt_logprobs: the prompt logprobs of logits / temperature instead (SGLang's
+    temp_scaled_logprobs; temperature 0: raw), what a recompute of sampled tokens compares against.
+    return_sampling_mask: per generated token, the set of tokens the sampler could have drawn (what
+    top-k / top-p / min-p kept; see engine.protocol.SamplingMask). False = none; True or "threshold"
+    = its size, smallest logprob and mass; "ids" = also its token ids (when at most
+    MAX_SAMPLING_MASK_IDS; needs a truncation or greedy: otherwise every set is the vocabulary).
     max_tokens: None = until the context is full.
     pooling: None = generate; "last" / "mean" = encode (LLM.encode): nothing is generated, the
     request returns its final hidden state at the last prompt token, or averaged over the prompt
     (a classifier model: its head's label logits of that vector).
+    max_weight_staleness: None = no limit; k >= 0 = when the live weights' version moves (a push,
+    set_weight_version) more than k versions past the version of the request's oldest generated
+    token, it is handled by stale_action: "finish" ends it with its tokens so far (finish_reason
+    "stale"), "restart" discards them and generates again from the prompt under the new weights
+    (not with output_kind DELTA nor streaming input). Base-model versions only: a LoRA adapter's
+    own version does not count. A request with no token yet is never stale.
+    min_weight_version: None, or N >= 0 = the request waits (holding no KV) until the live weights'
+    version reaches N, then runs (each data-parallel replica checks its own version).
     """
 
     n: int = 1
@@ -52,6 +71,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     detokenize: bool = True
     skip_special_tokens: bool = True
     pooling: str | None = None
+    max_weight_staleness: int | None = None
+    min_weight_version: int | None = None
+    stale_action: str = "finish"
+    temp_scaled_prompt_logprobs: bool = False
+    return_sampling_mask: bool | str = False
 
     def __post_init__(self):
         """Every field is checked here (the engine API has no other validation): a wrong type or
@@ -83,7 +107,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _check(v is None or _is_int(v, 0, 20), name, f"must be None or 0..20, got {v!r}")
         _check(self.logprobs_mode in ("processed", "raw"), "logprobs_mode",
                f"must be 'processed' or 'raw', got {self.logprobs_mode!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "detokenize", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "detokenize", "skip_special_tokens",
+                     "temp_scaled_prompt_logprobs"):
             _check(isinstance(getattr(self, name), bool), name, f"must be a bool, got {getattr(self, name)!r}")
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
@@ -96,8 +121,30 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                f"must be None, 'last' or 'mean', got {self.pooling!r}")
         _check(self.pooling is None or (self.n == 1 and self.logprobs is None and self.prompt_logprobs is None),
                "pooling", "an encode request (pooling) takes n=1 and no logprobs")
+        self._check_sampling_mask()
         if self.stop and not self.detokenize:
             raise InvalidRequestError("stop strings need detokenize=True", "stop")
+        for name in ("max_weight_staleness", "min_weight_version"):
+            v = getattr(self, name)
+            _check(v is None or _is_int(v, 0, INT64_MAX), name, f"must be None or an int >= 0, got {v!r}")
+        _check(self.stale_action in STALE_ACTIONS, "stale_action",
+               f"must be 'finish' or 'restart', got {self.stale_action!r}")
+        # a delta stream has handed the discarded tokens out already: nothing could take them back
+        _check(self.stale_action == "finish" or self.output_kind != RequestOutputKind.DELTA, "stale_action",
+               "'restart' discards the tokens generated so far, which a delta stream (stream: true) has already "
+               "sent: use 'finish' with streaming, or do not stream")
+
+    def _check_sampling_mask(self) -> None:
+        mask = self.return_sampling_mask
+        _check(isinstance(mask, (bool, str)) and mask in SAMPLING_MASK_MODES, "return_sampling_mask",
+               f"must be false, true, 'threshold' or 'ids', got {mask!r}")
+        if mask is True:
+            self.return_sampling_mask = "threshold"
+        _check(not mask or self.pooling is None, "return_sampling_mask", "an encode request (pooling) samples nothing")
+        truncated = self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+        _check(mask != "ids" or self.temperature == 0 or truncated, "return_sampling_mask",
+               "'ids' needs top_k, top_p or min_p (or temperature 0): without a truncation every token's kept set "
+               "is the whole vocabulary; ask 'threshold' (its size and smallest logprob) instead")
 
     @property
     def greedy(self) -> bool:

@@ -12,7 +12,7 @@ travel in `scheduled`. All are msgspec Structs, so they can cross a process boun
 
 import msgspec
 
-from engine.protocol import MMFeature
+from engine.protocol import MMFeature, SamplingMask
 from engine.sampling_params import SamplingParams
 
 
@@ -59,3 +59,4 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     top_logprobs: dict[str, list[tuple[int, float]]] = {}
     prompt_logprobs: dict[str, tuple[list[float], list[list[tuple[int, float]]] | None]] = {}
     pooled: dict[str, list[float]] = {}  # encode requests whose prompt is done: the pooled vector
+    sampling_masks: dict[str, SamplingMask] = {}  # the sampled token's kept set (return_sampling_mask)

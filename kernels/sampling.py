@@ -6,8 +6,15 @@ generator without touching the others. The CDF is searched in two levels (chunk 
 chunk's cumulative sum): one pass over the probabilities instead of a full cumulative sum or
 a vocabulary's worth of random numbers (torch's exponential_ / multinomial cost ~80 ms for
 32 x 49152 on this CPU, this ~1 ms).
+
+Kept sets (rows in SamplingMetadata.mask_rows, engine's return_sampling_mask): the tokens the
+filters left each row to draw from, read off the very tensor the row was drawn from, so the
+export is what the sampler did. Such a batch takes the torch path (on CUDA too) with a stable
+top-p sort, so a cut through equal logits keeps the lower token ids, as the Triton sampler does;
+torch's default sort leaves that choice unspecified, and costs ~15% less, so other batches keep it.
 """
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +41,17 @@ class SamplingMetadata:
     raw_logprobs: torch.Tensor | None = None  # (N,) bool rows that want raw-logit logprobs
     banned_tokens: dict[int, list[int]] = field(default_factory=dict)  # row -> ids (min_tokens)
     batch_invariant: bool = False  # logsumexp in one fixed order per row (see logsumexp)
+    mask_rows: dict[int, bool] | None = None  # rows that export their kept set -> with its ids
+    mask_max_ids: int = 0  # ids of a kept set larger than this are not listed
+
+
+class KeptSet(NamedTuple):
+    """One row's kept set (engine.protocol.SamplingMask says what each field means)."""
+
+    num_kept: int
+    min_logprob: float
+    kept_logmass: float
+    ids: list[int] | None
 
 
 @dataclass
@@ -42,6 +60,7 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None  # (N,) float32
     top_ids: torch.Tensor | None = None  # (N, k) int64
     top_logprobs: torch.Tensor | None = None  # (N, k) float32
+    kept_sets: dict[int, KeptSet] | None = None  # the rows of md.mask_rows
 
 
 def greedy_ref(logits: torch.Tensor, with_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -87,7 +106,8 @@ def sample(logits: torch.Tensor, md: SamplingMetadata, generator: torch.Generato
     # (greedy_logprobs' -log(sum) may differ in the last bit from gather - logsumexp below, which
     # every batch-invariant row that wants logprobs must get, whatever its batch)
     invariant_logprobs = md.batch_invariant and md.max_num_logprobs is not None
-    if md.all_greedy and not md.banned_tokens and not md.max_num_logprobs and not invariant_logprobs:
+    if (md.all_greedy and not md.banned_tokens and not md.max_num_logprobs and not invariant_logprobs
+            and not md.mask_rows):
         ids, lps = greedy(logits, md.max_num_logprobs is not None)
         return SamplerOutput(token_ids=ids, logprobs=lps)
     if _triton_sampler_fits(logits, md):
@@ -98,14 +118,17 @@ def sample(logits: torch.Tensor, md: SamplingMetadata, generator: torch.Generato
     for row, ids in md.banned_tokens.items():
         logits[row, ids] = float("-inf")
     if md.all_greedy:
-        processed = logits
+        scaled = processed = logits
         token_ids = logits.argmax(dim=-1)
     else:
-        processed = filter_logits(logits / md.temperature[:, None], md)
+        scaled = logits / md.temperature[:, None]
+        processed = filter_logits(scaled, md)  # (a new tensor when a filter is on: scaled stays whole)
         token_ids = sample_from_probs(processed.softmax(dim=-1), _uniforms(md, generator, logits.device))
         if md.greedy is not None:
             token_ids = torch.where(md.greedy, logits.argmax(dim=-1), token_ids)
     out = SamplerOutput(token_ids=token_ids)
+    if md.mask_rows:
+        out.kept_sets = kept_sets(scaled, processed, token_ids, md)
     if md.max_num_logprobs is not None:
         src = processed
         if md.raw_logprobs is not None:
@@ -131,7 +154,7 @@ def _triton_sampler_fits(logits: torch.Tensor, md: SamplingMetadata) -> bool:
     distribution: not top-k logprob lists, raw-logit logprobs or batch-invariant sums."""
     return (logits.is_cuda and logits.ndim == 2 and logits.stride(-1) == 1 and not md.all_greedy
             and not md.max_num_logprobs and md.raw_logprobs is None and not md.batch_invariant
-            and triton_available())
+            and not md.mask_rows and triton_available())
 
 
 def _sample_triton(logits: torch.Tensor, md: SamplingMetadata, generator: torch.Generator | None) -> SamplerOutput:
@@ -160,10 +183,10 @@ def _sample_triton(logits: torch.Tensor, md: SamplingMetadata, generator: torch.
 def _cpu_sampler(logits: torch.Tensor, md: SamplingMetadata):
     """The C++ op module when its sample_rows serves this batch (CPU; temperature only, no top-k /
     top-p / min-p; no logprobs or only the sampled token's, and then no greedy rows among the
-    sampled ones; not batch-invariant mode, whose logprobs take logsumexp_rows), else None."""
+    sampled ones; not batch-invariant mode, whose logprobs take logsumexp_rows; no kept sets), else None."""
     if (logits.ndim != 2 or logits.stride(-1) != 1 or md.all_greedy or md.top_k is not None
             or md.top_p is not None or md.min_p is not None or md.max_num_logprobs not in (None, 0)
-            or md.raw_logprobs is not None or md.batch_invariant
+            or md.raw_logprobs is not None or md.batch_invariant or md.mask_rows
             or (md.greedy is not None and md.max_num_logprobs is not None)):
         return None
     return cpu_ext.ops_for(logits.device, logits.dtype)
@@ -180,6 +203,35 @@ def _sample_cpu(ext, logits: torch.Tensor, md: SamplingMetadata, generator: torc
     if md.greedy is not None:  # (no logprobs then: see _cpu_sampler)
         ids = torch.where(md.greedy, logits.argmax(dim=-1), ids)
     return SamplerOutput(token_ids=ids, logprobs=lps if with_logprobs else None)
+
+
+def kept_sets(scaled: torch.Tensor, processed: torch.Tensor, token_ids: torch.Tensor,
+              md: SamplingMetadata) -> dict[int, KeptSet]:
+    """The kept set of every row in md.mask_rows. scaled: (N, V) logits / temperature (raw logits
+    for greedy rows, whose temperature reads 1), banned tokens at -inf; processed: scaled after
+    the filters (-inf = dropped); token_ids: (N,) what was drawn. A greedy row keeps its argmax."""
+    rows = sorted(md.mask_rows)
+    index = torch.tensor(rows, dtype=torch.int64, device=scaled.device)
+    x = scaled.index_select(0, index)  # (R, V)
+    kept = processed.index_select(0, index) > float("-inf")
+    greedy = [i for i, r in enumerate(rows) if md.all_greedy or (md.greedy is not None and bool(md.greedy[r]))]
+    if greedy:
+        g = torch.tensor(greedy, dtype=torch.int64, device=x.device)
+        kept[g] = False
+        kept[g, token_ids.index_select(0, index[g])] = True
+    kept_x = x.masked_fill(~kept, float("-inf"))  # (for a sampled row: processed's row, bit for bit)
+    lse = logsumexp(x, md.batch_invariant)  # (R, 1)
+    kept_logmass = (logsumexp(kept_x, md.batch_invariant) - lse).squeeze(1)
+    min_logprob = (x.masked_fill(~kept, float("inf")).min(dim=-1).values[:, None] - lse).squeeze(1)
+    num_kept = kept.sum(dim=-1)
+    out = {}
+    for i, (r, n, lo, mass) in enumerate(zip(rows, num_kept.tolist(), min_logprob.tolist(), kept_logmass.tolist())):
+        ids = None
+        if md.mask_rows[r] and n <= md.mask_max_ids:
+            ids_up = kept[i].nonzero().squeeze(1)  # ascending ids; a stable sort keeps that order in ties
+            ids = ids_up[x[i, ids_up].sort(descending=True, stable=True).indices].tolist()
+        out[r] = KeptSet(n, lo, mass, ids)
+    return out
 
 
 def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -207,7 +259,7 @@ def filter_logits(x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     neg_inf = float("-inf")
     if md.top_p is not None:
         # One descending sort serves both top-k (rank >= k) and top-p (mass before it >= p).
-        sorted_x, order = x.sort(dim=-1, descending=True)
+        sorted_x, order = x.sort(dim=-1, descending=True, stable=bool(md.mask_rows))
         if md.top_k is not None:
             ranks = torch.arange(x.shape[1], device=x.device)[None, :]
             sorted_x.masked_fill_((md.top_k[:, None] > 0) & (ranks >= md.top_k[:, None]), neg_inf)

@@ -204,7 +204,7 @@ PLOTS = [  # (title, series) drawn against the step
     ("KL to the initial policy", ["kl"]),
     ("rollout tokens/s", ["rollout/tokens_per_s"]),
     ("seconds", ["push/seconds", "push/paused_seconds", "train/seconds", "rollout/seconds"]),
-    ("weight-version staleness", ["staleness/mean", "staleness/max"]),
+    ("weight-version staleness", ["staleness/mean", "staleness/max", "staleness/within_max"]),
     ("tool calls (multiturn_tool)", ["tool/call_rate"]),
 ]
 

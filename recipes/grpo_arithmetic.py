@@ -45,16 +45,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def rollout_batch(client: RolloutClient, rng: random.Random, args, seed: int) -> dict:
-    """Sample, score and flatten one step's rollouts."""
+def rollout_batch(client: RolloutClient, rng: random.Random, args, seed: int, extra_params: dict | None = None
+                  ) -> dict:
+    """Sample, score and flatten one step's rollouts. `extra_params`: more sampling params (grpo_async's
+    max_weight_staleness); a group with a sample the server ended as "stale" is left out whole (its
+    advantages need every sample), counted in "stale" (samples) and "stale_groups"."""
     problems = [arithmetic_problem(rng) for _ in range(args.prompts)]
     prompts = [client.tokenize(messages=messages) for messages, _ in problems]
     t0 = time.perf_counter()
     outs = client.generate(prompts, {"n": args.group, "temperature": 1.0, "max_tokens": args.max_tokens,
-                                     "logprobs": 0, "seed": seed})
+                                     "logprobs": 0, "seed": seed, **(extra_params or {})})
     seconds = time.perf_counter() - t0
-    batch = {"seqs": [], "scored": [], "rewards": [], "lengths": [], "rollout_lp": [], "versions": []}
+    batch = {"seqs": [], "scored": [], "rewards": [], "lengths": [], "rollout_lp": [], "versions": [], "stale": 0,
+             "stale_groups": 0}
     for (_, answer), prompt, samples in zip(problems, prompts, outs):
+        num_stale = sum(o.finish_reason == "stale" for o in samples)
+        if num_stale:
+            batch["stale"] += num_stale
+            batch["stale_groups"] += 1
+            continue
         for o in samples:
             batch["seqs"].append(prompt + o.token_ids)
             batch["scored"].append([False] * len(prompt) + [True] * len(o.token_ids))

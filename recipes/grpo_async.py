@@ -7,8 +7,16 @@ grpo_arithmetic's; what changes:
   sequence's tokens may come from several versions (each token carries its version);
 - off-policy correction: the loss's ratio is against the trainer's policy before the update
   (recomputed), times a truncated importance weight min(pi_trainer / pi_rollout, --is-cap) per
-  token from the rollout's logprobs; a batch whose oldest token is more than --max-staleness
-  versions behind the trainer is dropped.
+  token from the rollout's logprobs;
+- staleness is the server's to enforce: every request carries max_weight_staleness=--max-staleness,
+  so a push that leaves a sample's oldest token more than that many versions behind the live
+  weights ends it there (finish_reason "stale", its KV freed at once); its group is dropped (GRPO
+  needs whole groups), a batch left with none is skipped. A finished batch waiting for the trainer
+  ages by at most --ahead more versions: staleness/mean and staleness/max log the age at training;
+- each step asks the server to recompute one rollout sampled wholly under its live weights
+  (POST /logprobs/compare) and logs the largest difference from the logprobs it sampled with
+  (consistency/max_abs_diff: rounding-sized unless the server's forward is broken); pushes go
+  through the server's one transactional update call (client.push_weights).
 
     .venv/bin/python recipes/grpo_async.py                  # async only
     .venv/bin/python recipes/grpo_async.py --compare-sync   # the synchronous recipe first, same
@@ -32,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from recipes import grpo_arithmetic  # noqa: E402
 from recipes.common import (RunLog, new_run_dir, recipe_parser, rollout_server, start_trainer,  # noqa: E402
                             token_logprobs)
-from rollout.client import RolloutClient  # noqa: E402
+from rollout.client import RolloutAPIError, RolloutClient  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,7 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kl-coef", type=float, default=0.0, help="> 0: a KL penalty to the initial policy")
     ap.add_argument("--clip", type=float, default=0.2, help="PPO clip range of the ratio: [1 - clip, 1 + clip]")
     ap.add_argument("--is-cap", type=float, default=2.0, help="truncation of the per-token importance weight")
-    ap.add_argument("--max-staleness", type=int, default=2, help="drop batches older than this many versions")
+    ap.add_argument("--max-staleness", type=int, default=2,
+                    help="the server ends a sample whose oldest token is more than this many versions behind the "
+                         "live weights (max_weight_staleness); its group is dropped")
     ap.add_argument("--ahead", type=int, default=1, help="batches the rollouts may run ahead of the trainer")
     ap.add_argument("--compare-sync", action="store_true",
                     help="run grpo_arithmetic with the same settings first and print both wall times")
@@ -68,8 +78,9 @@ class Rollouts(threading.Thread):
                     if not self.slots.acquire(timeout=0.2):
                         continue
                     n += 1
-                    self.batches.put(grpo_arithmetic.rollout_batch(client, self.rng, self.args,
-                                                                   self.args.seed * 100_003 + n))
+                    self.batches.put(grpo_arithmetic.rollout_batch(
+                        client, self.rng, self.args, self.args.seed * 100_003 + n,
+                        {"max_weight_staleness": self.args.max_staleness}))
         except BaseException as e:  # noqa: BLE001 - the trainer re-raises it
             self.error = e
             self.stopping.set()
@@ -116,15 +127,18 @@ def main(argv=None) -> dict:
         t_start = time.perf_counter()
         rollouts = Rollouts(url, args, rng)
         rollouts.start()
-        rows, dropped = [], 0
+        rows, dropped, dropped_groups, num_stale = [], 0, 0, 0
         try:
             step = 0
             while step < args.steps:
                 batch = rollouts.next()
-                staleness = [version - v for v in batch["versions"]]
-                if max(staleness) > args.max_staleness:
+                num_stale += batch["stale"]
+                dropped_groups += batch["stale_groups"]
+                if not batch["seqs"]:  # every group had a sample the server ended as stale
                     dropped += 1
                     continue
+                staleness = [version - v for v in batch["versions"]]
+                consistency = server_consistency(client, batch, version)
                 step += 1
                 with torch.no_grad():  # the trainer's policy before this update: the ratio's anchor
                     prox_lp = token_logprobs(model, batch["seqs"], batch["scored"])
@@ -137,12 +151,15 @@ def main(argv=None) -> dict:
                     "clipped": stats.clipped, "train/seconds": train_s, "push/seconds": push["seconds"],
                     "push/paused_seconds": push["paused_seconds"] or 0.0, "push/kept": push["kept"],
                     "weight_version": version, "staleness/mean": sum(staleness) / len(staleness),
-                    "staleness/max": max(staleness), "dropped_batches": dropped,
+                    "staleness/max": max(staleness), "staleness/within_max": within_request_spread(batch),
+                    "stale/samples": num_stale, "dropped_groups": dropped_groups, "dropped_batches": dropped,
                     "wall_seconds": time.perf_counter() - t_start})
+                if consistency is not None:
+                    row["consistency/max_abs_diff"] = consistency
                 rows.append(row)
                 log.log(step, row)
                 print(f"[recipe] step {step:3d}  reward {row['reward/mean']:.3f} (solved {row['reward/solved']:.2f})"
-                      f"  staleness {row['staleness/mean']:.2f}/{max(staleness)}  mismatch "
+                      f"  staleness {row['staleness/mean']:.2f}/{max(staleness)} (stale {num_stale})  mismatch "
                       f"{stats.mismatch_mean:.1e}  train {train_s:.1f}s  push {push['seconds']:.1f}s  v{version}",
                       flush=True)
         finally:
@@ -152,10 +169,42 @@ def main(argv=None) -> dict:
         png = log.finish()
     torch.set_num_threads(threads)
     print(f"[recipe] done in {time.perf_counter() - t_start:.0f} s: {png}", flush=True)
-    result = {"run_dir": run_dir, "rows": rows, "png": png, "dropped": dropped}
+    result = {"run_dir": run_dir, "rows": rows, "png": png, "dropped": dropped, "dropped_groups": dropped_groups,
+              "stale": num_stale}
     if sync is not None:
         result["comparison"] = compare(sync["rows"], rows)
     return result
+
+
+def server_consistency(client: RolloutClient, batch: dict, version: int) -> float | None:
+    """The server's recompute of the first rollout whose every token came from the live weights
+    (`version`) against the logprobs it was sampled with: the largest difference, or None when no
+    rollout qualifies or a push moved the weights meanwhile (409)."""
+    start = 0
+    for seq, scored, length in zip(batch["seqs"], batch["scored"], batch["lengths"]):
+        versions = batch["versions"][start:start + length]
+        if length and set(versions) == {version}:
+            prompt = seq[:scored.index(True)]
+            try:
+                return client.compare_logprobs(prompt, seq[len(prompt):], batch["rollout_lp"][start:start + length],
+                                               weight_version=version, temperature=1.0)["max_abs_diff"]
+            except RolloutAPIError as e:
+                if e.status != 409:
+                    raise
+                return None
+        start += length
+    return None
+
+
+def within_request_spread(batch: dict) -> int:
+    """The largest version span inside one kept sequence (newest - oldest token): the server keeps
+    it at most --max-staleness."""
+    spans, start = [], 0
+    for n in batch["lengths"]:
+        versions = batch["versions"][start:start + n]
+        spans.append(max(versions) - min(versions) if versions else 0)
+        start += n
+    return max(spans, default=0)
 
 
 def moving_average(values: list[float], window: int = 4) -> list[float]:

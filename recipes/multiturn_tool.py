@@ -1,16 +1,22 @@
-"""Multi-turn GRPO with a calculator tool, through HTTP sessions: the model asks the tool in a
-fixed format ("CALL 47*6"), the environment appends the tool's answer to the session as tokens,
-the model answers ("Answer: 282"). The trainer scores only the tokens the model wrote (the tool's
-tokens are masked out of the loss) and never re-tokenises text: it trains on exactly the token
-ids the engine ran (asserted: the session's token count on the server equals the trainer's, and
-the trainer's recomputed logprobs match the rollout's).
+"""Multi-turn GRPO with a calculator tool: the model asks the tool in a fixed format
+("CALL 47*6"), the environment answers as the next user message, the model answers
+("Answer: 282"). The trainer scores only the tokens the model wrote (the tool's tokens are masked
+out of the loss) and never re-tokenises text: it trains on exactly the token ids the engine ran
+(asserted, and the trainer's recomputed logprobs match the rollout's).
 
     .venv/bin/python recipes/multiturn_tool.py                 # starts `rollout serve` itself
     .venv/bin/python recipes/multiturn_tool.py --url http://127.0.0.1:8000 --steps 5
 
-Each rollout is one session (client.session()): turn 1 samples until <|im_end|>; if it holds a
-call, the tool's answer goes in as the next user message and turn 2 samples the answer. All
-sessions of a step run concurrently (AsyncRolloutClient), so the engine batches their turns.
+Turn 1 samples until <|im_end|>; if it holds a call, turn 2 samples the answer. Two ways to
+send turn 2 (--turns):
+  prefix   (default) the whole conversation as chat messages plus `prefix_token_ids`, the exact
+           ids of turn 1 (prompt + completion): the server keeps them and adds the template's ids
+           for the tool's message only; where the template would have tokenised turn 1
+           differently it says so (retokenization_drift, logged as tool/drift_turns).
+  session  one HTTP session per rollout (client.session()): the tool's answer goes in as token
+           ids the recipe renders itself, and the engine keeps the session's KV between turns
+           (asserted: the session's token count on the server equals the trainer's).
+All rollouts of a step run concurrently (AsyncRolloutClient), so the engine batches their turns.
 """
 from __future__ import annotations
 
@@ -52,8 +58,31 @@ def tool_reply(text: str) -> str | None:
     return f"Result: {int(m.group(1)) * int(m.group(2))}"
 
 
-async def one_rollout(client: AsyncRolloutClient, prompt: list[int], answer: int, params: dict, eos: int,
-                      tokens_of) -> dict:
+async def prefix_rollout(client: AsyncRolloutClient, messages: list[dict], prompt: list[int], answer: int,
+                         params: dict) -> dict:
+    """A turn, maybe a tool call and a second turn sent as chat messages with turn 1's exact ids
+    as prefix_token_ids. Returns what session_rollout returns, and whether the template drifted."""
+    [out] = await client.generate(prompt, params)
+    seq, scored = prompt + out.token_ids, [False] * len(prompt) + [True] * len(out.token_ids)
+    logprobs, versions = list(out.logprobs), list(out.weight_versions)
+    text, drift, reply = out.text, False, tool_reply(out.text)
+    if reply is not None:
+        convo = messages + [{"role": "assistant", "content": out.text}, {"role": "user", "content": reply}]
+        out = await client.generate_chat(convo, params, prefix_token_ids=seq)
+        # token in, token out: turn 1's ids are the prompt's start, whatever the template makes of them
+        assert out.prompt_token_ids[:len(seq)] == seq, "the server re-tokenised turn 1"
+        added = len(out.prompt_token_ids) - len(seq)  # the turn's closing "\n" and the tool's message
+        seq = out.prompt_token_ids + out.token_ids
+        scored += [False] * added + [True] * len(out.token_ids)
+        logprobs += out.logprobs
+        versions += out.weight_versions
+        text, drift = out.text, out.retokenization_drift is not None
+    return {"seq": seq, "scored": scored, "rollout_lp": logprobs, "versions": versions,
+            "reward": arithmetic_reward(text, answer), "called": reply is not None, "drift": drift}
+
+
+async def session_rollout(client: AsyncRolloutClient, prompt: list[int], answer: int, params: dict, eos: int,
+                          tokens_of) -> dict:
     """One session: a turn, maybe a tool call and a second turn. Returns the conversation's token
     ids, which of them the model wrote, their rollout logprobs and versions, and the reward."""
     async with await client.session() as s:
@@ -71,11 +100,11 @@ async def one_rollout(client: AsyncRolloutClient, prompt: list[int], answer: int
         return {"seq": s.token_ids, "scored": s.generated, "rollout_lp": [lp for lp, g in zip(s.logprobs, s.generated)
                                                                           if g],
                 "versions": [v for v, g in zip(s.weight_versions, s.generated) if g],
-                "reward": arithmetic_reward(text, answer), "called": reply is not None, "turns": len(s.outputs)}
+                "reward": arithmetic_reward(text, answer), "called": reply is not None, "drift": False}
 
 
-async def rollout_batch(url: str, prompts: list[list[int]], answers: list[int], group: int, params: dict,
-                        eos: int) -> list[dict]:
+async def rollout_batch(url: str, problems: list[tuple[list[dict], int]], prompts: list[list[int]], group: int,
+                        params: dict, eos: int, turns: str = "prefix") -> list[dict]:
     async with AsyncRolloutClient(url, timeout=600) as client:
         cache: dict[str, list[int]] = {}
 
@@ -84,13 +113,21 @@ async def rollout_batch(url: str, prompts: list[list[int]], answers: list[int], 
                 cache[text] = await client.tokenize(prompt=text)
             return cache[text]
 
-        jobs = [one_rollout(client, p, a, dict(params, seed=params["seed"] + i * group + j), eos, tokens_of)
-                for i, (p, a) in enumerate(zip(prompts, answers)) for j in range(group)]
+        def job(messages, prompt, answer, seed):
+            sampling = dict(params, seed=seed)
+            if turns == "prefix":
+                return prefix_rollout(client, messages, prompt, answer, sampling)
+            return session_rollout(client, prompt, answer, sampling, eos, tokens_of)
+
+        jobs = [job(m, p, a, params["seed"] + i * group + j)
+                for i, ((m, a), p) in enumerate(zip(problems, prompts)) for j in range(group)]
         return await asyncio.gather(*jobs)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = recipe_parser(__doc__, steps=20, prompts=4, max_tokens=12, max_tokens_help="tokens sampled per turn")
+    ap.add_argument("--turns", choices=("prefix", "session"), default="prefix",
+                    help="how turn 2 is sent: chat messages with turn 1's ids as prefix_token_ids, or an HTTP session")
     return ap.parse_args(argv)
 
 
@@ -113,7 +150,7 @@ def main(argv=None) -> dict:
             params = {"temperature": 1.0, "max_tokens": args.max_tokens, "logprobs": 0,
                       "seed": args.seed * 100_003 + step * 1000}
             t0 = time.perf_counter()
-            rollouts = asyncio.run(rollout_batch(url, prompts, [a for _, a in problems], args.group, params, eos))
+            rollouts = asyncio.run(rollout_batch(url, problems, prompts, args.group, params, eos, args.turns))
             rollout_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             rewards = [r["reward"] for r in rollouts]
@@ -136,6 +173,8 @@ def main(argv=None) -> dict:
                    "reward/solved": (r == 1.0).float().mean().item(),
                    "tool/call_rate": sum(x["called"] for x in rollouts) / len(rollouts),
                    "tool/masked_tokens": sum(len(x["seq"]) - sum(x["scored"]) for x in rollouts),
+                   # second turns whose turn-1 ids the chat template would have tokenised otherwise
+                   "tool/drift_turns": sum(x["drift"] for x in rollouts),
                    "mismatch/mean": stats.mismatch_mean, "mismatch/max": stats.mismatch_max,
                    "ratio/std": stats.ratio_std, "ratio/max": stats.ratio_max, "kl": stats.kl,
                    "rollout/seconds": rollout_s, "rollout/tokens_per_s": lengths.sum().item() / rollout_s,
@@ -147,6 +186,7 @@ def main(argv=None) -> dict:
             rows.append(row)
             log.log(step, row)
             print(f"[recipe] step {step:3d}  reward {row['reward/mean']:.3f}  calls {row['tool/call_rate']:.2f}  "
+                  f"drift {row['tool/drift_turns']}  "
                   f"mismatch {stats.mismatch_mean:.1e}  rollout {rollout_s:.1f}s  train {train_s:.1f}s  "
                   f"v{push['weight_version']}", flush=True)
         client.close_weight_transfer()

@@ -42,6 +42,24 @@ LONG_TIMEOUT = httpx.Timeout(None, connect=10.0)  # calls that block for a whole
 
 
 @dataclass
+class SamplingMasks:
+    """The kept set of every generated token (sampling_params "return_sampling_mask"), by column:
+    token i was drawn from the num_kept[i] tokens of highest logit (ties: lower id first), all at
+    or above min_logprob[i]; kept_logmass[i] = log of their probability mass (logprobs of logits /
+    temperature, before truncation; a "processed" logprob + kept_logmass = the untruncated one).
+    ids[i]: that set, highest first ("ids", sets of at most 512), else None."""
+
+    num_kept: list[int]
+    min_logprob: list[float]
+    kept_logmass: list[float]
+    ids: list[list[int] | None]
+
+    @classmethod
+    def from_json(cls, d: dict | None) -> SamplingMasks | None:
+        return None if d is None else cls(d["num_kept"], d["min_logprob"], d["kept_logmass"], d["ids"])
+
+
+@dataclass
 class GenerateOutput:
     """One generated sequence. logprobs[i] / weight_versions[i] belong to token_ids[i]."""
 
@@ -49,7 +67,7 @@ class GenerateOutput:
     logprobs: list[float] | None
     weight_versions: list[int]
     text: str
-    finish_reason: str | None
+    finish_reason: str | None  # "stale": a push left it past sampling_params' max_weight_staleness
     top_logprobs: list[list[tuple[int, float]]] | None = None
     stop_reason: Any = None
     prompt_token_ids: list[int] = field(default_factory=list)
@@ -57,6 +75,13 @@ class GenerateOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[float | None] | None = None  # with sampling_params.prompt_logprobs; [0] is None
     lora_versions: list[int] = field(default_factory=list)  # per token, when `model` named a LoRA adapter
+    index: int = 0  # the sample's index (n > 1)
+    # a conversation sent with prefix_token_ids (generate_chat): where the chat template's own
+    # rendering of the covered turns differs from the prefix ({offset, prefix_ids, rendered_ids}),
+    # and the template's turn-closing ids put after the prefix (e.g. "\n" after <|im_end|>)
+    retokenization_drift: dict | None = None
+    closing_token_ids: list[int] = field(default_factory=list)
+    sampling_mask: SamplingMasks | None = None  # with sampling_params.return_sampling_mask
 
     @classmethod
     def from_json(cls, result: dict, c: dict) -> GenerateOutput:
@@ -66,7 +91,34 @@ class GenerateOutput:
                    top_logprobs=None if top is None else [[(int(t), float(lp)) for t, lp in step] for step in top],
                    prompt_token_ids=result.get("prompt_token_ids", []), request_id=result.get("request_id", ""),
                    num_cached_tokens=result.get("num_cached_tokens", 0),
-                   prompt_logprobs=result.get("prompt_logprobs"), lora_versions=c.get("lora_versions", []))
+                   prompt_logprobs=result.get("prompt_logprobs"), lora_versions=c.get("lora_versions", []),
+                   index=c.get("index", 0), retokenization_drift=result.get("retokenization_drift"),
+                   closing_token_ids=result.get("closing_token_ids", []),
+                   sampling_mask=SamplingMasks.from_json(c.get("sampling_mask")))
+
+
+@dataclass
+class AbortManifest:
+    """/abort_requests with wait: what every aborted request's caller received, one GenerateOutput
+    per sample (request_id, index, token_ids, logprobs, weight_versions, finish_reason: "abort",
+    or the real one for a request that ended by itself meanwhile). `pending`: aborted requests
+    that had not ended within the timeout (no entry); `already_finished`: ids that had ended
+    before the abort; `not_found`: ids the server does not know."""
+
+    requests: list[GenerateOutput]
+    aborted: int
+    pending: list[str] = field(default_factory=list)
+    already_finished: list[str] = field(default_factory=list)
+    not_found: list[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return not self.pending
+
+    @classmethod
+    def from_json(cls, body: dict) -> AbortManifest:
+        return cls([GenerateOutput.from_json(e, e) for e in body["requests"]], body["aborted"], body["pending"],
+                   body["already_finished"], body["not_found"])
 
 
 @dataclass
@@ -121,13 +173,34 @@ class _Endpoints:
         return self._run(_Call("POST", "/generate", lambda b: _outputs(b, sp.get("n", 1)), json=body))
 
     def generate_chat(self, messages: list[dict], sampling_params: dict | None = None, request_id: str | None = None,
-                      chat_template_kwargs: dict | None = None, tools: list[dict] | None = None):
+                      chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+                      prefix_token_ids: Sequence[int] | None = None):
         """One conversation through the model's chat template (what /v1/chat/completions runs),
-        with /generate's token-level answer: a GenerateOutput (a list of n when n > 1)."""
+        with /generate's token-level answer: a GenerateOutput (a list of n when n > 1).
+        prefix_token_ids: the exact ids of the conversation up to its last assistant turn (the
+        previous prompt_token_ids + token_ids): the prompt is these ids + what the template adds
+        for the newer messages, never a re-tokenization of the earlier turns; the output's
+        prompt_token_ids start with them, and retokenization_drift says where the template
+        would have rendered them differently (None when it would not)."""
         sp = dict(sampling_params or {})
         body = {"messages": messages, "sampling_params": sp, "request_id": request_id,
                 "chat_template_kwargs": chat_template_kwargs, "tools": tools}
+        if prefix_token_ids is not None:
+            body["prefix_token_ids"] = list(prefix_token_ids)
         return self._run(_Call("POST", "/generate", lambda b: _outputs(b, sp.get("n", 1))[0], json=body))
+
+    def compare_logprobs(self, prompt_token_ids: Sequence[int], token_ids: Sequence[int], logprobs: Sequence[float],
+                         weight_version: int | Sequence[int] | None = None, temperature: float = 1.0,
+                         allow_version_mismatch: bool = False) -> dict:
+        """POST /logprobs/compare: the server recomputes the completion `token_ids` after
+        `prompt_token_ids` under its live weights and compares with `logprobs` (of logits /
+        temperature; e.g. a GenerateOutput's, with its weight_versions). Returns {"weight_version",
+        "max_abs_diff", "mean_abs_diff", "max_abs_diff_index", "diffs", "logprobs", ...}; a
+        weight_version other than the live one: RolloutAPIError 409 unless allow_version_mismatch."""
+        wv = weight_version if weight_version is None or isinstance(weight_version, int) else list(weight_version)
+        body = {"prompt_token_ids": list(prompt_token_ids), "token_ids": list(token_ids), "logprobs": list(logprobs),
+                "weight_version": wv, "temperature": temperature, "allow_version_mismatch": allow_version_mismatch}
+        return self._run(_Call("POST", "/logprobs/compare", json=body))
 
     # ---- sessions (multi-turn; rollout/api/sessions.py) ------------------------------------------
     def open_session(self, session_id: str | None = None, timeout_s: float | None = None) -> str:
@@ -259,10 +332,19 @@ class _Endpoints:
         """Stop it; returns the trace files written (server-side paths, one per engine-core replica)."""
         return self._run(_Call("POST", "/stop_profile", lambda b: b["traces"], admin=True))
 
-    def abort_requests(self, request_ids: list[str] | None = None):
-        """Abort these requests (all in flight when None); returns how many were aborted."""
-        return self._run(_Call("POST", "/abort_requests", lambda b: b["aborted"],
-                               json={"request_ids": request_ids}, admin=True))
+    def abort_requests(self, request_ids: list[str] | None = None, wait: bool = False, timeout_s: float = 60.0,
+                       return_prompt_token_ids: bool = False):
+        """Abort these requests (all in flight when None; a batch's id aborts its prompts). Returns
+        how many were aborted; with `wait`, an AbortManifest once every aborted request has ended
+        (at most `timeout_s`): each sample's tokens, logprobs and weight versions, exactly as its
+        own caller received them."""
+        if not wait:
+            return self._run(_Call("POST", "/abort_requests", lambda b: b["aborted"],
+                                   json={"request_ids": request_ids}, admin=True))
+        body = {"request_ids": request_ids, "wait": True, "timeout_s": timeout_s,
+                "return_prompt_token_ids": return_prompt_token_ids}
+        return self._run(_Call("POST", "/abort_requests", AbortManifest.from_json, json=body, admin=True,
+                               timeout=httpx.Timeout(timeout_s + 30.0, connect=10.0)))
 
     def scale(self, data_parallel_size: int, drain_timeout_s: float = 60.0):
         """Grow or shrink the server's data-parallel replicas; returns {"data_parallel_size",
@@ -301,14 +383,50 @@ class _Endpoints:
         return self._run(_Call("POST", "/finish_weight_update", lambda b: b["weight_version"],
                                json={"weight_version": weight_version}, admin=True))
 
-    def push_weights_from_disk(self, path: str, version: int | None = None, lora_name: str | None = None):
-        """Load a safetensors folder on the server's disk (pause generation first, or run idle);
-        with `lora_name`, a PEFT folder: that adapter's new weights under its own version."""
+    def weights_update(self, source: str, idempotency_key: str | None = None, deadline_s: float | None = None,
+                       **fields):
+        """POST /weights/update: a whole update in one call (the server pauses, receives or reads,
+        swaps, clears caches and resumes; rollout/api/weight_update.py). `source` "gloo" / "nccl"
+        (the push a WeightSender sends beside this call: push_weights), "disk" (path=), "ipc"
+        (handles=); fields: version, lora_name, pause_mode, recompute_kv, update_info. With an
+        idempotency_key, a connection error is retried (the server answers a retry with the first
+        call's answer). A failure raises RolloutAPIError with .phase and .weight_version."""
+        return self._run(self._weights_update_call(source, idempotency_key, deadline_s, lambda b: b, **fields))
+
+    def weights_update_status(self, idempotency_key: str):
+        """GET /weights/update?idempotency_key=: {"status": "done", "result": the answer} or
+        {"status": "running"}; RolloutAPIError 404 when the server does not know the key."""
+        return self._run(_Call("GET", "/weights/update", params={"idempotency_key": idempotency_key}, admin=True,
+                               idempotent=True))
+
+    @staticmethod
+    def _weights_update_call(source: str, idempotency_key: str | None, deadline_s: float | None, parse,
+                             **fields) -> _Call:
+        body = {"source": source, **{k: v for k, v in fields.items() if v is not None}}
+        if idempotency_key is not None:
+            body["idempotency_key"] = idempotency_key
+        if deadline_s is not None:
+            body["deadline_s"] = deadline_s
+        # the server answers within deadline_s (plus its backstop, rollout/api/weight_update.py)
+        timeout = LONG_TIMEOUT if deadline_s is None else httpx.Timeout(deadline_s + 30.0, connect=10.0)
+        return _Call("POST", "/weights/update", parse, json=body, admin=True, timeout=timeout,
+                     idempotent=idempotency_key is not None)
+
+    def push_weights_from_disk(self, path: str, version: int | None = None, lora_name: str | None = None,
+                               idempotency_key: str | None = None, deadline_s: float | None = None):
+        """A safetensors folder on the server's disk, in one POST /weights/update: the server
+        pauses (mode keep: requests in flight freeze and continue on the new weights), reads it,
+        swaps, clears caches and resumes (a pause the caller made stays). With `lora_name`, a
+        PEFT folder: that adapter's new weights under its own version. `idempotency_key`,
+        `deadline_s`: see push_weights."""
+        return self._run(self._weights_update_call("disk", idempotency_key, deadline_s, self._push_logger("disk"),
+                                                   path=str(path), version=version, lora_name=lora_name))
+
+    def update_weights_from_disk(self, path: str, version: int | None = None, lora_name: str | None = None):
+        """POST /update_weights_from_disk: the update alone (pause generation first, or run idle)."""
         return self._run(_Call("POST", "/update_weights_from_disk", self._push_logger("disk"),
                                json={"path": str(path), "version": version, "lora_name": lora_name}, admin=True,
                                timeout=LONG_TIMEOUT))
-
-    update_weights_from_disk = push_weights_from_disk
 
     def reload_weights(self, version: int | None = None):
         """The server's start-up checkpoint again (after sleep level 2, or to undo pushes)."""
@@ -352,10 +470,13 @@ class _Endpoints:
         return self.weights.init(backend, master_address, master_port, timeout_s, bucket_bytes)
 
     def push_weights(self, named_tensors, version: int | None = None, pause_mode: str = "keep", dtype=None,
-                     recompute_kv: bool = False, lora_name: str | None = None):
-        """pause -> broadcast -> atomic swap -> clear caches -> resume (see WeightTransfer.push;
-        `lora_name`: a LoRA adapter's tensors)."""
-        return self.weights.push(named_tensors, version, pause_mode, dtype, recompute_kv, lora_name)
+                     recompute_kv: bool = False, lora_name: str | None = None, idempotency_key: str | None = None,
+                     deadline_s: float | None = None):
+        """pause -> broadcast -> atomic swap -> clear caches -> resume, in one POST /weights/update
+        beside the broadcast (see WeightTransfer.push; `lora_name`: a LoRA adapter's tensors;
+        `idempotency_key`: a retry gets the first push's result; `deadline_s`: for all of it)."""
+        return self.weights.push(named_tensors, version, pause_mode, dtype, recompute_kv, lora_name,
+                                 idempotency_key, deadline_s)
 
     def weight_update(self, version: int | None = None, pause_mode: str = "keep", dtype=None,
                       recompute_kv: bool = False):
@@ -363,10 +484,13 @@ class _Endpoints:
         return self.weights.update(version, pause_mode, dtype, recompute_kv)
 
     def push_weights_shared(self, named_tensors, version: int | None = None, pause_mode: str = "keep",
-                            recompute_kv: bool = False, lora_name: str | None = None, dtype=None):
+                            recompute_kv: bool = False, lora_name: str | None = None, dtype=None,
+                            idempotency_key: str | None = None, deadline_s: float | None = None):
         """Same machine: CUDA IPC on a shared GPU, shared memory on CPU; no group needed. Tensors
-        are cast to the engine's dtype (or `dtype`), as push_weights does."""
-        return self.weights.push_shared(named_tensors, version, pause_mode, recompute_kv, lora_name, dtype)
+        are cast to the engine's dtype (or `dtype`), as push_weights does; one POST
+        /weights/update {source: ipc} pauses, swaps and resumes."""
+        return self.weights.push_shared(named_tensors, version, pause_mode, recompute_kv, lora_name, dtype,
+                                        idempotency_key, deadline_s)
 
     def close_weight_transfer(self):
         return self.weights.close()
@@ -420,7 +544,9 @@ def _api_error(resp: httpx.Response) -> RolloutAPIError:
             err = {"message": err}
     except (ValueError, AttributeError):
         err = {"message": resp.text[:500]}
-    return RolloutAPIError(resp.status_code, err.get("message", ""), err.get("type", "error"), err.get("param"))
+    details = {k: v for k, v in err.items() if k not in ("message", "type", "param", "code")}
+    return RolloutAPIError(resp.status_code, err.get("message", ""), err.get("type", "error"), err.get("param"),
+                           details)
 
 
 class RolloutClient(_Transport, _Endpoints):

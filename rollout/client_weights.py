@@ -1,7 +1,11 @@
 """The trainer's side of weight pushes: `client.weights`, one `WeightTransfer` per client, written
 once for RolloutClient and AsyncRolloutClient.
 
-    push_weights: pause(mode) -> start -> [POST /update_weights || WeightSender.send] -> finish(version) -> resume
+    push_weights:        [POST /weights/update {source: gloo|nccl} || WeightSender.send]
+                         (the server pauses, receives, swaps, clears caches and resumes in that call)
+    push_weights_shared: SharedWeights.share -> POST /weights/update {source: ipc}
+    weight_update():     vLLM's phases, for an update in chunks: pause(mode) -> start ->
+                         [POST /update_weights || WeightSender.send]... -> finish(version) -> resume
 
 Every protocol here is a plan: a generator that yields steps and receives their results. A step
 is a function of the client (`lambda c: c.pause(mode)`: the sync client returns the answer, the
@@ -12,10 +16,16 @@ such as the server's /update_weights beside the trainer's WeightSender.send). `r
 The trainer is rank 0 of a `weight_sync.WeightTransferGroup`; the engine's workers are ranks
 1..N. Forming the group blocks until every rank joined, so the trainer's side and the server's
 /init_weight_transfer_engine run beside each other; likewise each push's `WeightSender.send` and
-the server's /update_weights. If the HTTP side fails (e.g. 409: requests running) and the
-sender is still blocked ABORT_AFTER_S later, the group is aborted so the sender fails now instead
-of at its timeout; the group is broken then: call init_weight_transfer() again. A push the engine
-refuses (names, shapes, dtypes) leaves the group usable.
+the server's /weights/update (or /update_weights). If the HTTP side fails and the sender is still
+blocked ABORT_AFTER_S later, the group is aborted so the sender fails now instead of at its
+timeout; the group is broken then (as after any transport failure, or a push past its
+deadline_s): call init_weight_transfer() again. A push the engine refuses (names, shapes, dtypes,
+a version that does not increase) leaves the group usable.
+
+Retries: with an `idempotency_key`, a push the server already made (its answer lost with a
+dropped connection) is answered from the server's memory of that key, without sending a byte
+(push_weights asks GET /weights/update?idempotency_key= first; the other routes just resend,
+and the server replays); one still running is waited for.
 """
 from __future__ import annotations
 
@@ -34,6 +44,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
 ABORT_AFTER_S = 5.0  # after the server failed an update, how long the sender may take to notice
+# the sender's own deadline is the server's plus this much: the server gives up first, answers
+# with the phase, and aborts the group (so the sender fails at once); the sender's deadline only
+# matters when the server never started receiving
+SENDER_DEADLINE_GRACE_S = 2.0
 Plan = Generator[Any, Any, Any]
 
 
@@ -169,7 +183,6 @@ class WeightUpdate:
 
     def __init__(self, transfer: WeightTransfer, group, dtype):
         self.transfer, self.group, self.dtype = transfer, group, dtype
-        self.lora_name: str | None = None  # a LoRA adapter's push (WeightTransfer.push(lora_name=))
         self.version: int | None = None
         self.weight_version: int | None = None
         self.stats: list[dict] = []
@@ -253,14 +266,16 @@ class WeightTransfer:
 
     # ---- pushes -------------------------------------------------------------------------------
     def push(self, named_tensors: Iterable, version: int | None = None, pause_mode: str = "keep", dtype=None,
-             recompute_kv: bool = False, lora_name: str | None = None):
-        """pause(mode) -> start -> [POST /update_weights || WeightSender.send] -> finish(version) -> resume.
+             recompute_kv: bool = False, lora_name: str | None = None, idempotency_key: str | None = None,
+             deadline_s: float | None = None):
+        """[POST /weights/update || WeightSender.send]: in that one call the server pauses (mode),
+        receives, swaps atomically, clears its prefix and encoder caches, labels the weights
+        `version` (default: previous + 1; versions must increase) and resumes.
 
         Tensors carry Hugging Face names (a subset of the model is fine) and are cast to the
-        engine's dtype (or `dtype`). The engine swaps them in atomically, clears its prefix and
-        encoder caches and labels them `version` (default: previous + 1; versions must increase).
-        A failed push leaves the old weights serving; generation is resumed either way. In chunks:
-        `update()`.
+        engine's dtype (or `dtype`). A failed push leaves the old weights serving, whole, and
+        generation resumed (unless the trainer had paused it: then it stays paused); the
+        RolloutAPIError names the `phase` that failed. In chunks: `update()`.
 
         pause_mode "keep" (the default) loses no work: requests in flight freeze and continue on
         the new weights (their later tokens carry the new version); "abort" ends them with
@@ -271,18 +286,82 @@ class WeightTransfer:
         `lora_name`: the tensors are that LoRA adapter's (loaded on the server; PEFT names as
         `peft_model.named_parameters()` gives them, a subset is fine), `version` the adapter's
         own (default +1); only that adapter's outputs change, its tokens carry the version in
-        `lora_versions`."""
-        return self.run(self._push_plan(named_tensors, version, _pause(pause_mode, recompute_kv), dtype, lora_name))
+        `lora_versions`.
 
-    def _push_plan(self, named_tensors, version, pause: dict, dtype, lora_name: str | None = None) -> Plan:
-        update = yield from self._begin_plan(version, pause, dtype, lora_name)
-        ok = False
+        `idempotency_key`: a retry with the same key (after a dropped connection) gets the first
+        push's result without sending again. `deadline_s`: the whole push, pause to resume, or
+        it fails (504, phase named) and the group is broken: init_weight_transfer() again."""
+        return self.run(self._push_plan(named_tensors, version, pause_mode, recompute_kv, dtype, lora_name,
+                                        idempotency_key, deadline_s))
+
+    def _push_plan(self, named_tensors, version, pause_mode: str, recompute_kv: bool, dtype, lora_name: str | None,
+                   idempotency_key: str | None, deadline_s: float | None) -> Plan:
+        from weight_sync import WeightSender
+
+        if self.group is None:
+            raise RuntimeError("no weight transfer group: call init_weight_transfer() first")
+        t0 = time.perf_counter()
+        group, dtype = self.group, dtype or self.dtype
+        named = [(n, t) for n, t in named_tensors]
+        if lora_name is not None:
+            from engine.worker.lora import peft_key
+
+            named = [(peft_key(n), t) for n, t in named]
+        info = _update_info(named, dtype, None)
+        del info["weight_version"]  # /weights/update takes it as `version`
+        fields = dict(update_info=info, version=version, lora_name=lora_name, pause_mode=pause_mode,
+                      recompute_kv=recompute_kv)
+
+        def post(c):
+            return c.weights_update(group.backend, idempotency_key, deadline_s, **fields)
+
+        if idempotency_key is not None:  # a retry of a push the server made or is making: no byte moves
+            replayed = yield from self._replay_plan(idempotency_key, post)
+            if replayed is not None:
+                return _push_result(replayed, None, t0)
+        yield from self._refuse_early_plan(version, lora_name)
+        sender = WeightSender(group, **({"bucket_bytes": self.bucket_bytes} if self.bucket_bytes else {}))
+
+        def send() -> dict:
+            with group.deadline(None if deadline_s is None else deadline_s + SENDER_DEADLINE_GRACE_S):
+                return sender.send(named, dtype)
+
+        both = yield Beside(post, send, on_stuck=lambda e: group.abort(f"the server failed the update: {e}"))
+        if both.error is not None:  # the server's answer names the phase; a refused push ends the sender too
+            raise both.error
+        if both.work_error is not None:
+            raise both.work_error
+        result = _push_result(both.result, both.work_result, t0)
+        log_push(self.client.wandb_run, "broadcast", result["seconds"], both.work_result["num_bytes"],
+                 result["weight_version"] if lora_name is None else None)
+        return result
+
+    def _replay_plan(self, idempotency_key: str, post) -> Plan:
+        """The server's answer to an earlier push with this key (waiting for it if it runs), or
+        None when the server does not know the key (never made, failed, or forgotten)."""
         try:
-            yield from self._send_plan(update, named_tensors)
-            ok = True
-        finally:
-            yield from self._end_plan(update, ok)
-        return update.result()
+            known = yield lambda c: c.weights_update_status(idempotency_key)
+        except RolloutAPIError as e:
+            if e.status != 404:
+                raise
+            return None
+        if known["status"] == "done":
+            return dict(known["result"], replayed=True)
+        return (yield post)  # running: the server answers this call with that push's answer
+
+    def _refuse_early_plan(self, version: int | None, lora_name: str | None) -> Plan:
+        """Refuse before any byte moves what the server would refuse before receiving (the
+        sender would block on a receiver that never came) or after (the push would be wasted)."""
+        if lora_name is not None:
+            models = yield lambda c: c.model_info()
+            if lora_name not in [m["id"] for m in models[1:]]:
+                raise RolloutAPIError(404, f"the LoRA adapter {lora_name!r} is not loaded on the server",
+                                      "not_found_error", "lora_name")
+        elif version is not None:
+            live = yield lambda c: c.weight_version()
+            if version <= live:
+                raise RolloutAPIError(409, f"weight versions must increase: {version} is not above the live "
+                                           f"version {live}", "engine_state_error", "weight_version")
 
     def update(self, version: int | None = None, pause_mode: str = "keep", dtype=None, recompute_kv: bool = False):
         """with client.weight_update(version=step) as u: u.send(chunk); u.send(chunk2) ...
@@ -314,19 +393,11 @@ class WeightTransfer:
         finally:
             await self.run(self._end_plan(update, ok))
 
-    def _begin_plan(self, version, pause: dict, dtype, lora_name: str | None = None) -> Plan:
+    def _begin_plan(self, version, pause: dict, dtype) -> Plan:
         if self.group is None:
             raise RuntimeError("no weight transfer group: call init_weight_transfer() first")
         update = WeightUpdate(self, self.group, dtype or self.dtype)
         update.paused = yield lambda c: c.pause(**pause)
-        if lora_name is not None:  # one send, no start/finish phases: the server checks the version
-            update.lora_name, update.version = lora_name, version
-            models = yield lambda c: c.model_info()
-            if lora_name not in [m["id"] for m in models[1:]]:  # refused before any byte moves
-                yield lambda c: c.resume()
-                raise RolloutAPIError(404, f"the LoRA adapter {lora_name!r} is not loaded on the server",
-                                      "not_found_error", "lora_name")
-            return update
         try:
             live = yield lambda c: c.weight_version()
             if version is not None and version <= live:  # refused before any byte moves
@@ -345,13 +416,7 @@ class WeightTransfer:
         named = [(n, t) for n, t in named_tensors]
         kw = {"bucket_bytes": self.bucket_bytes} if self.bucket_bytes else {}
         sender = WeightSender(update.group, **kw)
-        if update.lora_name is None:
-            info = _update_info(named, update.dtype, None)  # the version is set once, by the finish
-        else:
-            from engine.worker.lora import peft_key
-
-            named = [(peft_key(n), t) for n, t in named]
-            info = dict(_update_info(named, update.dtype, update.version), lora_name=update.lora_name)
+        info = _update_info(named, update.dtype, None)  # the version is set once, by the finish
         both = yield Beside(lambda c: c.update_weights(info), functools.partial(sender.send, named, update.dtype),
                             on_stuck=lambda e: update.group.abort(f"the server failed the update: {e}"))
         if both.error is not None:  # a refused push ends the sender too, with the group intact
@@ -359,32 +424,33 @@ class WeightTransfer:
         if both.work_error is not None:
             raise both.work_error
         update.stats.append({"send": both.work_result, "update": both.result})
-        if update.lora_name is not None:
-            update.weight_version = both.result["weight_version"]
         return update.stats[-1]
 
     def _end_plan(self, update: WeightUpdate, ok: bool) -> Plan:
         try:
-            if ok and update.stats and update.lora_name is None:
+            if ok and update.stats:
                 update.weight_version = yield lambda c: c.finish_weight_update(update.version)
         finally:
             resumed = yield lambda c: c.resume()
             update.paused_seconds = (resumed or {}).get("paused_seconds")
         if update.stats:
             log_push(self.client.wandb_run, "broadcast", time.perf_counter() - update.t0,
-                     sum(s["send"]["num_bytes"] for s in update.stats),
-                     update.weight_version if update.lora_name is None else None)
+                     sum(s["send"]["num_bytes"] for s in update.stats), update.weight_version)
 
     def push_shared(self, named_tensors: Iterable, version: int | None = None, pause_mode: str = "keep",
-                    recompute_kv: bool = False, lora_name: str | None = None, dtype=None):
-        """For a trainer on the server's machine: pause -> share the tensors (CUDA IPC on a shared
-        GPU, shared memory on CPU) -> the engine copies them in -> resume. No transfer group
-        needed. Floating-point tensors are cast to `dtype`, by default the engine's (as push
-        does; learned from /server_info when no group told it), before the pause. `lora_name`:
-        a LoRA adapter's tensors (see push)."""
-        return self.run(self._shared_plan(named_tensors, version, _pause(pause_mode, recompute_kv), lora_name, dtype))
+                    recompute_kv: bool = False, lora_name: str | None = None, dtype=None,
+                    idempotency_key: str | None = None, deadline_s: float | None = None):
+        """For a trainer on the server's machine: share the tensors (CUDA IPC on a shared GPU,
+        shared memory on CPU) -> POST /weights/update {source: ipc}: the server pauses, copies
+        them in, swaps, clears caches and resumes in that call. No transfer group needed.
+        Floating-point tensors are cast to `dtype`, by default the engine's (as push does; learned
+        from /server_info when no group told it). `lora_name`, `idempotency_key`, `deadline_s`:
+        see push (a retry shares the tensors again; the server answers it from its memory)."""
+        return self.run(self._shared_plan(named_tensors, version, pause_mode, recompute_kv, lora_name, dtype,
+                                          idempotency_key, deadline_s))
 
-    def _shared_plan(self, named_tensors, version, pause: dict, lora_name: str | None = None, dtype=None) -> Plan:
+    def _shared_plan(self, named_tensors, version, pause_mode: str, recompute_kv: bool, lora_name: str | None,
+                     dtype, idempotency_key: str | None, deadline_s: float | None) -> Plan:
         from weight_sync import SharedWeights
 
         if dtype is None and self.dtype is None:
@@ -393,11 +459,21 @@ class WeightTransfer:
             served = (yield lambda c: c.server_info()).get("dtype")
             dtype = getattr(torch, served) if served else None
         named = _cast(named_tensors, dtype or self.dtype)
-        paused = yield lambda c: c.pause(**pause)
-        try:
-            with SharedWeights() as shared:
-                handles = shared.share(named)
-                result = yield lambda c: c.update_weights_from_ipc(handles, version, lora_name)
-                return dict(result, aborted=paused.get("aborted", 0), kept=paused.get("kept", 0))
-        finally:
-            yield lambda c: c.resume()
+        t0 = time.perf_counter()
+        with SharedWeights() as shared:
+            handles = shared.share(named)
+            result = yield lambda c: c.weights_update("ipc", idempotency_key, deadline_s, handles=handles,
+                                                      version=version, lora_name=lora_name, pause_mode=pause_mode,
+                                                      recompute_kv=recompute_kv)
+        log_push(self.client.wandb_run, "ipc", time.perf_counter() - t0, result.get("num_bytes"),
+                 result.get("weight_version") if lora_name is None else None)
+        return result
+
+
+def _push_result(answer: dict, send: dict | None, t0: float) -> dict:
+    """push_weights' result: the server's /weights/update answer ("update": its phases, stats),
+    the sender's stats ("send"; None when the server replayed an earlier push with this key)."""
+    return {"weight_version": answer["weight_version"], "seconds": time.perf_counter() - t0, "send": send,
+            "update": answer, "num_sends": 0 if send is None else 1, "aborted": answer.get("aborted", 0),
+            "kept": answer.get("kept", 0), "paused_seconds": answer.get("paused_seconds"),
+            "phases": answer.get("phases", {}), "replayed": answer.get("replayed", False)}

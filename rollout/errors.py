@@ -9,9 +9,16 @@ rollout/client_weights.py import (re-exported as `rollout.RolloutAPIError` / `ro
 
 
 class RolloutAPIError(RuntimeError):
-    def __init__(self, status: int, message: str, type: str = "error", param: str | None = None):
+    """`details`: the error object's other fields; a failed /weights/update's are `phase` (where it
+    stopped) and `weight_version` (the version live after it), also as attributes."""
+
+    def __init__(self, status: int, message: str, type: str = "error", param: str | None = None,
+                 details: dict | None = None):
         super().__init__(f"{status} {type}: {message}" + (f" (param: {param})" if param else ""))
         self.status, self.message, self.type, self.param = status, message, type, param
+        self.details = details or {}
+        self.phase: str | None = self.details.get("phase")
+        self.weight_version: int | None = self.details.get("weight_version")
 
 
 class RolloutConnectionError(ConnectionError):

@@ -17,7 +17,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine.frontend.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, LATENCY_BUCKETS, PREFIX
+from engine.frontend.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, ENGINE_LABELED_COUNTERS, LATENCY_BUCKETS, PREFIX
 
 logger = logging.getLogger("rollout")
 
@@ -32,6 +32,12 @@ class _EngineCollector:
         for key, (name, doc) in ENGINE_COUNTERS.items():
             if key in s:
                 yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(s[key]))
+        families: dict[str, CounterMetricFamily] = {}  # one family per name, a sample per label set
+        for key, (name, doc, labels) in ENGINE_LABELED_COUNTERS.items():
+            if key in s:
+                family = families.setdefault(name, CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=list(labels)))
+                family.add_metric(list(labels.values()), float(s[key]))
+        yield from families.values()
         for key, (name, doc) in ENGINE_GAUGES.items():
             if key in s:
                 yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(s[key]))

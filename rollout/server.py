@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.errors import EngineDeadError
-from rollout.api import control, generate, openai, pooling, sessions, weights
+from rollout.api import control, generate, logprobs_compare, openai, pooling, sessions, weight_update, weights
 from rollout.api.dispatch import document_bodies
 from rollout.api.errors import ERROR_SCOPE_KEY, document_errors, error_body, install_error_handlers
 from rollout.api.state import ServerState, get_state
@@ -198,7 +198,8 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
     document_bodies(app)
     app.add_middleware(GuardMiddleware, config=config, state_getter=lambda: holder.get("state"))
     app.include_router(info_router)
-    for module in (openai, generate, pooling, sessions, control, weights, *DIALECTS):
+    for module in (openai, generate, logprobs_compare, pooling, sessions, control, weights, weight_update,
+                   *DIALECTS):
         app.include_router(module.router)
         if hasattr(module, "info_router"):
             app.include_router(module.info_router)

@@ -9,7 +9,8 @@ Data flow of one update (the trainer drives it; the engine's worker is the recei
 Group: `WeightTransferGroup` is a stateless torch.distributed group (never the default group):
 rank 0 = trainer hosts a TCPStore rendezvous, ranks 1..N = engine workers; gloo on CPU, NCCL on
 CUDA, same calls. Every collective has a timeout: a dead or hung peer becomes
-`WeightTransferError`, never a hang.
+`WeightTransferError`, never a hang; `with group.deadline(s):` bounds a whole push as well
+(`WeightDeadlineError`).
 
 Protocol (protocol.py), one call per update: header (msgpack list of name, dtype, shape) ->
 all-reduce of the receivers' verdict (names/shapes/dtypes checked, a refusal stops everyone
@@ -23,8 +24,8 @@ IPC on a shared GPU, shared memory on CPU).
 """
 from weight_sync.checkpoint import load_safetensors_folder
 from weight_sync.checksum import weights_checksum
-from weight_sync.group import (WeightGroupError, WeightPushRefused, WeightTransferError, WeightTransferGroup,
-                               find_free_port)
+from weight_sync.group import (WeightDeadlineError, WeightGroupError, WeightPushRefused, WeightTransferError,
+                               WeightTransferGroup, find_free_port)
 from weight_sync.ipc import SharedWeights, read_shared
 from weight_sync.protocol import DEFAULT_BUCKET_BYTES, WeightReceiver, WeightSender
 
@@ -32,6 +33,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "SharedWeights",
     "WeightReceiver",
+    "WeightDeadlineError",
     "WeightGroupError",
     "WeightPushRefused",
     "WeightSender",

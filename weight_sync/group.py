@@ -9,7 +9,9 @@ call directly, each with the group's timeout.
 
 Failure contract: a peer that dies or hangs turns into `WeightTransferError` on the others
 within about `timeout_s` (a dead peer's closed socket is noticed at once; a hung one by gloo's
-per-operation timeout). The timeout bounds each collective (one bucket), not a whole push. After
+per-operation timeout). The timeout bounds each collective (one bucket), not a whole push;
+`with group.deadline(seconds):` bounds every collective in the block by one overall deadline
+too (each one's timeout is what is left of it), and past it raises `WeightDeadlineError`. After
 such an error the group is *broken* (its sockets or communicator are in an unknown state), and
 we tear it down at once so that its other peers fail fast too; every later call raises
 immediately: close it and open a new one.
@@ -30,6 +32,7 @@ Traps:
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
 import threading
@@ -45,6 +48,12 @@ MASTER_POLL_S = 0.1
 class WeightTransferError(RuntimeError):
     """A weight push failed: refused by a receiver, aborted by the sender, or the transport
     (peer died, timed out). The receiver's staged tensors are discarded; live weights are untouched."""
+
+
+class WeightDeadlineError(WeightTransferError, TimeoutError):
+    """A collective was still running when the deadline of its `group.deadline()` block passed
+    (a whole push that took too long, not one slow bucket); the group is broken like after any
+    transport failure."""
 
 
 class WeightGroupError(WeightTransferError):
@@ -141,6 +150,7 @@ class WeightTransferGroup:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._broken: str | None = None
         self._closed = False
+        self._deadline: float | None = None  # time.monotonic() at which collectives give up (deadline())
 
         if backend == "nccl" and not (torch.cuda.is_available() and hasattr(dist, "ProcessGroupNCCL")):
             raise ValueError("backend 'nccl' needs CUDA and a torch built with NCCL; use 'gloo' on CPU")
@@ -220,17 +230,22 @@ class WeightTransferGroup:
         """In place: every rank's `tensor` (contiguous, on `self.device`) ends up equal to src's."""
         assert tensor.device == self.device, f"tensor on {tensor.device}, group on {self.device}"
         assert tensor.is_contiguous(), "broadcast needs a contiguous tensor"
-        self._run("broadcast", lambda: self._pg.broadcast(tensor, src, self.timeout))
+        self._run("broadcast", lambda timeout: self._pg.broadcast(tensor, src, timeout))
 
     def all_reduce_max(self, value: int) -> int:
         """The maximum of `value` over all ranks (status handshakes: 0 = ok everywhere)."""
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        self._run("all_reduce", lambda: self._pg.allreduce(t, dist.ReduceOp.MAX, self.timeout))
+        self._run("all_reduce", lambda timeout: self._pg.allreduce(t, dist.ReduceOp.MAX, timeout))
         return int(t.item())
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place sum over all ranks (every rank gets the same bits); returns `tensor`."""
-        self._run("all_reduce", lambda: self._pg.allreduce([tensor], dist.AllreduceOptions()))
+        def start(timeout):
+            opts = dist.AllreduceOptions()
+            opts.timeout = timeout
+            return self._pg.allreduce([tensor], opts)
+
+        self._run("all_reduce", start)
         return tensor
 
     def gather(self, tensor: torch.Tensor, dst: int = 0) -> list[torch.Tensor] | None:
@@ -238,11 +253,33 @@ class WeightTransferGroup:
         outs = [[torch.empty_like(tensor) for _ in range(self.world_size)]] if self.rank == dst else []
         opts = dist.GatherOptions()
         opts.rootRank = dst
-        self._run("gather", lambda: self._pg.gather(outs, [tensor.contiguous()], opts))
+
+        def start(timeout):
+            opts.timeout = timeout
+            return self._pg.gather(outs, [tensor.contiguous()], opts)
+
+        self._run("gather", start)
         return outs[0] if outs else None
 
     def barrier(self) -> None:
         self.all_reduce_max(0)
+
+    @contextlib.contextmanager
+    def deadline(self, seconds: float | None):
+        """Collectives inside the block give up `seconds` from now (None: no deadline), each
+        with what is left as its timeout (never more than the group's own), so that a push that
+        started before the deadline cannot run past it. A collective past it raises
+        WeightDeadlineError and breaks the group (the peers blocked in it fail at once)."""
+        before = self._deadline
+        if seconds is not None:
+            if not seconds > 0:
+                raise ValueError(f"a deadline must be positive, got {seconds}")
+            end = time.monotonic() + seconds
+            self._deadline = end if before is None else min(before, end)
+        try:
+            yield self
+        finally:
+            self._deadline = before
 
     def abort(self, reason: str) -> None:
         """Break the group on purpose (a rank that cannot go on mid-push): its connections close,
@@ -278,14 +315,31 @@ class WeightTransferGroup:
     # -- internals --------------------------------------------------------------------------
 
     def _run(self, what: str, start) -> None:
+        """start(timeout) launches the collective with that per-operation timeout; it is waited
+        for as long. The timeout is the group's, or what is left of the deadline if shorter: gloo
+        then ends the operation itself, so that aborting the group really closes its sockets (a
+        bare wait() timeout would leave the operation, and the sockets, alive until the group's
+        own timeout) and the peers blocked with us fail at once."""
         if self._closed:
             raise WeightTransferError(f"{what} on a closed {self!r}")
         if self._broken:
             raise WeightTransferError(f"{what} on a broken group (earlier error: {self._broken}); open a new one")
+        timeout, by_deadline = self.timeout, False
+        if self._deadline is not None:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                self.abort(f"{what}: past the deadline")
+                raise WeightDeadlineError(f"{what} on rank {self.rank}/{self.world_size}: the deadline passed "
+                                          "before it started; the group was aborted")
+            if left < self.timeout_s:
+                timeout, by_deadline = datetime.timedelta(seconds=left), True
         try:
-            start().wait(self.timeout)
+            start(timeout).wait(timeout)
         except Exception as e:  # gloo/NCCL raise RuntimeError / DistBackendError with the cause
             self.abort(f"{what} failed: {e}")
+            if by_deadline and time.monotonic() >= self._deadline - 0.05:
+                raise WeightDeadlineError(f"{what} on rank {self.rank}/{self.world_size} did not finish before the "
+                                          f"deadline; the group was aborted: {e}") from e
             raise WeightTransferError(
                 f"{what} failed on rank {self.rank}/{self.world_size} (peer died or did not answer "
                 f"within {self.timeout_s:g}s): {e}"

@@ -9,10 +9,11 @@ engine/process/utility.py's table are reachable as utility calls, no others; one
 for running requests (pause mode "wait", a sleep that pauses) returns a `Deferred`, which the
 caller of the utility resolves once its condition holds.
 
-Pause (engine/core/pause.py), sleep, weight-version and LoRA (engine/core/lora_registry.py)
-state live here and nowhere above or below: the frontends, the HTTP server and its metrics ask
-the core (`is_paused`, `is_sleeping`, `get_stats`); the scheduler reads the pause and the pins;
-the workers hold tensors and are told what to keep.
+Pause (engine/core/pause.py), sleep, weight-version (and the requests' rules about it,
+engine/core/staleness.py) and LoRA (engine/core/lora_registry.py) state live here and nowhere
+above or below: the frontends, the HTTP server and its metrics ask the core (`is_paused`,
+`is_sleeping`, `get_stats`); the scheduler reads the pause and the pins; the workers hold tensors
+and are told what to keep.
 
     pause_generation(mode)
                    "abort": end every admitted request now (finish_reason abort), hold new ones;
@@ -121,6 +122,9 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    config.max_loras if config.enable_lora else 0, self.pause, self.loras.pinned)
         self.weight_version = 0
+        # the version the last steps generated with, and whether weight_version moved since (requests'
+        # version rules, engine/core/staleness.py, apply the move before the next step generates)
+        self._steps_version, self._version_moved = 0, False
         self.num_generated_tokens = 0
         self.forming_group: Deferred | None = None  # init_weight_transfer while its group forms
         self.group_cancel = threading.Event()  # set by close_weight_transfer to stop the forming
@@ -146,7 +150,7 @@ class EngineCore:
                 raise EngineStateError(f"LoRA adapter {request.lora_id} cannot run: every LoRA slot (max_loras "
                                        f"{self.config.max_loras}) holds a pinned adapter {sorted(pinned)}",
                                        "lora_request")
-        self.scheduler.add_request(Request(request))
+        self.scheduler.add_request(Request(request), self.weight_version)
 
     def add_stream_input(self, chunk: StreamInput) -> None:
         """Append the next input chunk to a streaming request (or close its input)."""
@@ -183,8 +187,10 @@ class EngineCore:
                                  finish_reason=FinishReason.ABORT) for r in aborted]
 
     def abort_all(self) -> int:
-        """Abort every request but those held by a pause; their final outputs follow as outputs."""
-        held = {r.request_id for r in self.scheduler.held}
+        """Abort every request but those that never ran (held by a pause, or awaiting a weight
+        version: a pause before the push they wait for must not end them); their final outputs
+        follow as outputs."""
+        held = {r.request_id for r in (*self.scheduler.held, *self.scheduler.versions.awaiting)}
         ids = [rid for rid in self.scheduler.requests if rid not in held]
         self._pending_outputs.extend(self.abort_requests(ids))
         return len(ids)
@@ -192,6 +198,7 @@ class EngineCore:
     def has_work(self) -> bool:
         """Whether step() would compute or hand out something."""
         self._expire_pause()
+        self._apply_version_move()
         return bool(self._pending_outputs) or (self._can_run() and self.scheduler.can_step())
 
     def seconds_to_next_event(self) -> float | None:
@@ -201,12 +208,24 @@ class EngineCore:
     def _can_run(self) -> bool:
         return not self.asleep and not self.needs_weights
 
+    def _apply_version_move(self) -> None:
+        """Apply a move of the base model's weight_version to the requests' version rules (stale
+        ones finish or restart, those waiting for it are admitted) before anything generates again.
+        During a keep pause nothing generates: it waits for the resume, so the versions an update
+        in several chunks passes through never count, only the one finish_weight_update gives it."""
+        if not self._version_moved or self.pause.state is PauseState.PAUSED_ALL:
+            return
+        self._version_moved = False
+        old, self._steps_version = self._steps_version, self.weight_version
+        self._pending_outputs += self.scheduler.weights_changed(old, self.weight_version)
+
     def take_pending_outputs(self) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        self._apply_version_move()
         outputs = self.take_pending_outputs()
         if not (self._can_run() and self.scheduler.can_step()):
             return outputs
@@ -222,7 +241,7 @@ class EngineCore:
 
     # ---- pause / resume -------------------------------------------------------------------
     def pause_generation(self, mode: str = "abort", clear_cache: bool = True, timeout_s: float | None = None,
-                         recompute_kv: bool = False):
+                         recompute_kv: bool = False, unless_paused: bool = False):
         """Pause generation (see the module docstring); "wait" answers once the admitted requests
         finished. `timeout_s`: resume by itself (logged) if nobody resumed within it, so a trainer
         that dies while generation is paused does not hang every rollout. `recompute_kv` (mode
@@ -231,16 +250,23 @@ class EngineCore:
         what the new weights give for the whole sequence (SGLang's retract); by default they keep
         the KV the old weights computed (vLLM's keep), which is cheaper. Returns {"aborted": n
         (requests an abort-mode pause ended), "kept": n (requests a keep-mode pause froze; they
-        continue after resume), "mode": mode}."""
+        continue after resume), "mode": mode}. `unless_paused`: a pause (or a sleep) in place stays
+        exactly as it is (its mode, timeout, recompute) and nothing changes; the answer then also
+        says "was_paused": one call that pauses only what runs (POST /weights/update)."""
         if timeout_s is not None and not timeout_s > 0:
             raise InvalidRequestError(f"pause timeout_s must be positive, got {timeout_s}", "timeout_s")
+        was_paused = self.pause.active
+        if unless_paused and was_paused:
+            return {"aborted": 0, "kept": 0, "mode": mode, "was_paused": True}
         num_aborted = self._set_pause(mode, timeout_s=timeout_s, recompute_kv=recompute_kv)
-        kept = len(self.scheduler.requests) - len(self.scheduler.held) if mode == "keep" else 0
+        kept = len(self.scheduler.requests) - len(self.scheduler.held) - len(self.scheduler.versions.awaiting) \
+            if mode == "keep" else 0
 
         def finish() -> dict:
             if clear_cache:
                 self.reset_prefix_cache()
-            return {"aborted": num_aborted, "kept": kept, "mode": mode}
+            answer = {"aborted": num_aborted, "kept": kept, "mode": mode}
+            return dict(answer, was_paused=was_paused) if unless_paused else answer
 
         return Deferred(self._drained, finish) if mode == "wait" else finish()
 
@@ -382,19 +408,21 @@ class EngineCore:
     # A weight update has two phases so that it is atomic across data-parallel replicas: every
     # replica stages it (received / read, checked; nothing live changes), then it goes live on
     # all of them only if all staged (engine.process.core_client.weight_update_plan drives it).
-    def stage_weights(self, source: str, args: list, lora_id: int = 0) -> dict:
+    def stage_weights(self, source: str, args: list, lora_id: int = 0, deadline_s: float | None = None) -> dict:
         """Stage an update from `source` ("broadcast": one push from the trainer's WeightSender;
         "disk" [path]; "tensors" [named tensors]; "ipc" [handles]; "reload": the start-up
         checkpoint; "peer": a live replica's weights, see send_weights_to_peers) on every worker.
         Returns its stats and the current weight_version. With `lora_id`: an update of that
-        loaded LoRA adapter's tensors (PEFT names; "disk": a PEFT folder), its version instead."""
+        loaded LoRA adapter's tensors (PEFT names; "disk": a PEFT folder), its version instead.
+        `deadline_s`: the workers give up staging that many seconds from now (Worker.stage_weights)."""
         self._check_can_update()
         if lora_id:  # the update pins it: it must be resident, and its pin must strand no request
             self._check_lora(lora_id, "lora")
             self._check_pin(lora_id)
             self._make_resident(lora_id)
         try:
-            stats = self.executor.collective_rpc("stage_weights", [source, args, lora_id, self.needs_weights])[0]
+            stats = self.executor.collective_rpc("stage_weights",
+                                                 [source, args, lora_id, self.needs_weights, deadline_s])[0]
         except (ValueError, TypeError, KeyError) as e:
             if source != "ipc" or isinstance(e, InvalidRequestError):
                 raise
@@ -405,13 +433,25 @@ class EngineCore:
             return dict(stats, weight_version=self.loras.get(lora_id).version)
         return dict(stats, weight_version=self.weight_version)
 
-    def commit_weights(self, version: int, lora_id: int = 0, lora_path: str | None = None) -> int:
+    def commit_weights(self, version: int, lora_id: int = 0, lora_path: str | None = None,
+                       timed: bool = False) -> int | dict:
         """Make the staged update live under `version` (weight_update_plan has checked that it
         increases; a replica that joins by scaling takes the live version); no KV computed by
-        the old weights is reused (prefix and encoder caches cleared). With `lora_id`: that
-        adapter's version; the adapter is pinned from now on (the pushed weights exist nowhere
-        else), `lora_path` (a disk update) becomes its folder."""
+        the old weights is reused (prefix and encoder caches cleared, in this same call so that
+        no step runs between the swap and the reset). With `lora_id`: that adapter's version;
+        the adapter is pinned from now on (the pushed weights exist nowhere else), `lora_path` (a
+        disk update) becomes its folder. `timed`: the answer is {"weight_version", "swap_s",
+        "clear_cache_s"} (the copy into the live weights, then the cache resets), not the version."""
+        t0 = time.monotonic()
         self.executor.collective_rpc("commit_staged")
+        swapped = time.monotonic()
+        live = self._after_swap(version, lora_id, lora_path)
+        if not timed:
+            return live
+        return {"weight_version": live, "swap_s": swapped - t0, "clear_cache_s": time.monotonic() - swapped}
+
+    def _after_swap(self, version: int, lora_id: int, lora_path: str | None) -> int:
+        """Caches and versions once the staged weights are live; returns the new version."""
         if self.pause.recompute_kv and self.pause.state is PauseState.PAUSED_ALL:
             self.scheduler.preempt_all()  # the frozen requests recompute under the new weights
         self.reset_prefix_cache()
@@ -420,6 +460,7 @@ class EngineCore:
             return int(version)
         self.weight_version = int(version)
         self.needs_weights = False
+        self._version_moved = True
         self.reset_encoder_cache()
         return self.weight_version
 
@@ -472,6 +513,7 @@ class EngineCore:
         if version != self.weight_version and (error := stale_version(version, self.weight_version
                                                                      if above is None else above)):
             raise error
+        self._version_moved = self._version_moved or version != self.weight_version
         self.weight_version = version
         return version
 
@@ -497,6 +539,7 @@ class EngineCore:
         return dict(num_running=s.num_running, num_waiting=s.num_waiting, kv_usage=s.kv_usage,
                     prefix_hit_rate=s.prefix_hit_rate, num_preemptions=s.num_preemptions,
                     num_prefill_tokens=s.num_prefill_tokens, num_generated_tokens=self.num_generated_tokens,
+                    num_stale_finished=s.num_stale_finished, num_stale_restarted=s.num_stale_restarted,
                     num_free_blocks=self.kv.num_free_blocks, num_blocks=self.kv.num_blocks,
                     weight_version=self.weight_version, has_weights=not self.needs_weights,
                     is_paused=self.is_paused(),

@@ -15,6 +15,7 @@ class RequestStatus(enum.IntEnum):
     IDLE = 3  # a streaming-input request between chunks: holds its KV blocks, waits for input
     HELD = 4  # arrived while generation is paused: admitted on resume
     FINISHED = 5
+    AWAITING_WEIGHTS = 6  # its min_weight_version is above the live version: admitted when a push reaches it
 
 
 class Request:
@@ -47,6 +48,21 @@ class Request:
         # prompt logprobs gathered over prefill chunks (sent with the first output token)
         self.prompt_logprobs: list[float | None] | None = [None] if self.params.prompt_logprobs is not None else None
         self.prompt_top_logprobs: list | None = [None] if self.params.prompt_logprobs else None
+        # the weight version of its first generated token; recorded lazily, at the first change of
+        # the live version after that token (engine/core/staleness.py), None until then
+        self.oldest_version: int | None = None
+
+    def restart(self) -> None:
+        """Forget every generated token (stale_action "restart"): it starts again from its prompt,
+        holding no blocks (the scheduler freed them)."""
+        del self.all_token_ids[self.num_prompt_tokens:]
+        self.num_computed_tokens = 0
+        self.block_hashes.clear()  # (a hash may cover generated tokens; the prompt's are recomputed lazily)
+        self.finish_reason = self.stop_reason = None
+        self.oldest_version = None
+        if self.prompt_logprobs is not None:  # the new weights' prompt logprobs come with its new first token
+            self.prompt_logprobs = [None]
+            self.prompt_top_logprobs = [None] if self.params.prompt_logprobs else None
 
     def _set_params(self, p: SamplingParams) -> None:
         self.params = p

@@ -8,7 +8,9 @@ recently admitted running request is preempted (its blocks freed, recomputed lat
     -> update_from_output() -> EngineCoreOutputs (one per request that got a token)
 
 Queues: waiting -> running; idle (streaming-input requests between chunks, holding their
-blocks: engine/core/streaming.py); held (requests that arrived while generation is paused).
+blocks: engine/core/streaming.py); held (requests that arrived while generation is paused);
+versions.awaiting (requests whose min_weight_version the live weights have not reached: no blocks;
+engine/core/staleness.py, which also says which requests a new weight version leaves stale).
 The pause is the engine core's (engine/core/pause.py): the scheduler reads it.
 
 LoRA slots (vLLM's rule): the running requests use at most max_loras adapters, pinned ones
@@ -25,6 +27,7 @@ from typing import Callable, Iterable
 from engine.core.kv_cache import KVCacheManager
 from engine.core.pause import Pause, PauseState
 from engine.core.request import Request, RequestStatus
+from engine.core.staleness import VersionRules
 from engine.core.streaming import StreamState
 from engine.protocol import EngineCoreOutput, FinishReason, StreamInput
 from engine.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
@@ -33,11 +36,13 @@ from engine.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, 
 @dataclass
 class SchedulerStats:
     num_running: int
-    num_waiting: int  # held requests (arrived while paused) included
+    num_waiting: int  # held requests (arrived while paused) and those awaiting a weight version included
     kv_usage: float
     prefix_hit_rate: float
     num_preemptions: int
     num_prefill_tokens: int  # prompt tokens computed (not served from the cache) so far
+    num_stale_finished: int = 0  # requests max_weight_staleness ended (finish_reason "stale")
+    num_stale_restarted: int = 0  # ... and restarted from their prompts (stale_action "restart")
 
 
 class Scheduler:
@@ -52,6 +57,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.idle: dict[str, Request] = {}  # streaming-input requests waiting for their next chunk
         self.held: deque[Request] = deque()  # arrived while paused; admitted on resume
+        self.versions = VersionRules()  # requests waiting for a weight version; stale counts
         self.requests: dict[str, Request] = {}
         self.pause = pause or Pause()  # the engine core's: it changes it, then calls pause_changed()
         self.num_preemptions = 0
@@ -61,11 +67,16 @@ class Scheduler:
         self._finished_ids: list[str] = []
 
     # ---- requests in ----------------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, weight_version: int = 0) -> None:
+        """Admit req; `weight_version`: the live one (a min_weight_version above it waits)."""
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id!r}"
         self.requests[req.request_id] = req
         self._announce(req)
-        self._enqueue(req)
+        if self.versions.must_wait(req, weight_version):
+            req.status = RequestStatus.AWAITING_WEIGHTS
+            self.versions.awaiting.append(req)
+        else:
+            self._enqueue(req)
 
     def _announce(self, req: Request) -> None:
         """Tell the workers about req's (new) sampling params with the next step."""
@@ -206,6 +217,8 @@ class Scheduler:
                 o.new_logprobs = [result.logprobs[rid]]
                 if rid in result.top_logprobs:
                     o.new_top_logprobs = [result.top_logprobs[rid]]
+            if result.sampling_masks and rid in result.sampling_masks:
+                o.new_sampling_masks = [result.sampling_masks[rid]]
             outputs.append(o)
             if ended:
                 o.resumable = self._end_chunk(req)
@@ -254,6 +267,36 @@ class Scheduler:
         if chunk.sampling_params is not None:
             self._announce(req)
 
+    # ---- a new weight version (engine/core/staleness.py) -------------------------------------------
+    def weights_changed(self, old_version: int, new_version: int) -> list[EngineCoreOutput]:
+        """The live version moved: requests past their max_weight_staleness finish ("stale") or
+        restart, and those waiting for this version are admitted. Returns the outputs to send."""
+        outputs = []
+        for req in self.versions.stale(list(self.requests.values()), old_version, new_version):
+            if req.params.stale_action == "restart":
+                self._restart(req)
+                outputs.append(EngineCoreOutput(request_id=req.request_id, new_token_ids=[],
+                                                weight_version=new_version, restarted=True))
+            else:
+                self._finish(req, FinishReason.STALE)
+                outputs.append(self._output(req, [], new_version))
+        for req in self.versions.release(new_version):
+            self._enqueue(req)
+        return outputs
+
+    def _restart(self, req: Request) -> None:
+        """Discard req's generated tokens and KV: it generates again from its prompt, and the
+        workers start it afresh (a seeded request draws from the start of its seed again)."""
+        assert req.stream is None, "streaming input cannot restart (check_streaming_params refuses it)"
+        self.kv.free(req)
+        req.restart()
+        if req.status == RequestStatus.RUNNING:  # to the front of the queue, as a preempted request
+            self.running.remove(req)
+            req.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(req)
+        self._finished_ids.append(req.request_id)  # (the workers drop it, then load it anew)
+        self._announce(req)
+
     # ---- preemption, abort, finish -------------------------------------------------------------
     def preempt_all(self) -> None:
         """Free every request's KV blocks; they recompute from scratch when scheduled again."""
@@ -300,6 +343,8 @@ class Scheduler:
             del self.idle[req.request_id]
         elif req.status == RequestStatus.HELD:
             self.held.remove(req)
+        elif req.status == RequestStatus.AWAITING_WEIGHTS:
+            self.versions.awaiting.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
@@ -307,6 +352,11 @@ class Scheduler:
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.held) + len(self.versions.awaiting)
+
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting) + len(self.held), self.kv.usage,
-                              self.kv.prefix_hit_rate, self.num_preemptions, self.num_prefill_tokens)
+        return SchedulerStats(len(self.running), self.num_waiting, self.kv.usage, self.kv.prefix_hit_rate,
+                              self.num_preemptions, self.num_prefill_tokens, self.versions.num_stale["finish"],
+                              self.versions.num_stale["restart"])

@@ -27,7 +27,7 @@ A new chunk's tokens follow everything so far, the tokens generated for earlier 
 included; unlike vLLM the last generated token (e.g. <|im_end|>) stays in the context, so a
 conversation fed chunk by chunk is token-exact equal to one request over the whole of it.
 Limits: n = 1, no stop strings (the frontend would have to cut text the core already kept),
-no FINAL_ONLY outputs. A chunk may carry new SamplingParams (max_tokens per turn, say).
+no FINAL_ONLY outputs, no stale_action "restart". A chunk may carry new SamplingParams (max_tokens per turn, say).
 """
 import enum
 from collections import deque
@@ -53,6 +53,8 @@ def check_streaming_params(p: SamplingParams) -> None:
         raise InvalidRequestError("streaming input does not support output_kind FINAL_ONLY")
     if p.stop:
         raise InvalidRequestError("streaming input does not support stop strings")
+    if p.stale_action == "restart":  # its earlier turns' outputs are part of the later turns' input
+        raise InvalidRequestError("streaming input does not support stale_action 'restart'", "stale_action")
 
 
 class StreamState(enum.Enum):

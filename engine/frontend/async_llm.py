@@ -33,6 +33,7 @@ from engine.frontend.processor import Processor, PromptType, load_tokenizer
 from engine.frontend.tracing import RequestTracer
 from engine.process.core_client import AsyncMPClient
 from engine.process.replicas import Route
+from engine.process.utility import UpdateTrace
 from engine.protocol import EngineConnection, EngineCoreRequest, StreamInput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.worker.functions import function_path
@@ -86,6 +87,8 @@ def merge_delta(into: RequestOutput, new: RequestOutput) -> None:
             a.logprobs += b.logprobs
         if a.top_logprobs is not None and b.top_logprobs is not None:
             a.top_logprobs += b.top_logprobs
+        if a.sampling_masks is not None and b.sampling_masks is not None:  # (a new list: `a`'s may be shared)
+            a.sampling_masks = a.sampling_masks + b.sampling_masks
         a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
     into.finished = new.finished
 
@@ -291,17 +294,19 @@ class AsyncLLM:
 
     # ---- RL control: pause / resume (the engine core owns the state) ------------------------------
     async def pause_generation(self, mode: str = "abort", clear_cache: bool = True,
-                               timeout_s: float | None = None, recompute_kv: bool = False) -> dict:
+                               timeout_s: float | None = None, recompute_kv: bool = False,
+                               unless_paused: bool = False) -> dict:
         """Stop generating. "abort": in-flight requests end now with finish_reason "abort" and the
         tokens so far; "wait": they run to completion (this returns then); "keep": they freeze in
         place (KV kept) and continue after resume_generation(). New requests are held until the
         resume either way; with `timeout_s` the pause lifts itself (logged) if nobody resumed
         within it. `recompute_kv` (keep): frozen requests recompute their KV under weights pushed
-        during the pause instead of reusing the old weights' KV (EngineCore.pause_generation). Returns
-        {"aborted": n, "kept": n (frozen by keep), "mode": mode}."""
+        during the pause instead of reusing the old weights' KV (EngineCore.pause_generation).
+        `unless_paused`: a pause (or sleep) already in place stays exactly as it is. Returns
+        {"aborted": n, "kept": n (frozen by keep), "mode": mode, "was_paused": bool}."""
         if mode not in ("abort", "wait", "keep"):
             raise InvalidRequestError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}", "mode")
-        return await self._call("pause_generation", mode, clear_cache, timeout_s, recompute_kv)
+        return await self._call("pause_generation", mode, clear_cache, timeout_s, recompute_kv, unless_paused)
 
     async def resume_generation(self) -> dict:
         """Resume; returns {"paused_seconds": how long generation was paused, or None}."""
@@ -347,9 +352,19 @@ class AsyncLLM:
         """Reload the start-up checkpoint (the only way back after sleep level 2, besides a push)."""
         return await self._update_weights("reload", [], version)
 
-    async def _update_weights(self, source: str, args: list, version: int | None, lora_id: int = 0) -> dict:
+    async def update_weights_from(self, source: str, args: list, version: int | None = None, lora_id: int = 0,
+                                  deadline_s: float | None = None, trace: UpdateTrace | None = None) -> dict:
+        """One update from any source ("broadcast" [], "disk" [path], "ipc" [handles], ...: the
+        methods above name theirs), staged everywhere, then live everywhere or nowhere.
+        `deadline_s`: staging gives up after that long (TimeoutError; over the trainer's group it
+        breaks the group so that its sender fails at once), and what was staged past it never
+        goes live. `trace` (engine.process.utility.UpdateTrace): the phase reached (the one that
+        failed, if it raises) and each phase's seconds."""
         self._start_output_handler()  # utility results arrive through it
-        return await self.client.update_weights_async(source, args, version, lora_id)
+        return await self.client.update_weights_async(source, args, version, lora_id, deadline_s, trace)
+
+    async def _update_weights(self, source: str, args: list, version: int | None, lora_id: int = 0) -> dict:
+        return await self.update_weights_from(source, args, version, lora_id)
 
     async def close_weight_transfer(self) -> bool:
         return await self._call("close_weight_transfer")

@@ -26,6 +26,7 @@ from engine.frontend.outputs import PoolingOutput, RequestOutput
 from engine.frontend.processor import Processor, PromptType, load_tokenizer
 from engine.frontend.tracing import RequestTracer
 from engine.process.core_client import InprocClient, SyncMPClient
+from engine.process.utility import UpdateTrace
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.worker.functions import function_path
 from engine.worker.hf_export import DEFAULT_MAX_SHARD_BYTES
@@ -73,6 +74,11 @@ class LLM:
             if len(params) != len(prompts):
                 raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
         processed = [self.processor.process(p, sp) for p, sp in zip(prompts, params)]
+        wanted = max((sp.min_weight_version for sp in params if sp.min_weight_version is not None), default=None)
+        if wanted is not None and wanted > (live := self.get_weight_version()):  # nothing pushes while this blocks
+            raise InvalidRequestError(f"min_weight_version {wanted} is above the live weight version {live}: "
+                                      "generate() would wait for a push that cannot come while it runs",
+                                      "min_weight_version")
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(loras)} LoRA requests", "lora_request")
@@ -216,11 +222,13 @@ class LLM:
     # Offline, generate() returns only when its requests are done, so pausing matters between
     # calls: "keep" freezes requests left in the engine; weights updates need a paused or idle engine.
     def pause_generation(self, mode: str = "abort", clear_cache: bool = True,
-                         timeout_s: float | None = None, recompute_kv: bool = False) -> dict:
+                         timeout_s: float | None = None, recompute_kv: bool = False,
+                         unless_paused: bool = False) -> dict:
         """See AsyncLLM.pause_generation."""
         if mode not in ("abort", "wait", "keep"):
             raise InvalidRequestError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}", "mode")
-        return self.client.call_utility("pause_generation", mode, clear_cache, timeout_s, recompute_kv)
+        return self.client.call_utility("pause_generation", mode, clear_cache, timeout_s, recompute_kv,
+                                        unless_paused)
 
     def resume_generation(self) -> dict:
         return self.client.call_utility("resume_generation")
@@ -270,6 +278,12 @@ class LLM:
     def reload_weights(self, version: int | None = None) -> dict:
         """Reload the start-up checkpoint (the only way back after sleep level 2, besides a push)."""
         return self.client.update_weights("reload", [], version)
+
+    def update_weights_from(self, source: str, args: list, version: int | None = None, lora_id: int = 0,
+                            deadline_s: float | None = None, trace: UpdateTrace | None = None) -> dict:
+        """One update from any source, with a deadline and a trace of its phases (see
+        AsyncLLM.update_weights_from)."""
+        return self.client.update_weights(source, args, version, lora_id, deadline_s, trace)
 
     def close_weight_transfer(self) -> bool:
         return self.client.call_utility("close_weight_transfer")

@@ -1,7 +1,8 @@
 """Engine metrics as Python objects (`get_metrics()`) and as periodic log lines (`do_log_stats()`).
 
 Two sources, named as the server's /metrics names them (rollout/metrics.py uses the tables below):
-  - the engine core's counters and state, from `get_stats()`: ENGINE_COUNTERS, ENGINE_GAUGES;
+  - the engine core's counters and state, from `get_stats()`: ENGINE_COUNTERS (and
+    ENGINE_LABELED_COUNTERS), ENGINE_GAUGES;
   - the frontend's view of each request (FrontendStats, fed by the output processor as requests
     finish): time to first token, end-to-end latency, prompt and generation tokens, finished
     requests by reason. (The server's histograms of the same names are measured at the HTTP
@@ -26,6 +27,10 @@ ENGINE_COUNTERS = {"num_generated_tokens": ("generation_tokens", "Tokens generat
                    # a vision-language model's encoder cache (absent for text models)
                    "encoder_cache_hits": ("encoder_cache_hits", "Image encodings served from the encoder cache"),
                    "encoder_cache_queries": ("encoder_cache_queries", "Image encodings looked up")}
+# engine-core counters that share one name and differ by a label: get_stats() key -> (name, help, labels)
+STALE_HELP = "Requests a new weight version left past their max_weight_staleness, by stale_action"
+ENGINE_LABELED_COUNTERS = {"num_stale_finished": ("stale_requests", STALE_HELP, {"action": "finish"}),
+                           "num_stale_restarted": ("stale_requests", STALE_HELP, {"action": "restart"})}
 ENGINE_GAUGES = {"num_running": ("num_requests_running", "Requests in the engine's running batch"),
                  "num_waiting": ("num_requests_waiting", "Requests queued in the engine"),
                  "kv_usage": ("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use"),
@@ -111,6 +116,8 @@ def engine_metrics(stats: dict) -> list:
     """The engine core's series from a get_stats() dict."""
     out: list = [Counter(f"{PREFIX}_{name}", float(stats[k])) for k, (name, _) in ENGINE_COUNTERS.items()
                  if k in stats]
+    out += [Counter(f"{PREFIX}_{name}", float(stats[k]), dict(labels))
+            for k, (name, _, labels) in ENGINE_LABELED_COUNTERS.items() if k in stats]
     out += [Gauge(f"{PREFIX}_{name}", float(stats[k])) for k, (name, _) in ENGINE_GAUGES.items() if k in stats]
     return out
 

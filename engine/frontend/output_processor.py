@@ -14,7 +14,7 @@ from engine.errors import InvalidRequestError, remote_error
 from engine.frontend.metrics import FrontendStats
 from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.frontend.tracing import RequestTracer
-from engine.protocol import EngineCoreOutput, FinishReason
+from engine.protocol import EngineCoreOutput, FinishReason, SamplingMask
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -23,10 +23,14 @@ class Detokenizer:
 
     def __init__(self, tokenizer, skip_special_tokens: bool):
         self.backend = tokenizer.backend_tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         return self.stream.step(self.backend, token_id) or ""
+
+    def reset(self) -> None:
+        self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
 
 
 @dataclass
@@ -40,6 +44,7 @@ class SequenceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    sampling_masks: list[SamplingMask] | None = None
     weight_versions: list[int] = field(default_factory=list)
     lora_versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -53,6 +58,19 @@ class SequenceState:
             self.logprobs = []
             if self.params.logprobs:
                 self.top_logprobs = []
+        self.sampling_masks = [] if self.params.return_sampling_mask else None
+
+    def restart(self) -> None:
+        """The core discarded this sequence's tokens (stale_action "restart"): so does the frontend."""
+        self.text, self.token_ids, self.weight_versions, self.lora_versions = "", [], [], []
+        self.logprobs = self.top_logprobs = None
+        self.finish_reason = self.stop_reason = None
+        self.sent_tokens = self.sent_chars = 0  # (a DELTA stream cannot restart: SamplingParams refuses it)
+        self.__post_init__()
+        if self.detok is not None:
+            self.detok.reset()
+        if self.params.return_sampling_mask:
+            self.sampling_masks = []
 
 
 @dataclass
@@ -127,6 +145,10 @@ class OutputProcessor:
                 failed.append((state, remote_error(o.error_type, o.error, default=InvalidRequestError)))
                 continue
             seq = state.seqs[state.children[o.request_id]]
+            if o.restarted:  # nothing to hand out: its next token starts the sequence again
+                seq.restart()
+                state.prompt_logprobs = state.prompt_top_logprobs = None  # the new weights' come with it
+                continue
             if o.prompt_logprobs is not None and state.prompt_logprobs is None:
                 state.prompt_logprobs = o.prompt_logprobs
                 if o.prompt_top_logprobs is not None:
@@ -175,6 +197,8 @@ class OutputProcessor:
                 seq.logprobs.append(o.new_logprobs[i])
                 if seq.top_logprobs is not None and o.new_top_logprobs is not None:
                     seq.top_logprobs.append(dict(o.new_top_logprobs[i]))
+            if seq.sampling_masks is not None and o.new_sampling_masks is not None:
+                seq.sampling_masks.append(o.new_sampling_masks[i])
             if seq.detok is not None:
                 new_text.append(seq.detok.step(t))
         if o.new_token_ids and seq.resumable:  # the next streaming-input chunk is generating
@@ -210,7 +234,8 @@ class OutputProcessor:
                 completions.append(CompletionOutput(
                     index=seq.index, text=seq.text if seq.finish_reason else _held_back(seq),
                     token_ids=list(seq.token_ids), logprobs=_copy(seq.logprobs),
-                    top_logprobs=_copy(seq.top_logprobs), finish_reason=seq.finish_reason,
+                    top_logprobs=_copy(seq.top_logprobs), sampling_masks=_copy(seq.sampling_masks),
+                    finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason, weight_versions=list(seq.weight_versions),
                     lora_versions=list(seq.lora_versions)))
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
@@ -227,6 +252,7 @@ class OutputProcessor:
             index=seq.index, text=text[seq.sent_chars:], token_ids=seq.token_ids[a:b],
             logprobs=None if seq.logprobs is None else seq.logprobs[a:b],
             top_logprobs=None if seq.top_logprobs is None else seq.top_logprobs[a:b],
+            sampling_masks=None if seq.sampling_masks is None else seq.sampling_masks[a:b],
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, weight_versions=seq.weight_versions[a:b],
             lora_versions=seq.lora_versions[a:b])
         seq.sent_tokens, seq.sent_chars = b, max(seq.sent_chars, len(text))

@@ -3,6 +3,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.protocol import SamplingMask
+
 
 @dataclass
 class CompletionOutput:
@@ -11,6 +13,8 @@ class CompletionOutput:
     logprobs[i]: logprob of token_ids[i] (see SamplingParams.logprobs_mode: by default the
     log-softmax of the final logits after temperature and filters; "raw" for the model's own).
     top_logprobs[i]: {token_id: logprob} of the top-k candidates at step i (when logprobs=k > 0).
+    sampling_masks[i]: the set token_ids[i] was drawn from (SamplingParams.return_sampling_mask;
+    engine.protocol.SamplingMask).
     weight_versions[i]: the weight version of the model that produced token_ids[i].
     lora_versions[i]: the version of the request's LoRA adapter that produced it (empty without one).
     """
@@ -20,7 +24,8 @@ class CompletionOutput:
     token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    sampling_masks: list[SamplingMask] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "stale" | None while running
     stop_reason: object | None = None  # the stop string or stop token id that ended it
     weight_versions: list[int] = field(default_factory=list)
     lora_versions: list[int] = field(default_factory=list)

@@ -40,7 +40,7 @@ from engine.process.elastic import ElasticScaling
 from engine.process.managers import CoreEngineActorManager, CoreEngineProcManager, EngineWatcher, check_replica_count
 from engine.process.replicas import EngineState, Route, affinity
 from engine.serial import MsgpackDecoder, MsgpackEncoder
-from engine.process.utility import bind, combine, replicas_for, weight_update_plan
+from engine.process.utility import UpdateTrace, bind, combine, replicas_for, weight_update_plan
 from engine.protocol import (DPLoads, EngineAddresses, EngineConnection, EngineCoreOutput, EngineCoreOutputs,
                              EngineCoreRequest, FinishReason, RequestType, StreamInput, UtilityOutput, UtilityRequest)
 
@@ -60,8 +60,9 @@ class _SyncPlans:
                 return stop.value
             value = self.call_utility(method, **args) if how == "all" else self.call_utility_each(method, **args)
 
-    def update_weights(self, source: str, args: list, version: int | None, lora_id: int = 0) -> dict:
-        return self.run_plan(weight_update_plan(source, args, version, lora_id))
+    def update_weights(self, source: str, args: list, version: int | None, lora_id: int = 0,
+                       deadline_s: float | None = None, trace: UpdateTrace | None = None) -> dict:
+        return self.run_plan(weight_update_plan(source, args, version, lora_id, deadline_s, trace))
 
 
 # ---- in process ------------------------------------------------------------------------------------
@@ -616,8 +617,9 @@ class AsyncMPClient(ElasticScaling, _MPClientBase):
             raise error
         return combine(method, results)
 
-    async def update_weights_async(self, source: str, args: list, version: int | None, lora_id: int = 0) -> dict:
-        plan = weight_update_plan(source, args, version, lora_id)
+    async def update_weights_async(self, source: str, args: list, version: int | None, lora_id: int = 0,
+                                   deadline_s: float | None = None, trace: UpdateTrace | None = None) -> dict:
+        plan = weight_update_plan(source, args, version, lora_id, deadline_s, trace)
         value = None
         while True:
             try:

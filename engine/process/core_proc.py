@@ -285,7 +285,7 @@ class EngineCoreProc:
 
     def _report_load(self) -> None:
         sched = self.core.scheduler
-        load = (len(sched.waiting) + len(sched.held), len(sched.running))
+        load = (sched.num_waiting, len(sched.running))
         if load != self._last_load:
             self._last_load = load
             self.output_queue.put((TO_COORDINATOR, EngineLoad(self.engine_index, *load)))

@@ -12,10 +12,12 @@ saving the weights writes one folder, not one per replica). Nothing outside the 
 reachable from the wire; a new verb is one entry here and its EngineCore method.
 
 The weight update is the one call made of several (`weight_update_plan`: stage everywhere,
-then commit everywhere or discard everywhere).
+then commit everywhere or discard everywhere; an `UpdateTrace` follows its phases).
 """
 import re
+import time
 from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgspec
@@ -38,6 +40,7 @@ class PauseArgs(_Args):
     clear_cache: bool = True
     timeout_s: float | None = None
     recompute_kv: bool = False
+    unless_paused: bool = False
 
 
 class SleepArgs(_Args):
@@ -64,12 +67,14 @@ class StageArgs(_Args):
     source: str  # "broadcast" | "named" | "disk" | "tensors" | "ipc" | "reload" | "peer"
     args: list[Any]  # the source's own (a path, named tensors, IPC handles, a peer's address)
     lora_id: int = 0
+    deadline_s: float | None = None
 
 
 class CommitArgs(_Args):
     version: int
     lora_id: int = 0
     lora_path: str | None = None
+    timed: bool = False
 
 
 class PeersArgs(_Args):
@@ -145,7 +150,10 @@ def agree(results: list) -> Any:
 
 
 def combine_pause(results: list[dict]) -> dict:
-    return dict(results[0], aborted=sum(r["aborted"] for r in results), kept=sum(r["kept"] for r in results))
+    merged = dict(results[0], aborted=sum(r["aborted"] for r in results), kept=sum(r["kept"] for r in results))
+    if "was_paused" in merged:  # (asked with unless_paused) paused before only if every replica was
+        merged["was_paused"] = all(r["was_paused"] for r in results)
+    return merged
 
 
 def combine_resume(results: list[dict]) -> dict:
@@ -158,7 +166,8 @@ def combine_resume(results: list[dict]) -> dict:
 
 
 _SUMMED_STATS = ("num_running", "num_waiting", "num_preemptions", "num_prefill_tokens", "num_generated_tokens",
-                 "num_free_blocks", "num_blocks", "peak_rss_mb", "encoder_cache_hits", "encoder_cache_queries")
+                 "num_free_blocks", "num_blocks", "peak_rss_mb", "encoder_cache_hits", "encoder_cache_queries",
+                 "num_stale_finished", "num_stale_restarted")
 
 
 def combine_stats(stats: list[dict]) -> dict:
@@ -262,24 +271,69 @@ def combine(method: str, results: list) -> Any:
         raise EngineStateError(f"the data-parallel replicas disagree on {method}: {e}") from None
 
 
-def weight_update_plan(source: str, args: list, version: int | None, lora_id: int = 0) -> Generator:
+@dataclass
+class UpdateTrace:
+    """Where one weight update is: `phase` is the phase running, or the one that failed once the
+    update raised; `seconds` what each finished phase took. Phases: "receive" (every replica
+    stages: the bytes arrive or are read into fresh tensors), "stage" (the verdict: every replica
+    accepted them, the version increases, the deadline holds; otherwise everything staged is
+    discarded), "swap" (the copy into the live weights, the new version), "clear_cache" (prefix
+    and encoder caches, in the same engine call as the swap). A refusal of what was sent
+    (names, shapes, dtypes, a bad checkpoint) fails "stage"; a transport failure or a deadline
+    while receiving fails "receive"."""
+
+    phase: str = ""
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _refused(e: BaseException) -> bool:
+    """Bad input (what the trainer sent, a path), as opposed to a transport failure or a timeout."""
+    from weight_sync.group import WeightPushRefused
+
+    return isinstance(e, (ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+                          WeightPushRefused))
+
+
+def weight_update_plan(source: str, args: list, version: int | None, lora_id: int = 0,
+                       deadline_s: float | None = None, trace: UpdateTrace | None = None) -> Generator:
     """Stage the update on every replica; if one refuses, discard it everywhere and raise that
     refusal; else make it live everywhere under one version (default: the newest + 1). Versions
     increase strictly, so a token's version names one set of weights: a version at or below the
     live one is refused (409) after staging, so that a trainer's sender never blocks on a
     receiver that walked away. `lora_id`: an update of that LoRA adapter (its own versions).
+    `deadline_s`: staging gives up that many seconds from now (TimeoutError), and an update
+    staged past it is discarded rather than made live. `trace`: filled with the phases.
     Yields (how, method, kwargs): "each" wants every replica's answer or exception, "all" the
     combined answer."""
-    staged = yield ("each", "stage_weights", {"source": source, "args": args, "lora_id": lora_id})
+    trace = trace if trace is not None else UpdateTrace()
+    deadline = None if deadline_s is None else time.monotonic() + deadline_s
+    stage = {"source": source, "args": args, "lora_id": lora_id}
+    if deadline_s is not None:
+        stage["deadline_s"] = deadline_s
+    trace.phase, t0 = "receive", time.monotonic()
+    staged = yield ("each", "stage_weights", stage)
+    trace.seconds["receive"] = time.monotonic() - t0
+    trace.phase, t0 = "stage", time.monotonic()
     failures = [r for r in staged if isinstance(r, BaseException)]
+    lost = [e for e in failures if not _refused(e)]
+    if lost:  # the transport's failure (or the deadline) is the one to report, not a refusal beside it
+        trace.phase, failures = "receive", lost
     if not failures and version is not None:
         refusal = stale_version(version, max(s["weight_version"] for s in staged))
         failures = [refusal] if refusal else []
+    if not failures and deadline is not None and time.monotonic() >= deadline:
+        failures = [TimeoutError(f"the weight update's deadline ({deadline_s:g} s) passed once it was staged: "
+                                 "discarded, the old weights stay live")]
     if failures:
         yield ("each", "discard_weights", {})
         raise failures[0]
     if version is None:
         version = max(s["weight_version"] for s in staged) + 1
-    yield ("all", "commit_weights", {"version": version, "lora_id": lora_id, "lora_path": staged[0].get("lora_path")})
+    trace.seconds["stage"] = time.monotonic() - t0
+    trace.phase, t0 = "swap", time.monotonic()
+    committed = yield ("all", "commit_weights", {"version": version, "lora_id": lora_id,
+                                                 "lora_path": staged[0].get("lora_path"), "timed": True})
+    trace.seconds["swap"] = time.monotonic() - t0 - committed["clear_cache_s"]
+    trace.seconds["clear_cache"] = committed["clear_cache_s"]
+    trace.phase = "done"
     return dict(staged[0], weight_version=version)
-

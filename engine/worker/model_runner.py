@@ -22,8 +22,8 @@ from engine.errors import EngineStateError
 from engine.model.attention import AttentionMetadata, per_token_decode_rows, step_metadata
 from engine.model.decoder import LlamaModel
 from engine.model.parallel import TPGroup
-from engine.protocol import MMFeature
-from engine.sampling_params import SamplingParams
+from engine.protocol import MMFeature, SamplingMask
+from engine.sampling_params import MAX_SAMPLING_MASK_IDS, SamplingParams
 from engine.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.worker.lora import Adapter, LoRABatch, LoRARequest, load_adapter
 from engine.worker.profiler import phase
@@ -355,8 +355,12 @@ class ModelRunner:
     def compute_prompt_logprobs(self, logits: torch.Tensor, prompt_rows, out: ModelRunnerOutput) -> None:
         for rid, first, pos in prompt_rows:
             state = self.requests[rid]
-            # raw logits: p predicts p+1
-            rows = log_softmax(logits[first:first + len(pos)].float(), self.config.batch_invariant)
+            # raw logits (or / temperature, as the sampler divides them): p predicts p+1
+            rows = logits[first:first + len(pos)].float()
+            p = state.params
+            if p.temp_scaled_prompt_logprobs and p.temperature > 0:  # (a float32 column, as the sampler's)
+                rows = rows / torch.full((rows.shape[0], 1), p.temperature, dtype=torch.float32, device=rows.device)
+            rows = log_softmax(rows, self.config.batch_invariant)
             targets = torch.tensor(state.prompt_token_ids[pos.start + 1:pos.stop + 1], dtype=torch.int64,
                                    device=rows.device)
             lps = rows.gather(1, targets[:, None]).squeeze(1).tolist()
@@ -373,6 +377,9 @@ class ModelRunner:
         res = sample(logits, self._sampling_metadata(samplers, states), self.generator)
         for sr, t in zip(samplers, res.token_ids.tolist()):
             out.sampled[sr.request_id] = t
+        if res.kept_sets:
+            for i, kept in res.kept_sets.items():
+                out.sampling_masks[samplers[i].request_id] = SamplingMask(*kept)
         if res.logprobs is None:
             return
         lps = res.logprobs.tolist()
@@ -409,4 +416,7 @@ class ModelRunner:
             if any(p.logprobs is not None and p.logprobs_mode == "raw" for p in ps):
                 md.raw_logprobs = torch.tensor([p.logprobs_mode == "raw" for p in ps], device=dev)
         md.banned_tokens = {i: sr.banned_token_ids for i, sr in enumerate(samplers) if sr.banned_token_ids}
+        masks = {i: p.return_sampling_mask == "ids" for i, p in enumerate(ps) if p.return_sampling_mask}
+        if masks:
+            md.mask_rows, md.mask_max_ids = masks, MAX_SAMPLING_MASK_IDS
         return md

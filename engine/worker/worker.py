@@ -17,6 +17,7 @@ import gc
 import importlib
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -43,6 +44,7 @@ class Worker:
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # sleep level 1 on CUDA
         self._staged: dict[str, torch.Tensor] | None = None  # a checked update waiting for commit_staged
         self._staged_lora: Adapter | None = None  # a LoRA adapter's checked update, the same
+        self._deadline = _Deadline(None)  # when the update being staged must be staged by
 
     @property
     def model(self) -> LlamaModel | None:
@@ -129,12 +131,23 @@ class Worker:
         self.transfer_group = None
         return True
 
-    def stage_weights(self, source: str, args: list, lora_id: int = 0, complete: bool = False) -> dict:
+    def stage_weights(self, source: str, args: list, lora_id: int = 0, complete: bool = False,
+                      deadline_s: float | None = None) -> dict:
         """Receive or read a whole update into fresh tensors, every name, shape and dtype checked
         (source: "broadcast", "disk" [path], "tensors" [named tensors], "ipc" [handles],
         "reload", "peer" [master address, port, world size, rank]); nothing live changes until
         commit_staged(). `lora_id`: an update of that LoRA adapter (see _stage_lora). `complete`:
-        every weight must come (the engine core asks for it while it holds no weights)."""
+        every weight must come (the engine core asks for it while it holds no weights).
+        `deadline_s`: staging gives up that many seconds from now (TimeoutError, or over the
+        trainer's group WeightDeadlineError, which breaks the group so the trainer's sender fails
+        at once); nothing is staged then."""
+        self._deadline = _Deadline(deadline_s)
+        try:
+            return self._stage(source, args, lora_id, complete)
+        finally:
+            self._deadline = _Deadline(None)
+
+    def _stage(self, source: str, args: list, lora_id: int, complete: bool) -> dict:
         if lora_id:
             return self._stage_lora(lora_id, source, args)
         model = self.model
@@ -163,7 +176,9 @@ class Worker:
 
         if self.transfer_group is None:
             raise EngineStateError("no weight transfer group: call init_weight_transfer first")
-        return WeightReceiver(self.transfer_group).receive(model.accepted_weights(), select=_shard_selector(model))
+        with self.transfer_group.deadline(self._deadline.left("waiting for the trainer's push")):
+            return WeightReceiver(self.transfer_group).receive(model.accepted_weights(),
+                                                               select=_shard_selector(model))
 
     def _receive_named(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
         """SGLang's wire (weight_sync/named.py): args = [names, dtypes, shapes, flattened]. Every
@@ -173,7 +188,8 @@ class Worker:
         if self.transfer_group is None or self.transfer_group.group_name is None:
             raise EngineStateError("no named weight group: call init_weight_transfer with a group_name first")
         names, dtypes, shapes, flattened = args
-        pushed = receive_named(self.transfer_group, named_metas(names, dtypes, shapes), flattened)
+        with self.transfer_group.deadline(self._deadline.left("waiting for the trainer's push")):
+            pushed = receive_named(self.transfer_group, named_metas(names, dtypes, shapes), flattened)
         for name, t in pushed.items():
             model.check_weight(name, tuple(t.shape))
             if not t.is_floating_point():
@@ -187,6 +203,7 @@ class Worker:
             return model.checked_local(read_rank(path, self.rank, self.config.tensor_parallel_size), path)
         staged = {}
         for name, t in model.checkpoint_tensors(path):
+            self._deadline.check(f"reading {path}")
             model.check_weight(name, tuple(t.shape))
             if not t.is_floating_point():  # a float checkpoint of another precision is cast; this is not one
                 raise InvalidRequestError(f"{name} has dtype {t.dtype} in {path}: weights must be floating point")
@@ -197,6 +214,7 @@ class Worker:
     def _copy_tensors(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
         staged = {}
         for name, t in args[0]:
+            self._deadline.check("copying the tensors")
             model.check_weight(name, tuple(t.shape), t.dtype)
             staged[name] = model.shard_of(name, t.detach()).to(self.model_runner.device, copy=True)
         return staged
@@ -204,7 +222,13 @@ class Worker:
     def _map_shared(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
         from weight_sync.ipc import read_shared
 
-        return read_shared(args[0], self.model_runner.device, check=model.check_weight, select=_shard_selector(model))
+        shard = _shard_selector(model)
+
+        def select(name: str, t: torch.Tensor) -> torch.Tensor:
+            self._deadline.check("copying the shared tensors")
+            return t if shard is None else shard(name, t)
+
+        return read_shared(args[0], self.model_runner.device, check=model.check_weight, select=select)
 
     def _receive_from_peer(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
         """A new data-parallel replica copies a live one (its send_weights_to_peers); `rank` is the
@@ -240,7 +264,8 @@ class Worker:
 
             if self.transfer_group is None:
                 raise EngineStateError("no weight transfer group: call init_weight_transfer first")
-            pushed = WeightReceiver(self.transfer_group).receive(accepted)
+            with self.transfer_group.deadline(self._deadline.left("waiting for the trainer's push")):
+                pushed = WeightReceiver(self.transfer_group).receive(accepted)
         elif source == "tensors":
             pushed = {}
             for key, t in args[0]:
@@ -402,6 +427,22 @@ def _tensors(model: LlamaModel) -> list[torch.Tensor]:
             seen.add(id(base))
             out.append(base)
     return out
+
+
+class _Deadline:
+    """When the update being staged must be staged by (None: whenever it is)."""
+
+    def __init__(self, seconds: float | None):
+        self.at = None if seconds is None else time.monotonic() + seconds
+
+    def check(self, what: str) -> None:
+        if self.at is not None and time.monotonic() >= self.at:
+            raise TimeoutError(f"the weight update's deadline passed while {what}; nothing was staged")
+
+    def left(self, what: str) -> float | None:
+        """Seconds left (None: no deadline); TimeoutError if none are."""
+        self.check(what)
+        return None if self.at is None else self.at - time.monotonic()
 
 
 def _shard_selector(model: LlamaModel) -> Callable[[str, torch.Tensor], torch.Tensor] | None:

@@ -19,7 +19,13 @@
     POST /stop_profile                                   -> {"status": "stopped", "traces": [paths]}
          (torch-profiler traces of the engine core; 409 unless served with --profiler-dir)
     POST /abort_requests {"request_ids": [...]}          -> {"status": "aborted", "aborted": n}
-         (no ids: every request in flight)
+         (no ids, or "all": true: every request in flight; a batch request's id aborts its prompts)
+         with "wait": true (ours; "timeout_s": 60, "return_prompt_token_ids": false) it answers once
+         every aborted request has ended, with what each caller received:
+         -> {"status": "aborted"|"timed_out", "aborted": n, "requests": [{"request_id", "index",
+             "token_ids", "logprobs", "weight_versions", "finish_reason", "text", ...}, one per sample],
+             "pending": [ids not ended in time], "already_finished": [ids], "not_found": [ids]}
+         (rollout/api/abort_manifest.py)
     POST /collective_rpc {"method", "args", "kwargs", "timeout"} -> {"results": [one per worker]}
          (registered methods only: ServerConfig.rpc_methods; arguments are JSON values)
     POST /apply_model {"fn": "package.module:function"}  -> {"results": [fn(model), one per worker]}
@@ -41,6 +47,7 @@ from typing import Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse
 
+from rollout.api.abort_manifest import abort_with_manifest, expand_ids
 from rollout.api.errors import APIError, engine_error
 from rollout.api.protocol import (AbortRequestsBody, ApplyModelBody, CollectiveRPCBody, LoadLoRARequest,
                                   ResetPrefixCacheBody, ScaleBody, ScaleElasticEPBody, UnloadLoRARequest)
@@ -184,11 +191,14 @@ async def reset_mm_cache(request: Request):
 @router.post("/abort_requests")
 async def abort_requests(request: Request, body: AbortRequestsBody | None = None):
     state = get_state(request)
-    if not body or not body.request_ids:
+    body = body or AbortRequestsBody()
+    wanted = body.request_ids or None  # (none: every request in flight)
+    if body.wait:
+        return await call(abort_with_manifest(state, wanted, body.timeout_s, body.return_prompt_token_ids),
+                          "request_ids")
+    if wanted is None:
         return {"status": "aborted", "aborted": await call(state.abort_all_in_flight())}
-    # a batch request's prompts run as "<id>-<i>": its id aborts them all
-    ids = [rid for want in body.request_ids for rid in list(state.in_flight)
-           if rid == want or rid.startswith(want + "-")]
+    ids, _ = expand_ids(state.in_flight, wanted)  # a batch request's prompts run as "<id>-<i>": its id aborts them
     if ids:
         await call(state.engine.abort(ids))
     return {"status": "aborted", "aborted": len(ids)}

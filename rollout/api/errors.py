@@ -32,20 +32,25 @@ _BAD_INPUT = (ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryE
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None):
+    """`extra`: more fields of the error object (a weight update's failed `phase`, ...)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None,
+                 extra: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.type = type or _TYPES.get(status, "error")
+        self.extra = extra or {}
 
 
-def error_body(status: int, message: str, param: str | None = None, type: str | None = None) -> dict:
+def error_body(status: int, message: str, param: str | None = None, type: str | None = None,
+               extra: dict | None = None) -> dict:
     return {"error": {"message": message, "type": type or _TYPES.get(status, "error"), "param": param,
-                      "code": status}}
+                      "code": status, **(extra or {})}}
 
 
 def error_response(status: int, message: str, param: str | None = None, type: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, type), status_code=status, headers=headers)
+                   headers: dict | None = None, extra: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, type, extra), status_code=status, headers=headers)
 
 
 def engine_error(e: BaseException, param: str | None = None) -> APIError:
@@ -108,16 +113,16 @@ ERROR_SCOPE_KEY = "rollout.error"  # the error's message, in the request's scope
 
 
 def _answered(request: Request, status: int, message: str, param: str | None = None, type: str | None = None,
-              headers: dict | None = None) -> JSONResponse:
+              headers: dict | None = None, extra: dict | None = None) -> JSONResponse:
     """error_response, with the message left in the scope for the request's log line (server.py)."""
     request.scope[ERROR_SCOPE_KEY] = message + (f" (param: {param})" if param else "")
-    return error_response(status, message, param, type, headers=headers)
+    return error_response(status, message, param, type, headers=headers, extra=extra)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return _answered(request, e.status, e.message, e.param, e.type)
+        return _answered(request, e.status, e.message, e.param, e.type, extra=e.extra)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):

@@ -14,6 +14,11 @@ A batch request's prompts get ids "<request_id>-<i>". With "stream": true every 
 or SSE with "stream_format": "sse", ending in `data: [DONE]`) is one result's delta plus
 "prompt_index"; the last line of each result has "finished": true. `logprobs[i]` is the
 sampled token's logprob under the distribution it was drawn from (see SamplingParams).
+sampling_params' return_sampling_mask (true / "threshold" / "ids") adds each output's
+"sampling_mask": {"num_kept", "min_logprob", "kept_logmass", "ids"}, one entry per token: the set
+top-k / top-p / min-p left it to be drawn from (engine.protocol.SamplingMask; output_json.py).
+sampling_params' max_weight_staleness / min_weight_version / stale_action are the server's
+staleness rules (engine/core/staleness.py; finish_reason "stale"; "restart" is refused with stream).
 With "session_params": {"id": ...} the prompt is the next turn of an open session
 (rollout/api/sessions.py). One request may sample at most `--max-request-tokens` tokens, prompts x
 n x max_tokens (tokenize_prompts checks it for every generation route).
@@ -148,7 +153,7 @@ async def generate(request: Request):
     body: GenerateRequest = parse(GenerateRequest, data)
     state = get_state(request)
     state.check_can_generate()
-    prompts, field, batch = await _prompts(state, body)
+    prompts, field, batch, extra = await _prompts(state, body)
     # a session turn reads deltas until its chunk ends (the request itself never finishes)
     kind = RequestOutputKind.DELTA if body.stream or body.session_params else RequestOutputKind.FINAL_ONLY
     params = _sampling_params(body, kind)
@@ -162,15 +167,28 @@ async def generate(request: Request):
     gens = [state.generate(p, params, rid, field, lora, body.cache_salt, route) for p, rid in zip(ids, rids)]
     if not body.stream:
         outs = await until_disconnect(request, gather_all(final_output(g) for g in gens))
-        return {"results": [request_output_json(o) for o in outs], "usage": usage_json(outs)}
-    return await _streamed(request, body, gens, base)
+        results = [request_output_json(o) for o in outs]
+        results[0].update(extra)
+        return {"results": results, "usage": usage_json(outs)}
+    return await _streamed(request, body, gens, base, extra)
 
 
-async def _prompts(state, body: GenerateRequest) -> tuple[list, str, bool]:
+async def _prompts(state, body: GenerateRequest) -> tuple[list, str, bool, dict]:
     """The request's prompts (texts, token ids, a rendered conversation, or one text with its
-    images), the field they came in and whether it is a batch."""
+    images), the field they came in, whether it is a batch, and fields for the first result
+    (a conversation with prefix_token_ids: its drift, rollout/api/chat_prefix.py)."""
     prompts, field, batch = body.prompts()
-    if body.messages is not None:
+    extra = {}
+    if body.prefix_token_ids is not None:
+        from rollout.api.chat_prefix import prefixed_prompt  # (it renders with render_chat, from here)
+
+        if body.session_params is not None:
+            raise APIError(400, "a session turn takes no prefix_token_ids (the session holds the turns so far)",
+                           "prefix_token_ids")
+        prefixed = await prefixed_prompt(state, body.messages, body.prefix_token_ids, body.add_generation_prompt,
+                                         body.chat_template_kwargs, body.tools)
+        prompts, extra = [prefixed.token_ids], prefixed.answer_fields()
+    elif body.messages is not None:
         prompts = [await render_chat(state, body.messages, body.add_generation_prompt,
                                      chat_template_kwargs=body.chat_template_kwargs, tools=body.tools)]
     if body.multi_modal_data is not None:
@@ -179,7 +197,7 @@ async def _prompts(state, body: GenerateRequest) -> tuple[list, str, bool]:
                            "multi_modal_data")
         check_image_urls(body.multi_modal_data.get("image", []), "multi_modal_data")
         prompts = [{"prompt": prompts[0], "multi_modal_data": body.multi_modal_data}]
-    return prompts, field, batch
+    return prompts, field, batch, extra
 
 
 def _sampling_params(body: GenerateRequest, kind: RequestOutputKind):
@@ -206,19 +224,22 @@ async def _session_turn(request: Request, body: GenerateRequest, field: str, bat
                                DONE if body.stream_format == "sse" else None)
 
 
-async def _streamed(request: Request, body: GenerateRequest, gens: list, base: str) -> StreamingResponse:
+async def _streamed(request: Request, body: GenerateRequest, gens: list, base: str,
+                    extra: dict | None = None) -> StreamingResponse:
     """The streams' deltas as NDJSON or SSE lines, each with its "prompt_index", primed first (a
-    refused prompt is still an error response)."""
+    refused prompt is still an error response); `extra` goes into the first line."""
     firsts = await prime(gens, request)
     use_sse = body.stream_format == "sse"
     frame = sse if use_sse else ndjson
 
     async def events():
+        first = dict(extra or {})
         async for i, item in merge(gens, firsts):
             if isinstance(item, BaseException):
                 yield frame(dict(error_event(item), prompt_index=i))
                 continue
-            yield frame(dict(request_output_json(item), prompt_index=i))
+            yield frame(dict(request_output_json(item), prompt_index=i, **first))
+            first = {}
         if use_sse:
             yield DONE
 

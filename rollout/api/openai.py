@@ -10,7 +10,9 @@ stop_token_ids, ignore_eos, ...; "return_token_ids": true adds each choice's `to
 labels logprob tokens "token_id:<id>"; /v1/completions' "prompt_logprobs": k gives each choice
 vLLM's `prompt_logprobs` (rollout/api/logprobs_json.py). Several prompts with n samples each:
 prompt-major, choice index = prompt * n + sample. An X-Request-Id header (or "request_id") names
-the engine request, for /abort_requests.
+the engine request, for /abort_requests. Ours, as extra fields: max_weight_staleness,
+min_weight_version, stale_action (engine/core/staleness.py: a choice a weight push leaves too stale
+ends with finish_reason "stale"; "restart" is refused with stream).
 """
 import time
 
@@ -22,6 +24,7 @@ from engine.errors import InvalidRequestError
 from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from rollout.api.cancel import gather_all, until_disconnect
+from rollout.api.chat_prefix import prefixed_prompt
 from rollout.api.errors import APIError, engine_error
 from rollout.api.generate import final_output, off_loop, render_chat, tokenize_prompts
 from rollout.api.logprobs_json import TokenText, chat_logprobs, completion_logprobs, echo_logprobs, vllm_prompt_logprobs
@@ -121,7 +124,8 @@ def _choices(outs: list[RequestOutput], n: int, state: ServerState, chat: bool, 
     return choices
 
 
-async def _serve(request: Request, body, prompts: list, field: str, chat: bool):
+async def _serve(request: Request, body, prompts: list, field: str, chat: bool, extra: dict | None = None):
+    """`extra`: fields for the answer's top level (the stream's first chunk)."""
     state = get_state(request)
     state.check_can_generate()
     lora = state.resolve_model(body.model)
@@ -146,13 +150,15 @@ async def _serve(request: Request, body, prompts: list, field: str, chat: bool):
                   "choices": _choices(outs, params.n, state, chat, body, echo), "usage": usage_json(outs)}
         if chat and body.return_token_ids:
             answer["prompt_token_ids"] = outs[0].prompt_token_ids
+        answer.update(extra or {})
         return JSONResponse(answer, headers=headers)
     firsts = await prime(gens, request)
-    return StreamingResponse(_events(state, body, gens, firsts, params.n, base, created, chat, echo),
+    return StreamingResponse(_events(state, body, gens, firsts, params.n, base, created, chat, echo, extra),
                              media_type="text/event-stream", headers=headers)
 
 
-async def _events(state, body, gens, firsts, n: int, base: str, created: int, chat: bool, echo: list[str]):
+async def _events(state, body, gens, firsts, n: int, base: str, created: int, chat: bool, echo: list[str],
+                  extra: dict | None = None):
     tokens = _tokens(state)
     label = tokens.labeler(body.return_tokens_as_token_ids)
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -168,6 +174,8 @@ async def _events(state, body, gens, firsts, n: int, base: str, created: int, ch
         chunk = dict(head)
         if chat and body.return_token_ids and not sent_first:  # vLLM's: the prompt's ids in the first chunk
             chunk["prompt_token_ids"] = out.prompt_token_ids
+        if extra and not sent_first:
+            chunk.update(extra)
         prompt_lens[p] = len(out.prompt_token_ids)
         choices = []
         for c in out.outputs:
@@ -205,14 +213,22 @@ async def completions(body: CompletionRequest, request: Request):
     return await _serve(request, body, normalize_prompts(body.prompt), "prompt", chat=False)
 
 
-async def _render(state: ServerState, body: ChatCompletionRequest) -> str | dict:
-    return await render_chat(state, body.messages, body.add_generation_prompt, body.continue_final_message,
-                             body.chat_template_kwargs, body.tools)
+async def _render(state: ServerState, body: ChatCompletionRequest) -> tuple[str | dict | list[int], dict]:
+    """The prompt (rendered text, or ids with prefix_token_ids) and the answer's extra fields
+    (with prefix_token_ids: the prompt's ids and the drift; rollout/api/chat_prefix.py)."""
+    if body.prefix_token_ids is None:
+        return await render_chat(state, body.messages, body.add_generation_prompt, body.continue_final_message,
+                                 body.chat_template_kwargs, body.tools), {}
+    body.check_unsupported()
+    prefixed = await prefixed_prompt(state, body.messages, body.prefix_token_ids, body.add_generation_prompt,
+                                     body.chat_template_kwargs, body.tools)
+    return prefixed.token_ids, dict(prompt_token_ids=prefixed.token_ids, **prefixed.answer_fields())
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    return await _serve(request, body, [await _render(get_state(request), body)], "messages", chat=True)
+    prompt, extra = await _render(get_state(request), body)
+    return await _serve(request, body, [prompt], "messages", chat=True, extra=extra)
 
 
 @router.post("/v1/chat/completions/render")
@@ -225,7 +241,7 @@ async def render_chat_completion(body: ChatCompletionRequest, request: Request):
     state = get_state(request)
     state.resolve_model(body.model)
     params = _params(body, stream=False)
-    prompt = await _render(state, body)
+    prompt, _ = await _render(state, body)
     if isinstance(prompt, dict):
         raise APIError(501, "conversations with images cannot be rendered here: vLLM's MultiModalFeatures "
                             "(the `features` of its answer) are not produced by this engine; send the "

@@ -11,7 +11,16 @@ def completion_json(c: CompletionOutput) -> dict:
     if c.top_logprobs is not None:  # [[token_id, logprob], ...] per step, best first
         d["top_logprobs"] = [sorted(([t, lp] for t, lp in step.items()), key=lambda x: -x[1])
                              for step in c.top_logprobs]
+    if c.sampling_masks is not None:
+        d["sampling_mask"] = sampling_mask_json(c.sampling_masks)
     return d
+
+
+def sampling_mask_json(masks: list) -> dict:
+    """Each token's kept set (engine.protocol.SamplingMask), column by column: "ids"[i] is null
+    where the request asked no ids, or the set was larger than MAX_SAMPLING_MASK_IDS."""
+    return {"num_kept": [m.num_kept for m in masks], "min_logprob": [m.min_logprob for m in masks],
+            "kept_logmass": [m.kept_logmass for m in masks], "ids": [m.ids for m in masks]}
 
 
 def request_output_json(out: RequestOutput) -> dict:

@@ -100,6 +100,10 @@ class _OpenAISampling(_Strict):
     request_id: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: a prefix-cache namespace
     structured_outputs: dict[str, Any] | None = None  # vLLM's guided decoding: refused (named, not "unknown")
+    # ours (engine/core/staleness.py), sent as vLLM's extra_body fields are
+    max_weight_staleness: int | None = None
+    min_weight_version: int | None = None
+    stale_action: str = "finish"
 
     def check_unsupported(self) -> None:
         refuse_penalties(self)
@@ -113,7 +117,9 @@ class _OpenAISampling(_Strict):
         kw: dict[str, Any] = dict(n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                                   min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                                   include_stop_str_in_output=self.include_stop_str_in_output,
-                                  skip_special_tokens=self.skip_special_tokens)
+                                  skip_special_tokens=self.skip_special_tokens,
+                                  max_weight_staleness=self.max_weight_staleness,
+                                  min_weight_version=self.min_weight_version, stale_action=self.stale_action)
         for name in ("temperature", "top_p", "top_k", "min_p"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
@@ -182,12 +188,16 @@ class ChatCompletionRequest(_OpenAISampling):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None  # "none" (TRL's): tools rendered into the prompt, no call parsed
     chat_template: str | None = None  # vLLM's: refused, as vLLM does without --trust-request-chat-template
+    prefix_token_ids: list[int] | None = None  # ours: the ids of the turns so far, kept (rollout/api/chat_prefix.py)
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.chat_template is not None:
             raise APIError(400, "chat_template: this server renders with the model's own chat template only "
                                 "(a template sent in a request is not trusted)", "chat_template")
+        if self.prefix_token_ids is not None and self.continue_final_message:
+            raise APIError(400, "continue_final_message with prefix_token_ids: to continue the last assistant "
+                                "turn, send its ids as the prompt (/generate prompt_token_ids)", "continue_final_message")
 
     def to_sampling_params(self, output_kind: RequestOutputKind) -> SamplingParams:
         self.check_unsupported()
@@ -219,6 +229,11 @@ class GenerateSamplingParams(_Strict):
     logprobs_mode: Literal["processed", "raw"] = "processed"
     detokenize: bool = True
     skip_special_tokens: bool = True
+    max_weight_staleness: int | None = None
+    min_weight_version: int | None = None
+    stale_action: str = "finish"  # (checked by SamplingParams: its message names the choices)
+    temp_scaled_prompt_logprobs: bool = False
+    return_sampling_mask: bool | Literal["threshold", "ids"] = False  # each token's kept set (output_json.py)
 
 
 class SessionParams(_Strict):
@@ -237,6 +252,7 @@ class GenerateRequest(_Strict):
     prompt: str | list[str] | None = None
     prompt_token_ids: list[int] | list[list[int]] | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    prefix_token_ids: list[int] | None = None  # with messages: the turns so far, as ids (rollout/api/chat_prefix.py)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict] | None = None
@@ -254,6 +270,9 @@ class GenerateRequest(_Strict):
         rendered by the route (they need the tokenizer)."""
         if sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)) != 1:
             raise APIError(400, "give exactly one of 'prompt' (text), 'prompt_token_ids' and 'messages'", "prompt")
+        if self.prefix_token_ids is not None and self.messages is None:
+            raise APIError(400, "prefix_token_ids goes with messages (the whole conversation: the turns the prefix "
+                                "covers and the new ones)", "prefix_token_ids")
         if self.messages is not None:
             return [], "messages", False
         if self.prompt is not None:
@@ -289,8 +308,25 @@ def normalize_prompts(prompt: PromptInput, field: str = "prompt") -> list[str | 
 
 
 # ---- control bodies -----------------------------------------------------------------------------
+MAX_ABORT_WAIT_S = 600.0
+
+
 class AbortRequestsBody(_Strict):
+    """/abort_requests: vLLM's `request_ids` (none: every request in flight, or say `all`), and
+    ours: `wait` for the aborted requests to end and answer with their manifest
+    (rollout/api/abort_manifest.py), at most `timeout_s`."""
+
     request_ids: list[str] | None = None
+    all: bool = False
+    wait: bool = False
+    timeout_s: float = Field(default=60.0, gt=0, le=MAX_ABORT_WAIT_S)
+    return_prompt_token_ids: bool = False  # (with wait) each manifest entry carries its prompt's ids
+
+    @model_validator(mode="after")
+    def _all_or_ids(self):
+        if self.all and self.request_ids:
+            raise APIError(400, "give request_ids or all: true, not both", "all")
+        return self
 
 
 class CollectiveRPCBody(_Strict):

@@ -152,7 +152,7 @@ class Sessions:
         done = False
         arrival = time.monotonic()
         num_new, first_token, reason = 0, None, None
-        state.in_flight[s.request_id] = arrival
+        record = state.track(s.request_id, arrival, params)  # (an abort's manifest holds this turn's tokens)
         state.metrics.request_started()
         try:
             s.inputs.put_nowait(StreamingInput(ids, params))
@@ -163,6 +163,7 @@ class Sessions:
                 num_new += len(c.token_ids)
                 if first_token is None and c.token_ids:
                     first_token = time.monotonic()
+                record.see(out)
                 if c.finish_reason is not None:
                     done, reason = True, c.finish_reason
                     if out.finished:  # ended for good: aborted (pause mode abort, /abort_requests)
@@ -178,7 +179,7 @@ class Sessions:
             s.ended = s.ended or f"its engine request failed: {e}"
             raise engine_error(e, "prompt") from e
         finally:
-            state.in_flight.pop(s.request_id, None)
+            state.untrack(s.request_id)
             state.metrics.request_ended()
             s.turn_ref = None
             s.last_used = time.monotonic()

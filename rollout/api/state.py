@@ -22,7 +22,9 @@ from engine.frontend.outputs import RequestOutput
 from engine.process.replicas import Route
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.worker.lora import LoRARequest
+from rollout.api.abort_manifest import RecentlyEnded, RequestRecord
 from rollout.api.errors import APIError, engine_error
+from rollout.api.idempotency import KeyedCalls
 from rollout.api.session_store import Sessions
 from rollout.config import ServerConfig
 from rollout.metrics import ServerMetrics
@@ -45,10 +47,14 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.model_name = config.served_model_name or _model_name(engine)
         self.in_flight: dict[str, float] = {}  # request id -> arrival (monotonic)
+        # what each caller in flight received so far (the manifest of /abort_requests wait: true)
+        self.records: dict[str, RequestRecord] = {}
+        self.recently_ended = RecentlyEnded()
         self.weight_update: WeightUpdate | None = None
         self.weight_group_name: str | None = None  # the SGLang dialect's named weight group, while one is open
         self.shutting_down = asyncio.Event()
         self.control_lock = asyncio.Lock()  # pause/resume/sleep/wake/weight routes run one at a time
+        self.weight_updates = KeyedCalls()  # POST /weights/update's answers by idempotency_key
         self.sessions = Sessions(self, config.session_timeout_s, config.max_sessions)
         self.loras: dict[str, LoRARequest] = {}  # LoRA adapters by served name (/v1/load_lora_adapter)
         self._lora_ids = itertools.count(1)
@@ -103,7 +109,7 @@ class ServerState:
         first_token: float | None = None
         num_tokens = [0] * params.n
         prompt_len, reasons = 0, []
-        self.in_flight[request_id] = arrival
+        record = self.track(request_id, arrival, params)
         self.metrics.request_started()
         delta = params.output_kind == RequestOutputKind.DELTA
         try:
@@ -113,18 +119,35 @@ class ServerState:
                 first_token = out.first_token_time  # also right when only the final output comes
                 for c in out.outputs:
                     num_tokens[c.index] = num_tokens[c.index] * delta + len(c.token_ids)
+                record.see(out)
                 if out.finished:
                     reasons = [c.finish_reason for c in out.outputs]
+                    record.ended.set()  # (its caller has it now: an abort's manifest need not wait longer)
                 yield out
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:
+            record.error = str(e)
             raise engine_error(e, param) from e
         finally:
-            self.in_flight.pop(request_id, None)
+            self.untrack(request_id)
             self.metrics.request_ended()
             if reasons:
                 self.metrics.observe_request(arrival, first_token, prompt_len, sum(num_tokens), reasons)
+
+    def track(self, request_id: str, arrival: float, params: SamplingParams) -> RequestRecord:
+        """Count the request as in flight, with a record of what its caller receives."""
+        self.in_flight[request_id] = arrival
+        record = self.records[request_id] = RequestRecord(request_id, params.output_kind == RequestOutputKind.DELTA,
+                                                          params.n)
+        return record
+
+    def untrack(self, request_id: str) -> None:
+        self.in_flight.pop(request_id, None)
+        record = self.records.pop(request_id, None)
+        if record is not None:
+            record.ended.set()
+        self.recently_ended.add(request_id)
 
     async def abort_all_in_flight(self) -> int:
         ids = list(self.in_flight)

@@ -195,6 +195,9 @@ def _finish_reason(state: ServerState, c: CompletionOutput) -> dict | None:
         return {"type": "stop", "matched": matched}
     if c.finish_reason == "abort":
         return {"type": "abort", "message": "aborted", "status_code": None, "err_type": None}
+    if c.finish_reason == "stale":  # SGLang's frameworks know stop / length / abort: ended early with its tokens
+        return {"type": "abort", "message": "stale: the weights moved past its max_weight_staleness",
+                "status_code": None, "err_type": "stale"}
     return None
 
 

@@ -46,12 +46,12 @@ from engine.errors import InvalidRequestError
 from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from rollout.api import control
-from rollout.api.cancel import gather_all, until_disconnect
 from rollout.api.dispatch import json_object, one_of
 from rollout.api.errors import APIError, engine_error, validation_message, validation_param
-from rollout.api.generate import final_output, render_chat, tokenize_prompts
+from rollout.api.generate import render_chat
 from rollout.api.logprobs_json import ranked_prompt_logprobs
 from rollout.api.protocol import PENALTIES, ChatMessage, check_wire_values, make_sampling_params, refuse_penalties
+from rollout.api.scoring import recompute, recompute_params, run_to_end
 from rollout.api.state import get_state
 
 router = APIRouter(tags=["trl"])
@@ -144,12 +144,7 @@ def _sampling_params(body: TRLSampling) -> SamplingParams:
 
 
 async def _generate(request: Request, prompts: list, field: str, params: SamplingParams) -> list[RequestOutput]:
-    state = get_state(request)
-    state.check_can_generate()
-    ids = await tokenize_prompts(state, prompts, field, True, params)
-    base = state.new_request_id(None, "trl")
-    gens = [state.generate(p, params, f"{base}-{i}", field) for i, p in enumerate(ids)]
-    return await until_disconnect(request, gather_all(final_output(g) for g in gens))
+    return await run_to_end(request, prompts, field, params, "trl")
 
 
 def _best_first(c: CompletionOutput, i: int) -> list[tuple[int, float]]:
@@ -214,8 +209,9 @@ async def chat(request: Request):
 
 @router.post("/get_sequence_logprobs/", openapi_extra=one_of(TRLSequenceLogprobsRequest))
 async def get_sequence_logprobs(request: Request):
-    """The logprobs of existing sequences (a teacher scoring a student's completions): each
-    sequence is a prompt run with prompt_logprobs = top_logprobs and one sampled token, left out."""
+    """The logprobs of existing sequences (a teacher scoring a student's completions): the
+    teacher-forced recompute of rollout/api/scoring.py, with prompt_logprobs = top_logprobs (raw
+    log-softmax: `temperature` is checked, not applied, as `trl vllm-serve` does)."""
     try:
         body = await _read(request, TRLSequenceLogprobsRequest)
         if len(body.sequences) != len(body.prompt_lengths):
@@ -226,12 +222,10 @@ async def get_sequence_logprobs(request: Request):
                 raise APIError(400, f"prompt_lengths[{i}] is {length}, outside [0, {len(seq)}] (its sequence's "
                                     "length)", f"prompt_lengths[{i}]")
         try:
-            params = make_sampling_params({"max_tokens": 1, "temperature": body.temperature,
-                                           "prompt_logprobs": body.top_logprobs,
-                                           "output_kind": RequestOutputKind.FINAL_ONLY})
+            params = recompute_params(body.top_logprobs, body.temperature)
         except InvalidRequestError as e:
             raise APIError(400, str(e), "top_logprobs" if e.param == "prompt_logprobs" else e.param) from e
-        outs = await _generate(request, [list(s) for s in body.sequences], "sequences", params)
+        outs = await recompute(request, body.sequences, "sequences", params, "trl")
         if body.response_format == "binary":
             return _binary_logprobs(outs, body.prompt_lengths, body.top_logprobs)
         return _json_logprobs(outs, body.prompt_lengths)

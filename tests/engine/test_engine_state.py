@@ -185,6 +185,21 @@ def test_the_sequences_that_wedged_the_server(core):
     assert finished["c"] == FinishReason.LENGTH and not core.is_paused()
 
 
+def test_a_pause_unless_paused_leaves_an_existing_pause_as_it_is(core):
+    """POST /weights/update's pause: one call that pauses what runs, or leaves the caller's own
+    pause (its mode, what it kept) exactly as it was, and says which."""
+    add(core, "a")
+    core.step()
+    assert core.pause_generation("keep", unless_paused=True) == {"aborted": 0, "kept": 1, "mode": "keep",
+                                                                 "was_paused": False}
+    assert core.pause_generation("abort", unless_paused=True)["was_paused"] is True
+    assert core.is_paused() and "a" in core.scheduler.requests  # still kept, not aborted
+    core.resume_generation()
+    finished = {}
+    run_until_idle(core, finished)
+    assert finished == {"a": FinishReason.LENGTH}
+
+
 def test_held_and_frozen_requests_make_no_progress(core):
     add(core, "running")
     core.step()

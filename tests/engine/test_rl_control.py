@@ -418,3 +418,22 @@ def test_a_tied_lm_head_in_a_push_is_checked_and_skipped(default_model_path):
         assert llm.weights_checksum() == checksum
     finally:
         llm.shutdown()
+
+
+def test_a_deadline_ends_staging_and_nothing_goes_live(llm, default_model_path):
+    """update_weights_from with deadline_s: an update the workers cannot stage in time (a disk
+    read past it) raises TimeoutError across the process boundary and changes nothing, its trace
+    naming the phase; without a deadline the same update goes through, every phase timed."""
+    from engine.process.utility import UpdateTrace
+
+    version, checksum = llm.get_weight_version(), llm.weights_checksum()
+    trace = UpdateTrace()
+    with pytest.raises(TimeoutError, match="deadline"):
+        llm.update_weights_from("disk", [default_model_path], deadline_s=1e-6, trace=trace)
+    assert trace.phase == "receive"
+    assert llm.get_weight_version() == version and llm.weights_checksum() == checksum
+    trace = UpdateTrace()
+    assert llm.update_weights_from("disk", [default_model_path], deadline_s=60, trace=trace)["weight_version"] == \
+        version + 1
+    assert trace.phase == "done" and set(trace.seconds) == {"receive", "stage", "swap", "clear_cache"}
+    assert llm.weights_checksum() == checksum

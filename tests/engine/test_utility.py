@@ -2,13 +2,14 @@
 whose parameters are its argument struct's fields, calls are bound and typed before anything
 runs, and replicas' answers combine as declared."""
 import inspect
+import time
 
 import msgspec
 import pytest
 
 from engine.core.engine_core import EngineCore
 from engine.errors import EngineStateError, InvalidRequestError
-from engine.process.utility import UTILITIES, bind, combine, replicas_for, weight_update_plan
+from engine.process.utility import UTILITIES, UpdateTrace, bind, combine, replicas_for, weight_update_plan
 
 
 @pytest.mark.parametrize("name", sorted(UTILITIES))
@@ -29,7 +30,7 @@ def test_nothing_else_is_reachable():
 
 def test_bind_names_and_types_the_arguments():
     assert bind("pause_generation", ["keep"], {"timeout_s": 2}) == {
-        "mode": "keep", "clear_cache": True, "timeout_s": 2.0, "recompute_kv": False}
+        "mode": "keep", "clear_cache": True, "timeout_s": 2.0, "recompute_kv": False, "unless_paused": False}
     for method, args, kwargs, field in (("pause_generation", ["keep", "yes"], {}, "clear_cache"),
                                         ("sleep", [], {"level": "2"}, "level"),
                                         ("sleep", [], {"depth": 2}, "depth"),
@@ -63,17 +64,50 @@ def test_save_weights_goes_to_the_first_replica_only():
 
 
 def test_weight_update_plan_stages_then_commits_or_discards():
-    plan = weight_update_plan("disk", ["/w"], None)
+    trace = UpdateTrace()
+    plan = weight_update_plan("disk", ["/w"], None, trace=trace)
     assert plan.send(None) == ("each", "stage_weights", {"source": "disk", "args": ["/w"], "lora_id": 0})
+    assert trace.phase == "receive"
     how, method, kwargs = plan.send([{"weight_version": 3}, {"weight_version": 3}])
-    assert (how, method, kwargs["version"]) == ("all", "commit_weights", 4)
+    assert (how, method, kwargs["version"]) == ("all", "commit_weights", 4) and trace.phase == "swap"
     with pytest.raises(StopIteration) as done:
-        plan.send(4)
+        plan.send({"weight_version": 4, "swap_s": 0.5, "clear_cache_s": 0.25})
     assert done.value.value["weight_version"] == 4
-    refused = weight_update_plan("disk", ["/w"], 2)
+    assert trace.phase == "done" and set(trace.seconds) == {"receive", "stage", "swap", "clear_cache"}
+    assert trace.seconds["clear_cache"] == 0.25
+    refused = weight_update_plan("disk", ["/w"], 2, trace=trace)
     refused.send(None)
     assert refused.send([{"weight_version": 3}, {"weight_version": 3}])[1] == "discard_weights"
     with pytest.raises(EngineStateError, match="must increase"):
         refused.send([True, True])
+    assert trace.phase == "stage"
+
+
+def test_weight_update_plan_names_the_phase_that_failed_and_keeps_its_deadline():
+    """A refusal of what was sent fails "stage"; a transport failure beside it is the one raised,
+    as "receive"; the deadline goes to every replica's staging, and an update staged past it
+    is discarded, not made live."""
+    from weight_sync import WeightPushRefused, WeightTransferError
+
+    trace = UpdateTrace()
+    plan = weight_update_plan("broadcast", [], None, deadline_s=0.2, trace=trace)
+    assert plan.send(None)[2]["deadline_s"] == 0.2
+    assert plan.send([WeightPushRefused("shape"), WeightTransferError("peer died")])[1] == "discard_weights"
+    with pytest.raises(WeightTransferError, match="peer died"):
+        plan.send([True, True])
+    assert trace.phase == "receive"
+    plan = weight_update_plan("broadcast", [], None, trace=trace)
+    plan.send(None)
+    assert plan.send([WeightPushRefused("shape"), {"weight_version": 1}])[1] == "discard_weights"
+    with pytest.raises(WeightPushRefused):
+        plan.send([True, True])
+    assert trace.phase == "stage"
+    late = weight_update_plan("disk", ["/w"], None, deadline_s=0.05, trace=trace)
+    late.send(None)
+    time.sleep(0.1)  # staging took past the deadline
+    assert late.send([{"weight_version": 1}])[1] == "discard_weights"
+    with pytest.raises(TimeoutError, match="deadline"):
+        late.send([True])
+    assert trace.phase == "stage"
     for verb in UTILITIES.values():  # the structs are wire-safe
         assert issubclass(verb.arguments, msgspec.Struct)

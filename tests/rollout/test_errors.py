@@ -5,7 +5,7 @@ enumerated from the app itself), and admin routes refuse the user key."""
 import httpx
 import pytest
 
-from rollout.server import build_app, iter_routes
+from rollout.server import OPEN_PATHS, build_app, iter_routes
 from tests.rollout.conftest import ADMIN_KEY, API_KEY, MAX_BODY_BYTES, MAX_MODEL_LEN
 
 USER = {"Authorization": f"Bearer {API_KEY}"}
@@ -141,15 +141,15 @@ def test_still_serves_after_bad_requests(http):
     assert http.get("/health").json() == {"status": "ok"}
 
 
-def test_every_route_but_health_needs_the_key(server):
+def test_every_route_but_the_probes_needs_the_key(server):
     routes = list(iter_routes(build_app(engine=None)))
     assert len(routes) > 25
     with httpx.Client(base_url=server.url, timeout=30) as anon:
         for path, methods, tags in routes:
             method = sorted(methods - {"HEAD"})[0]
             resp = anon.request(method, path, json={})
-            if path == "/health":
-                assert resp.status_code == 200
+            if path in OPEN_PATHS:  # /health and /ready: an orchestrator's probes
+                assert resp.status_code == 200, (path, resp.text)
                 continue
             assert resp.status_code == 401, (method, path, resp.status_code, resp.text)
             assert resp.json()["error"]["type"] == "authentication_error"

@@ -4,6 +4,10 @@ push from a new group.
 
 - a trainer killed where the first, the middle or the last bucket of its push should go;
 - a trainer that stops answering in the middle of a push (its group's timeout ends the push);
+- the same two under POST /weights/update (the watchdog): a trainer that sends half its buckets
+  and hangs fails the update at its deadline_s (504, phase "receive"; the group's own timeout is
+  far longer), one killed mid-broadcast at once (500, phase "receive"); then a new group forms
+  and a clean push serves exactly the pushed weights (greedy outputs equal transformers' on them);
 - checkpoints on disk that are truncated or hold an integer tensor;
 - the engine core killed during a swap: the server exits with status 1 (an orchestrator
   restarts it) and the restarted server serves the untouched checkpoint.
@@ -58,11 +62,76 @@ def check_whole_and_serving(client: RolloutClient, checksum: str, tokens: list[i
     assert client.weight_version() == version + 1 and client.weights_checksum() == checksum
 
 
-def run_faulty_trainer(url: str, how: str, where: str, model_dir: str) -> subprocess.Popen:
+def run_faulty_trainer(url: str, how: str, where: str, model_dir: str, route: str = "phases") -> subprocess.Popen:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     return subprocess.Popen([sys.executable, "-m", "tests.rollout.faulty_trainer", url, ADMIN_KEY, how, where,
-                             model_dir], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                             model_dir, route], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def read_until(proc: subprocess.Popen, prefix: str) -> str:
+    line = proc.stdout.readline()
+    while line and not line.startswith(prefix):
+        line = proc.stdout.readline()
+    assert line.startswith(prefix), f"the trainer never printed {prefix!r} (exit code {proc.poll()})"
+    return line
+
+
+def clean_push_serves_the_pushed_weights(client: RolloutClient) -> None:
+    """A new group forms and a push of perturbed weights goes through /weights/update: the greedy
+    outputs are transformers' on those weights; then the originals go back."""
+    from tests.engine.hf_reference import hf_greedy
+    from tests.engine.perturb import hf_model_with, perturbed_state
+
+    model = client.model_info()[0]["root"]
+    state = perturbed_state(model, seed=3)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    expected = [r[0] for r in hf_greedy(hf_model_with(model, state), prompts, GREEDY["max_tokens"])]
+    client.init_weight_transfer(backend="gloo", timeout_s=30)
+    try:
+        version = client.push_weights(state.items(), deadline_s=120)["weight_version"]
+        outs = client.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == expected and {v for o in outs for v in o.weight_versions} == {version}
+        client.push_weights(load_file(str(Path(model) / "model.safetensors")).items())
+    finally:
+        client.close_weight_transfer()
+
+
+WATCHDOG_DEADLINE_S = 10.0
+
+
+@pytest.mark.parametrize("how", ["hang", "exit"])
+def test_weights_update_watchdog(client, fault_server, how):
+    """POST /weights/update beside a trainer that sends half its buckets, then stops answering
+    (its group's timeout is 60 s: only the update's deadline can end the push in time) or dies.
+    The update fails in phase "receive" (504 past the deadline / 500 for the broken transport),
+    within the deadline; the old weights serve bit for bit, generation is resumed; a new group
+    then carries a clean push."""
+    checksum, tokens = client.weights_checksum(), client.generate([1, 2, 3], GREEDY)[0].token_ids
+    version = client.weight_version()
+    trainer = run_faulty_trainer(fault_server.url, how, "middle", client.model_info()[0]["root"], route="tx")
+    try:
+        read_until(trainer, "group formed")
+        t0 = time.monotonic()
+        with pytest.raises(RolloutAPIError) as e:
+            client.weights_update("gloo", deadline_s=WATCHDOG_DEADLINE_S)
+        elapsed = time.monotonic() - t0
+        assert e.value.phase == "receive" and e.value.weight_version == version, e.value
+        if how == "hang":
+            assert e.value.status == 504 and "deadline" in e.value.message, e.value
+            assert WATCHDOG_DEADLINE_S - 1 < elapsed < WATCHDOG_DEADLINE_S + 5, elapsed
+            assert trainer.poll() is None  # still hung: the server did not depend on it
+        else:
+            assert e.value.status == 500 and e.value.type == "weight_transfer_error", e.value
+            assert elapsed < WATCHDOG_DEADLINE_S, elapsed
+            assert "sent" in trainer.communicate(timeout=60)[0]
+        assert not client.is_paused() and client.weight_version() == version
+        check_whole_and_serving(client, checksum, tokens)
+        clean_push_serves_the_pushed_weights(client)
+        assert client.weights_checksum() == checksum
+    finally:
+        trainer.kill()
+        trainer.wait()
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])

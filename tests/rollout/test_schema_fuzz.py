@@ -21,7 +21,8 @@ from tests.rollout.conftest import ADMIN_KEY, REPO_ROOT, start_server, stop_serv
 pytestmark = pytest.mark.slow
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 CAPS = {"n": 2, "best_of": 2, "max_tokens": 8, "max_completion_tokens": 8, "min_tokens": 4, "timeout_s": 2.0,
-        "timeout": 2.0, "drain_timeout_s": 2.0, "drain_timeout": 2.0, "world_size": 3}
+        "timeout": 2.0, "drain_timeout_s": 2.0, "drain_timeout": 2.0, "world_size": 3,
+        "min_weight_version": 0}  # (a version above the live one waits for a push that never comes)
 seen: dict[str, int] = {}  # status -> count, printed at the end
 # routes that answer 501 by design (rollout/compat/trl.py: `trl vllm-serve`'s NCCL weight routes;
 # /v1/chat/completions/render for images; rollout/compat/vllm_rl.py: prime-rl's NCCL broadcaster)

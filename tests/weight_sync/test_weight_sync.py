@@ -16,8 +16,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.weight_sync.partial_push import send_first_bucket_only
+from tests.weight_sync.partial_push import send_first_bucket_only, send_some_buckets
 from weight_sync import (
+    WeightDeadlineError,
     WeightReceiver,
     WeightSender,
     WeightTransferError,
@@ -264,6 +265,55 @@ def test_receiver_raises_when_the_sender_dies_or_hangs(how):
     finally:
         proc.kill()
         proc.join()
+
+
+def _slow_sender_main(port, results):
+    """A trainer whose every bucket arrives well within the group's timeout (0.4 s apart, 30 s
+    allowed) but whose whole push takes ~10 s; reports when its broadcasts failed."""
+    group = WeightTransferGroup("127.0.0.1", port, 0, 2, timeout_s=TIMEOUT_S)
+    try:
+        send_some_buckets(WeightSender(group, bucket_bytes=BUCKET), make_tensors().items(), lambda n: n, pause_s=0.4)
+        results.put(("sent", time.monotonic(), ""))
+    except WeightTransferError as e:
+        results.put(("failed", time.monotonic(), str(e)))
+
+
+def test_a_deadline_bounds_the_whole_push_and_the_sender_fails_at_once():
+    """No single bucket is late, the push as a whole is: the receiver's deadline (2 s) ends it,
+    not the group's per-collective timeout (30 s), and breaking the group makes the sender fail
+    at its next bucket instead of at that timeout."""
+    port = find_free_port()
+    results = CTX.Queue()
+    proc = CTX.Process(target=_slow_sender_main, args=(port, results), daemon=True)
+    proc.start()
+    try:
+        group = WeightTransferGroup("127.0.0.1", port, 1, 2, timeout_s=TIMEOUT_S)
+        t0 = time.monotonic()
+        with pytest.raises(WeightDeadlineError, match="deadline"), group.deadline(2.0):
+            WeightReceiver(group).receive(expected_of(make_tensors()))
+        gave_up = time.monotonic()
+        assert 1.5 < gave_up - t0 < 6, gave_up - t0
+        with pytest.raises(WeightTransferError, match="broken"):
+            group.barrier()
+        kind, when, error = results.get(timeout=60)
+        assert kind == "failed", "the sender finished a push nobody received"
+        assert when - gave_up < 3, f"the sender failed {when - gave_up:.1f} s after the receiver gave up: {error}"
+        group.close()
+    finally:
+        proc.kill()
+        proc.join()
+
+
+def test_a_deadline_does_not_outlive_its_block():
+    with engine_workers([{}, {}]) as (group, results):
+        sender = WeightSender(group, bucket_bytes=BUCKET)
+        with group.deadline(60):
+            sender.send(make_tensors().items())
+        assert group._deadline is None
+        with pytest.raises(ValueError, match="positive"), group.deadline(0):
+            pass
+        sender.send(make_tensors().items())
+        assert [r["ok"] for r in next_results(results, 2)] == [True, True]
 
 
 def _dying_receiver_main(port):
