@@ -300,6 +300,11 @@ class WeightTransfer:
 
         if self.group is None:
             raise RuntimeError("no weight transfer group: call init_weight_transfer() first")
+        # (the server would refuse these before receiving, leaving the sender blocked: refused here)
+        if pause_mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause_mode must be 'abort', 'wait' or 'keep', got {pause_mode!r}")
+        if recompute_kv and pause_mode != "keep":
+            raise ValueError("recompute_kv goes with pause_mode 'keep' (other modes keep no request)")
         t0 = time.perf_counter()
         group, dtype = self.group, dtype or self.dtype
         named = [(n, t) for n, t in named_tensors]
