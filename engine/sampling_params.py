@@ -85,6 +85,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.top_k == -1:
             self.top_k = 0
         _check(_is_int(self.n, 1, MAX_N), "n", f"must be an int in [1, {MAX_N}], got {self.n!r}")
+        for name in ("temperature", "top_p", "min_p"):  # floats on the wire: an int there would not round-trip
+            v = getattr(self, name)
+            if _is_num(v) and not isinstance(v, float):
+                _check(abs(v) < 1e300, name, f"must be a finite number, got {v!r}")
+                setattr(self, name, float(v))
         _check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
                f"must be a finite number >= 0, got {self.temperature!r}")
         _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")

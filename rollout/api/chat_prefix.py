@@ -36,8 +36,8 @@ this does it server-side with the real conversation and says where the ids disag
 """
 from dataclasses import dataclass
 
+from rollout.api.chat_render import off_loop, render_chat
 from rollout.api.errors import APIError
-from rollout.api.generate import off_loop, render_chat
 
 DRIFT_WINDOW = 2  # ids shown before the drift offset (and 3 from it on)
 

@@ -23,7 +23,6 @@ With "session_params": {"id": ...} the prompt is the next turn of an open sessio
 (rollout/api/sessions.py). One request may sample at most `--max-request-tokens` tokens, prompts x
 n x max_tokens (tokenize_prompts checks it for every generation route).
 """
-import asyncio
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -32,6 +31,8 @@ from engine.errors import InvalidRequestError
 from engine.frontend.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind
 from rollout.api.cancel import gather_all, until_disconnect
+from rollout.api.chat_prefix import prefixed_prompt
+from rollout.api.chat_render import check_image_urls, off_loop, render_chat
 from rollout.api.dispatch import alternate, json_object, one_of, parse
 from rollout.api.errors import APIError, engine_error
 from rollout.api.output_json import request_output_json, usage_json
@@ -40,49 +41,7 @@ from rollout.api.sessions import generate_turn
 from rollout.api.state import get_state, request_route
 from rollout.api.streaming import DONE, error_event, merge, ndjson, prime, sse
 
-INLINE_CHARS = 8192  # shorter texts are tokenized on the event loop (a thread hop costs more)
-
 router = APIRouter(tags=["generate"])
-
-
-async def off_loop(fn, *args, size: int, **kwargs):
-    """fn(*args) in a worker thread when `size` (characters) makes it long, inline otherwise: a
-    long text must not freeze the event loop that serves every other request (the tokenizer
-    releases the GIL)."""
-    if size > INLINE_CHARS:
-        return await asyncio.to_thread(fn, *args, **kwargs)
-    return fn(*args, **kwargs)
-
-
-async def render_chat(state, messages: list, add_generation_prompt: bool = True, continue_final_message: bool = False,
-                      chat_template_kwargs: dict | None = None, tools: list | None = None) -> str | dict:
-    """The conversation as the model's chat template renders it (a 400 naming `messages` if it
-    cannot); with images (image_url parts, a vision-language model) the prompt dict
-    {"prompt": text, "multi_modal_data": {"image": [urls]}}, rendered by the model's processor."""
-    convo = [m.to_template() for m in messages]
-    kwargs = dict(chat_template_kwargs or {})
-    if tools:
-        kwargs["tools"] = tools
-    try:
-        prompt = await off_loop(state.engine.processor.apply_chat_template, convo,
-                                size=sum(len(str(m.get("content") or "")) for m in convo),
-                                add_generation_prompt=add_generation_prompt and not continue_final_message,
-                                continue_final_message=continue_final_message, **kwargs)
-    except InvalidRequestError as e:  # unsupported content parts
-        raise APIError(400, str(e), e.param or "messages") from e
-    except Exception as e:  # jinja errors, bad roles, ...
-        raise APIError(400, f"the chat template cannot render these messages: {e}", "messages") from e
-    if isinstance(prompt, dict):
-        check_image_urls(prompt["multi_modal_data"]["image"], "messages.content")
-    return prompt
-
-
-def check_image_urls(urls: list, param: str) -> None:
-    """Images reach the server as data URLs only: a path would read the server's files, and
-    there is no network to fetch a URL from."""
-    bad = next((u for u in urls if not (isinstance(u, str) and u.startswith("data:"))), None)
-    if bad is not None:
-        raise APIError(400, f"images must be data URLs (data:image/png;base64,...), got {str(bad)[:40]!r}", param)
 
 
 def _tokenize_all(state, prompts: list, field: str, batch: bool, params) -> list[list[int]]:
@@ -180,7 +139,6 @@ async def _prompts(state, body: GenerateRequest) -> tuple[list, str, bool, dict]
     prompts, field, batch = body.prompts()
     extra = {}
     if body.prefix_token_ids is not None:
-        from rollout.api.chat_prefix import prefixed_prompt  # (it renders with render_chat, from here)
 
         if body.session_params is not None:
             raise APIError(400, "a session turn takes no prefix_token_ids (the session holds the turns so far)",

@@ -25,12 +25,18 @@ from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from rollout.api.cancel import gather_all, until_disconnect
 from rollout.api.chat_prefix import prefixed_prompt
+from rollout.api.chat_render import off_loop, render_chat
 from rollout.api.errors import APIError, engine_error
-from rollout.api.generate import final_output, off_loop, render_chat, tokenize_prompts
+from rollout.api.generate import final_output, tokenize_prompts
 from rollout.api.logprobs_json import TokenText, chat_logprobs, completion_logprobs, echo_logprobs, vllm_prompt_logprobs
 from rollout.api.output_json import usage_json
-from rollout.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                  normalize_prompts)
+from rollout.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    normalize_prompts,
+)
 from rollout.api.state import ServerState, get_state, request_route
 from rollout.api.streaming import DONE, error_event, merge, prime, sse
 

@@ -46,9 +46,9 @@ from engine.errors import InvalidRequestError
 from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from rollout.api import control
+from rollout.api.chat_render import render_chat
 from rollout.api.dispatch import json_object, one_of
 from rollout.api.errors import APIError, engine_error, validation_message, validation_param
-from rollout.api.generate import render_chat
 from rollout.api.logprobs_json import ranked_prompt_logprobs
 from rollout.api.protocol import PENALTIES, ChatMessage, check_wire_values, make_sampling_params, refuse_penalties
 from rollout.api.scoring import recompute, recompute_params, run_to_end
