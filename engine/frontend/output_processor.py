@@ -69,8 +69,6 @@ class SequenceState:
         self.__post_init__()
         if self.detok is not None:
             self.detok.reset()
-        if self.params.return_sampling_mask:
-            self.sampling_masks = []
 
 
 @dataclass
