@@ -41,6 +41,12 @@ RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError
 LONG_TIMEOUT = httpx.Timeout(None, connect=10.0)  # calls that block for a whole transfer
 
 
+def _bounded_wait(seconds: float) -> httpx.Timeout:
+    """For a call the server itself bounds to `seconds` (a wait_s, timeout_s or deadline_s): its
+    answer may take that long, plus slack for the server to answer after it."""
+    return httpx.Timeout(seconds + 30.0, connect=10.0)
+
+
 @dataclass
 class SamplingMasks:
     """The kept set of every generated token (sampling_params "return_sampling_mask"), by column:
@@ -255,10 +261,11 @@ class _Endpoints:
         replica holds weights of at least `min_weight_version` (and of the newest version any
         replica holds); the server waits up to `wait_s` for that. Not ready: RolloutAPIError 503
         saying what is missing."""
-        params = {"wait_s": wait_s} if min_weight_version is None else \
-            {"wait_s": wait_s, "min_weight_version": min_weight_version}
+        params = {"wait_s": wait_s}
+        if min_weight_version is not None:
+            params["min_weight_version"] = min_weight_version
         return self._run(_Call("GET", "/ready", params=params, idempotent=True,
-                               timeout=None if not wait_s else httpx.Timeout(wait_s + 30.0, connect=10.0)))
+                               timeout=_bounded_wait(wait_s) if wait_s else None))
 
     def metrics(self):
         return self._run(_Call("GET", "/metrics", raw=True, idempotent=True))
@@ -344,7 +351,7 @@ class _Endpoints:
         body = {"request_ids": request_ids, "wait": True, "timeout_s": timeout_s,
                 "return_prompt_token_ids": return_prompt_token_ids}
         return self._run(_Call("POST", "/abort_requests", AbortManifest.from_json, json=body, admin=True,
-                               timeout=httpx.Timeout(timeout_s + 30.0, connect=10.0)))
+                               timeout=_bounded_wait(timeout_s)))
 
     def scale(self, data_parallel_size: int, drain_timeout_s: float = 60.0):
         """Grow or shrink the server's data-parallel replicas; returns {"data_parallel_size",
@@ -408,7 +415,7 @@ class _Endpoints:
         if deadline_s is not None:
             body["deadline_s"] = deadline_s
         # the server answers within deadline_s (plus its backstop, rollout/api/weight_update.py)
-        timeout = LONG_TIMEOUT if deadline_s is None else httpx.Timeout(deadline_s + 30.0, connect=10.0)
+        timeout = LONG_TIMEOUT if deadline_s is None else _bounded_wait(deadline_s)
         return _Call("POST", "/weights/update", parse, json=body, admin=True, timeout=timeout,
                      idempotent=idempotency_key is not None)
 

@@ -216,6 +216,11 @@ class WeightTransfer:
         self.dtype = None  # the engine's dtype: pushed floating-point tensors are cast to it
         self.bucket_bytes: int | None = None
 
+    def _sender(self, group):
+        from weight_sync import WeightSender
+
+        return WeightSender(group, **({"bucket_bytes": self.bucket_bytes} if self.bucket_bytes else {}))
+
     def run(self, plan: Plan):
         return arun_plan(self.client, plan) if self.is_async else run_plan(self.client, plan)
 
@@ -296,8 +301,6 @@ class WeightTransfer:
 
     def _push_plan(self, named_tensors, version, pause_mode: str, recompute_kv: bool, dtype, lora_name: str | None,
                    idempotency_key: str | None, deadline_s: float | None) -> Plan:
-        from weight_sync import WeightSender
-
         if self.group is None:
             raise RuntimeError("no weight transfer group: call init_weight_transfer() first")
         # (the server would refuse these before receiving, leaving the sender blocked: refused here)
@@ -325,7 +328,7 @@ class WeightTransfer:
             if replayed is not None:
                 return _push_result(replayed, None, t0)
         yield from self._refuse_early_plan(version, lora_name)
-        sender = WeightSender(group, **({"bucket_bytes": self.bucket_bytes} if self.bucket_bytes else {}))
+        sender = self._sender(group)
 
         def send() -> dict:
             with group.deadline(None if deadline_s is None else deadline_s + SENDER_DEADLINE_GRACE_S):
@@ -363,10 +366,7 @@ class WeightTransfer:
                 raise RolloutAPIError(404, f"the LoRA adapter {lora_name!r} is not loaded on the server",
                                       "not_found_error", "lora_name")
         elif version is not None:
-            live = yield lambda c: c.weight_version()
-            if version <= live:
-                raise RolloutAPIError(409, f"weight versions must increase: {version} is not above the live "
-                                           f"version {live}", "engine_state_error", "weight_version")
+            _check_increases(version, (yield lambda c: c.weight_version()))
 
     def update(self, version: int | None = None, pause_mode: str = "keep", dtype=None, recompute_kv: bool = False):
         """with client.weight_update(version=step) as u: u.send(chunk); u.send(chunk2) ...
@@ -405,9 +405,8 @@ class WeightTransfer:
         update.paused = yield lambda c: c.pause(**pause)
         try:
             live = yield lambda c: c.weight_version()
-            if version is not None and version <= live:  # refused before any byte moves
-                raise RolloutAPIError(409, f"weight versions must increase: {version} is not above the live "
-                                           f"version {live}", "engine_state_error", "weight_version")
+            if version is not None:  # refused before any byte moves
+                _check_increases(version, live)
             update.version = live + 1 if version is None else version
             yield lambda c: c.start_weight_update()
         except BaseException:
@@ -416,11 +415,8 @@ class WeightTransfer:
         return update
 
     def _send_plan(self, update: WeightUpdate, named_tensors: Iterable) -> Plan:
-        from weight_sync import WeightSender
-
         named = [(n, t) for n, t in named_tensors]
-        kw = {"bucket_bytes": self.bucket_bytes} if self.bucket_bytes else {}
-        sender = WeightSender(update.group, **kw)
+        sender = self._sender(update.group)
         info = _update_info(named, update.dtype, None)  # the version is set once, by the finish
         both = yield Beside(lambda c: c.update_weights(info), functools.partial(sender.send, named, update.dtype),
                             on_stuck=lambda e: update.group.abort(f"the server failed the update: {e}"))
@@ -473,6 +469,12 @@ class WeightTransfer:
         log_push(self.client.wandb_run, "ipc", time.perf_counter() - t0, result.get("num_bytes"),
                  result.get("weight_version") if lora_name is None else None)
         return result
+
+
+def _check_increases(version: int, live: int) -> None:
+    if version <= live:
+        raise RolloutAPIError(409, f"weight versions must increase: {version} is not above the live version {live}",
+                              "engine_state_error", "weight_version")
 
 
 def _push_result(answer: dict, send: dict | None, t0: float) -> dict:

@@ -433,36 +433,28 @@ class EngineCore:
             return dict(stats, weight_version=self.loras.get(lora_id).version)
         return dict(stats, weight_version=self.weight_version)
 
-    def commit_weights(self, version: int, lora_id: int = 0, lora_path: str | None = None,
-                       timed: bool = False) -> int | dict:
+    def commit_weights(self, version: int, lora_id: int = 0, lora_path: str | None = None) -> dict:
         """Make the staged update live under `version` (weight_update_plan has checked that it
         increases; a replica that joins by scaling takes the live version); no KV computed by
         the old weights is reused (prefix and encoder caches cleared, in this same call so that
         no step runs between the swap and the reset). With `lora_id`: that adapter's version;
         the adapter is pinned from now on (the pushed weights exist nowhere else), `lora_path` (a
-        disk update) becomes its folder. `timed`: the answer is {"weight_version", "swap_s",
-        "clear_cache_s"} (the copy into the live weights, then the cache resets), not the version."""
+        disk update) becomes its folder. Returns {"weight_version", "swap_s" (the copy into the
+        live weights), "clear_cache_s" (then the cache resets)}."""
         t0 = time.monotonic()
         self.executor.collective_rpc("commit_staged")
         swapped = time.monotonic()
-        live = self._after_swap(version, lora_id, lora_path)
-        if not timed:
-            return live
-        return {"weight_version": live, "swap_s": swapped - t0, "clear_cache_s": time.monotonic() - swapped}
-
-    def _after_swap(self, version: int, lora_id: int, lora_path: str | None) -> int:
-        """Caches and versions once the staged weights are live; returns the new version."""
         if self.pause.recompute_kv and self.pause.state is PauseState.PAUSED_ALL:
             self.scheduler.preempt_all()  # the frozen requests recompute under the new weights
         self.reset_prefix_cache()
         if lora_id:
             self.loras.pushed(lora_id, version, lora_path)
-            return int(version)
-        self.weight_version = int(version)
-        self.needs_weights = False
-        self._version_moved = True
-        self.reset_encoder_cache()
-        return self.weight_version
+        else:
+            self.weight_version = int(version)
+            self.needs_weights = False
+            self._version_moved = True
+            self.reset_encoder_cache()
+        return {"weight_version": int(version), "swap_s": swapped - t0, "clear_cache_s": time.monotonic() - swapped}
 
     def send_weights_to_peers(self, master_address: str, master_port: int, world_size: int) -> dict:
         """Share the live weights with replicas that join (scaling up): they stage them with

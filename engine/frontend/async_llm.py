@@ -327,30 +327,30 @@ class AsyncLLM:
     # `lora_id`: update that loaded LoRA adapter instead (see LLM.update_weights).
     async def update_weights(self, version: int | None = None, lora_id: int = 0) -> dict:
         """Receive one push from the trainer's WeightSender; bumps the version, clears caches."""
-        return await self._update_weights("broadcast", [], version, lora_id)
+        return await self.update_weights_from("broadcast", [], version, lora_id)
 
     async def update_weights_from_named(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         flattened: bool = False, version: int | None = None) -> dict:
         """Receive one push in SGLang's wire (weight_sync/named.py) over the named group: the
         trainer broadcasts these tensors in this order (or one flattened bucket). Atomic like
         every update: checked after every byte arrived, live only if every rank staged it."""
-        return await self._update_weights("named", [names, dtypes, shapes, flattened], version)
+        return await self.update_weights_from("named", [names, dtypes, shapes, flattened], version)
 
     async def update_weights_from_disk(self, path: str, version: int | None = None, lora_id: int = 0) -> dict:
-        return await self._update_weights("disk", [path], version, lora_id)
+        return await self.update_weights_from("disk", [path], version, lora_id)
 
     async def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                                           version: int | None = None, lora_id: int = 0) -> dict:
         """Tensors from this process (they travel to the engine core as raw frames)."""
-        return await self._update_weights("tensors", [list(named_tensors)], version, lora_id)
+        return await self.update_weights_from("tensors", [list(named_tensors)], version, lora_id)
 
     async def update_weights_from_ipc(self, handles: dict, version: int | None = None, lora_id: int = 0) -> dict:
         """See LLM.update_weights_from_ipc."""
-        return await self._update_weights("ipc", [handles], version, lora_id)
+        return await self.update_weights_from("ipc", [handles], version, lora_id)
 
     async def reload_weights(self, version: int | None = None) -> dict:
         """Reload the start-up checkpoint (the only way back after sleep level 2, besides a push)."""
-        return await self._update_weights("reload", [], version)
+        return await self.update_weights_from("reload", [], version)
 
     async def update_weights_from(self, source: str, args: list, version: int | None = None, lora_id: int = 0,
                                   deadline_s: float | None = None, trace: UpdateTrace | None = None) -> dict:
@@ -362,9 +362,6 @@ class AsyncLLM:
         failed, if it raises) and each phase's seconds."""
         self._start_output_handler()  # utility results arrive through it
         return await self.client.update_weights_async(source, args, version, lora_id, deadline_s, trace)
-
-    async def _update_weights(self, source: str, args: list, version: int | None, lora_id: int = 0) -> dict:
-        return await self.update_weights_from(source, args, version, lora_id)
 
     async def close_weight_transfer(self) -> bool:
         return await self._call("close_weight_transfer")

@@ -74,7 +74,6 @@ class CommitArgs(_Args):
     version: int
     lora_id: int = 0
     lora_path: str | None = None
-    timed: bool = False
 
 
 class PeersArgs(_Args):
@@ -332,7 +331,7 @@ def weight_update_plan(source: str, args: list, version: int | None, lora_id: in
     trace.seconds["stage"] = time.monotonic() - t0
     trace.phase, t0 = "swap", time.monotonic()
     committed = yield ("all", "commit_weights", {"version": version, "lora_id": lora_id,
-                                                 "lora_path": staged[0].get("lora_path"), "timed": True})
+                                                 "lora_path": staged[0].get("lora_path")})
     trace.seconds["swap"] = time.monotonic() - t0 - committed["clear_cache_s"]
     trace.seconds["clear_cache"] = committed["clear_cache_s"]
     trace.phase = "done"

@@ -30,13 +30,8 @@ from rollout.api.errors import APIError, engine_error
 from rollout.api.generate import final_output, tokenize_prompts
 from rollout.api.logprobs_json import TokenText, chat_logprobs, completion_logprobs, echo_logprobs, vllm_prompt_logprobs
 from rollout.api.output_json import usage_json
-from rollout.api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-    normalize_prompts,
-)
+from rollout.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                  normalize_prompts)
 from rollout.api.state import ServerState, get_state, request_route
 from rollout.api.streaming import DONE, error_event, merge, prime, sse
 

@@ -383,6 +383,15 @@ class UpdateInfo(BaseModel):
     weight_version: int | None = None
     lora_name: str | None = None
 
+    @model_validator(mode="after")
+    def _same_lengths(self):
+        lengths = {k: len(v) for k, v in (("names", self.names), ("dtype_names", self.dtype_names),
+                                          ("shapes", self.shapes)) if v is not None}
+        if len(set(lengths.values())) > 1:
+            raise APIError(400, f"names, dtype_names and shapes must have the same length, got {lengths}",
+                           "update_info")
+        return self
+
 
 class UpdateWeightsBody(_Strict):
     update_info: UpdateInfo = Field(default_factory=UpdateInfo)
@@ -416,11 +425,15 @@ class SaveWeightsBody(_Strict):
 
     @model_validator(mode="after")
     def _absolute(self):
-        # a relative path would land wherever the server was started (its working directory),
-        # which the caller cannot see: refuse it rather than fill an unknown folder
-        if not os.path.isabs(self.path):
-            raise APIError(400, f"path must be an absolute folder on the server's disk, got {self.path!r}", "path")
+        check_absolute(self.path, "path")
         return self
+
+
+def check_absolute(path: str, param: str) -> None:
+    """A relative path would mean the server's working directory, which the caller cannot see:
+    refused rather than read from, or written into, an unknown folder."""
+    if not os.path.isabs(path):
+        raise APIError(400, f"{param} must be an absolute folder on the server's disk, got {path!r}", param)
 
 
 class UpdateFromIPCBody(_Strict):

@@ -98,11 +98,6 @@ async def update_weights(request: Request):
     body: UpdateWeightsBody = parse(UpdateWeightsBody, data)
     state = get_state(request)
     info = body.update_info
-    lengths = {k: len(v) for k, v in (("names", info.names), ("dtype_names", info.dtype_names),
-                                      ("shapes", info.shapes)) if v is not None}
-    if len(set(lengths.values())) > 1:
-        raise APIError(400, f"names, dtype_names and shapes must have the same length, got {lengths}",
-                       "update_info")
     if info.lora_name is not None:
         lora_id = await _loaded_lora(state, info.lora_name, "update_info.lora_name")
         return await _timed_update(state, "broadcast", state.engine.update_weights(info.weight_version, lora_id),

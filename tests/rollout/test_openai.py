@@ -101,7 +101,9 @@ def test_generate_route_matches_openai_route(client, oai, model):
     outs = client.generate([out.prompt_token_ids, [1, 2, 3]], {"temperature": 0, "max_tokens": MAX_TOKENS})
     assert outs[0].token_ids == out.token_ids and len(outs) == 2
     # n > 1: a list per prompt
-    [samples] = client.generate([out.prompt_token_ids], {"temperature": 1.0, "max_tokens": 4, "n": 3})
+    # (ignore_eos: an unseeded sample may end early on EOS, which is not what this checks)
+    [samples] = client.generate([out.prompt_token_ids], {"temperature": 1.0, "max_tokens": 4, "n": 3,
+                                                         "ignore_eos": True})
     assert len(samples) == 3 and all(len(s.token_ids) == 4 for s in samples)
     # streaming: the deltas add up to the whole
     deltas = [d for _, ds in client.generate_stream(PROMPT, {"temperature": 0, "max_tokens": MAX_TOKENS})

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from rollout.client import RolloutAPIError, RolloutClient
 from tests.rollout.conftest import ADMIN_KEY, API_KEY, start_server, stop_server
+from tests.rollout.test_control import start_stream
 from weight_sync import weights_checksum
 
 pytestmark = pytest.mark.slow
@@ -57,23 +58,6 @@ def http_count(client: RolloutClient, route: str) -> float:
     return 0.0
 
 
-def stream_in_background(client: RolloutClient, max_tokens: int) -> tuple[threading.Thread, dict]:
-    """A request generating in a thread; returns once it produced its first token."""
-    box, started = {}, threading.Event()
-
-    def run():
-        deltas = []
-        for _, ds in client.generate_stream([1, 2, 3], dict(GREEDY, max_tokens=max_tokens)):
-            deltas.extend(ds)
-            started.set()
-        box["deltas"] = deltas
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    assert started.wait(120)
-    return t, box
-
-
 def test_one_call_pauses_pushes_swaps_and_resumes(client, original):
     """push_weights is one POST /weights/update beside the broadcast (no /pause, /resume or vLLM
     phase call); a request in flight is kept and continues on the new weights."""
@@ -84,7 +68,7 @@ def test_one_call_pauses_pushes_swaps_and_resumes(client, original):
         before = {r: http_count(client, r) for r in routes}
         changed = {"model.norm.weight": original["model.norm.weight"] * 0.5}
         version = client.weight_version() + 1
-        stream, box = stream_in_background(client, 200)
+        deltas, stream = start_stream(client, dict(GREEDY, max_tokens=200))
         result = client.push_weights(changed.items(), version=version)
         stream.join(300)
         assert result["weight_version"] == version and result["kept"] == 1 and result["aborted"] == 0, result
@@ -92,7 +76,7 @@ def test_one_call_pauses_pushes_swaps_and_resumes(client, original):
         assert result["send"]["num_tensors"] == 1 and result["update"]["num_tensors"] == 1
         after = {r: http_count(client, r) for r in routes}
         assert {r: after[r] - before[r] for r in routes} == {**{r: 0 for r in routes}, "/weights/update": 1}
-        versions = [v for d in box["deltas"] for v in d.weight_versions]
+        versions = [v for d in deltas for v in d.weight_versions]
         assert len(versions) == 200 and versions[0] == version - 1 and versions[-1] == version
         assert client.weights_checksum() == weights_checksum({**original, **changed}.items(), torch.float32)
         assert not client.is_paused()
@@ -169,7 +153,7 @@ def test_a_deadline_in_the_pause_resumes_generation(client, model_path):
     """pause_mode "wait" drains a long request: past deadline_s the update fails in phase "pause"
     (504), the request goes on and completes under the old version."""
     version = client.weight_version()
-    stream, box = stream_in_background(client, 300)
+    deltas, stream = start_stream(client, dict(GREEDY, max_tokens=300))
     t0 = time.monotonic()
     with pytest.raises(RolloutAPIError) as e:
         client.weights_update("disk", deadline_s=2.0, path=model_path, pause_mode="wait")
@@ -177,7 +161,6 @@ def test_a_deadline_in_the_pause_resumes_generation(client, model_path):
     assert time.monotonic() - t0 < 10
     assert not client.is_paused()
     stream.join(300)
-    deltas = box["deltas"]
     assert deltas[-1].finish_reason == "length"
     assert {v for d in deltas for v in d.weight_versions} == {version}
     assert client.weight_version() == version
