@@ -13,8 +13,10 @@ FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
 # causal LMs (generate, embed) and sequence classifiers (classify: reward models)
 # vision-language models: a SigLIP-style vision encoder + pixel-shuffle connector in front of a Llama
 VISION_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
+# mixture-of-experts decoders: the same attention, a routed SwiGLU expert MLP in place of the dense one
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ARCHITECTURES = tuple(f"{f}For{kind}" for kind in ("CausalLM", "SequenceClassification")
-                                for f in FAMILIES) + VISION_ARCHITECTURES
+                                for f in FAMILIES) + VISION_ARCHITECTURES + MOE_ARCHITECTURES
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GiB = 1 << 30
 
@@ -45,6 +47,7 @@ class ModelConfig:
     id2label: dict[int, str] = field(default_factory=dict)  # a classifier's label names
     text_prefix: str = "model."  # where the decoder's weights live ("model.text_model." in a VLM)
     vision: dict | None = None  # a VLM's vision_config, plus its scale_factor and image_token_id
+    moe: "MoEConfig | None" = None  # a mixture-of-experts model's experts and router
 
     @classmethod
     def from_folder(cls, path: str) -> "ModelConfig":
@@ -73,6 +76,8 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         window = cfg.get("sliding_window")
         family = "Llama" if vision else arch.split("For")[0]
+        moe = MoEConfig.of(arch, cfg) if arch in MOE_ARCHITECTURES else None
+        family = {"Qwen3Moe": "Qwen3", "Mixtral": "Mistral"}.get(family, family)
         if family in ("Qwen2", "Qwen3") and not cfg.get("use_sliding_window", False):
             window = None
         num_labels = 0
@@ -91,12 +96,36 @@ class ModelConfig:
             qk_norm=family == "Qwen3", sliding_window=window, eos_token_ids=eos,
             bos_token_id=cfg.get("bos_token_id"), torch_dtype=str(top.get("torch_dtype") or top.get("dtype") or cfg.get("dtype") or "float32"),
             num_labels=num_labels, id2label={int(k): str(v) for k, v in (cfg.get("id2label") or {}).items()},
-            text_prefix="model.text_model." if vision else "model.", vision=vision,
+            text_prefix="model.text_model." if vision else "model.", vision=vision, moe=moe,
         )
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """The experts of a mixture-of-experts decoder (engine/model/moe.py)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top-k weights rescaled to sum 1 (Mixtral always; Qwen3-MoE by norm_topk_prob)
+    layers: tuple[int, ...]  # the decoder layers whose MLP is the experts (the others stay dense)
+    checkpoint_style: str  # "qwen" (mlp.experts.E.gate_proj/up_proj/down_proj) or "mixtral" (block_sparse_moe.experts.E.w1/w3/w2)
+
+    @classmethod
+    def of(cls, arch: str, cfg: dict) -> "MoEConfig":
+        n = cfg["num_hidden_layers"]
+        if arch == "MixtralForCausalLM":
+            return cls(cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"], True,
+                       tuple(range(n)), "mixtral")
+        step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or [])
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        layers = tuple(i for i in range(n) if i not in dense and experts > 0 and (i + 1) % step == 0)
+        return cls(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+                   bool(cfg.get("norm_topk_prob", False)), layers, "qwen")
+
+
 _ARCH_BY_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
 def _eos_ids(folder: Path, cfg: dict) -> list[int]:
@@ -153,6 +182,13 @@ class EngineConfig:
         HTTP/protobuf URL (e.g. http://localhost:4318/v1/traces; engine/frontend/tracing.py); None = off.
     encoder_cache_size: a vision-language model's encoder cache holds at most this many image
         embeddings (placeholder tokens), least recently used out first.
+    enable_expert_parallel: a mixture-of-experts model's experts split between the data-parallel
+        replicas (replica r holds about E / data_parallel_size of each layer's experts; tokens go to
+        their experts' replica and back by all-to-all; engine/model/moe.py). The replicas then step
+        in lockstep (engine/process/waves.py). expert_parallel_address: "host:port" of the group's
+        rendezvous (replica 0 hosts it), set by the process manager.
+    enable_return_routed_experts: keep every computed token's chosen experts per layer, so that
+        requests asking return_routed_experts get them (a mixture-of-experts model only; routing replay).
     heartbeat_interval_s, engine_stall_timeout_s: an engine-core process sends a heartbeat this
         often; check_health() reports a core stalled when none came for engine_stall_timeout_s or
         its loop has been inside one step or call that long (a hung collective, a stuck push).
@@ -186,6 +222,9 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     encoder_cache_size: int = 16384
+    enable_expert_parallel: bool = False
+    expert_parallel_address: str | None = None
+    enable_return_routed_experts: bool = False
     heartbeat_interval_s: float = 1.0
     engine_stall_timeout_s: float = 600.0
     model_config: ModelConfig = field(init=False, repr=False)
@@ -266,6 +305,20 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.batch_invariant:
             raise ValueError("batch_invariant needs tensor_parallel_size 1 (the trainer's recompute has no "
                              "all-reduce to match)")
+        moe = self.model_config.moe
+        if moe is not None and self.tensor_parallel_size > 1:
+            raise ValueError("a mixture-of-experts model runs with tensor_parallel_size 1: split its experts between "
+                             "data-parallel replicas instead (enable_expert_parallel)")
+        if moe is not None and self.enable_lora:
+            raise ValueError("LoRA adapters on mixture-of-experts models are not supported")
+        if moe is not None and self.batch_invariant:
+            raise ValueError("batch_invariant does not cover mixture-of-experts models (the experts' kernels are not "
+                             "batch-invariant)")
+        if (self.enable_expert_parallel or self.enable_return_routed_experts) and moe is None:
+            flag = "enable_expert_parallel" if self.enable_expert_parallel else "enable_return_routed_experts"
+            raise ValueError(f"{flag} needs a mixture-of-experts model ({self.model_config.architecture} is dense)")
+        if self.enable_expert_parallel and self.data_parallel_backend != "mp":
+            raise ValueError("expert parallelism runs on the mp backend (local replicas) for now")
         if self.max_data_parallel_size is not None and (not isinstance(self.max_data_parallel_size, int)
                                                         or self.max_data_parallel_size < 1):
             raise ValueError(f"max_data_parallel_size must be a positive int, got {self.max_data_parallel_size!r}")

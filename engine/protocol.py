@@ -28,6 +28,7 @@ class RequestType(bytes, enum.Enum):
     UTILITY = b"\x02"
     STREAM_INPUT = b"\x03"
     ADD_MANY = b"\x04"  # a list of requests the core admits together, before its next step
+    START_DP_WAVE = b"\x05"  # (coordinator -> core, expert parallelism) every replica steps: engine/process/waves.py
 
 
 class MMFeature(msgspec.Struct, array_like=True, gc=False):
@@ -114,6 +115,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # the request generates again from its prompt under the new weights
     restarted: bool = False
     new_sampling_masks: list[SamplingMask] | None = None  # with return_sampling_mask: one per new token
+    # with return_routed_experts: (first position, rows) of the positions that became available: little-endian
+    # int16 bytes of shape (n, num_layers, top_k), placed by position (engine/routed_experts.py)
+    routed_experts: tuple[int, bytes] | None = None
 
     @property
     def finished(self) -> bool:
@@ -155,12 +159,21 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     engine_index: int = 0  # which engine core (data-parallel replica) sent it
 
 
-class EngineLoad(msgspec.Struct, array_like=True, gc=False):
+class EngineLoad(msgspec.Struct, array_like=True, gc=False, tag=True):
     """A replica's queue depth, published to the DP coordinator whenever it changes."""
 
     engine_index: int
     num_waiting: int  # held requests (arrived while paused) and those awaiting a weight version included
     num_running: int
+
+
+class WaveEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
+    """Expert parallelism (engine/process/waves.py), core -> DP coordinator: a replica entered wave
+    `wave` with work of its own (`started`), or every replica finished it (from replica 0)."""
+
+    engine_index: int
+    wave: int
+    started: bool
 
 
 # ---- start-up handshake and process wiring ------------------------------------------------------
@@ -176,6 +189,7 @@ class EngineAddresses(msgspec.Struct):
     inputs: list[str]  # one per frontend: the engine's DEALER connects to its ROUTER
     outputs: list[str]  # one per frontend: the engine's PUSH connects to its PULL
     coordinator: str = ""  # the DP coordinator's PULL for load reports ("" = none)
+    waves: str = ""  # the DP coordinator's PUB of START_DP_WAVE for expert-parallel engines ("" = none)
 
 
 class Startup(msgspec.Struct):

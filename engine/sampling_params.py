@@ -38,6 +38,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     top-k / top-p / min-p kept; see engine.protocol.SamplingMask). False = none; True or "threshold"
     = its size, smallest logprob and mass; "ids" = also its token ids (when at most
     MAX_SAMPLING_MASK_IDS; needs a truncation or greedy: otherwise every set is the vocabulary).
+    return_routed_experts: the experts a mixture-of-experts model routed every token to, per layer
+    (routing replay in the trainer; CompletionOutput.routed_experts). The engine must have been
+    started with enable_return_routed_experts.
     max_tokens: None = until the context is full.
     pooling: None = generate; "last" / "mean" = encode (LLM.encode): nothing is generated, the
     request returns its final hidden state at the last prompt token, or averaged over the prompt
@@ -76,6 +79,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     stale_action: str = "finish"
     temp_scaled_prompt_logprobs: bool = False
     return_sampling_mask: bool | str = False
+    return_routed_experts: bool = False
 
     def __post_init__(self):
         """Every field is checked here (the engine API has no other validation): a wrong type or
@@ -113,7 +117,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _check(self.logprobs_mode in ("processed", "raw"), "logprobs_mode",
                f"must be 'processed' or 'raw', got {self.logprobs_mode!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "detokenize", "skip_special_tokens",
-                     "temp_scaled_prompt_logprobs"):
+                     "temp_scaled_prompt_logprobs", "return_routed_experts"):
             _check(isinstance(getattr(self, name), bool), name, f"must be a bool, got {getattr(self, name)!r}")
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
@@ -127,6 +131,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _check(self.pooling is None or (self.n == 1 and self.logprobs is None and self.prompt_logprobs is None),
                "pooling", "an encode request (pooling) takes n=1 and no logprobs")
         self._check_sampling_mask()
+        _check(not self.return_routed_experts or self.pooling is None, "return_routed_experts",
+               "an encode request (pooling) routes no generated tokens: it is not supported there")
         if self.stop and not self.detokenize:
             raise InvalidRequestError("stop strings need detokenize=True", "stop")
         for name in ("max_weight_staleness", "min_weight_version"):

@@ -60,3 +60,6 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     prompt_logprobs: dict[str, tuple[list[float], list[list[tuple[int, float]]] | None]] = {}
     pooled: dict[str, list[float]] = {}  # encode requests whose prompt is done: the pooled vector
     sampling_masks: dict[str, SamplingMask] = {}  # the sampled token's kept set (return_sampling_mask)
+    # return_routed_experts: (first position, int16 bytes (n, num_layers, top_k)) of the rows that became
+    # available since the request's previous sampling step (engine/routed_experts.py)
+    routed_experts: dict[str, tuple[int, bytes]] = {}

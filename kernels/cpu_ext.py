@@ -2,9 +2,10 @@
 they apply.
 
 `load()` compiles `csrc/paged_attention.cpp`, `csrc/fused_ops.cpp`, `csrc/invariant_ops.cpp`,
-`csrc/vnni_linear.cpp`, `csrc/shm_comm.cpp` (kernels/shm_comm.py's collectives) and their
-bindings (`csrc/bindings.cpp`, the one PYBIND11_MODULE; `csrc/ops.h` declares every op) into
-one extension module on first use (~10-60 s, once per source version) into
+`csrc/vnni_linear.cpp`, `csrc/moe.cpp` (kernels/moe.py's experts), `csrc/shm_comm.cpp`
+(kernels/shm_comm.py's collectives) and their bindings (`csrc/bindings.cpp`, the one
+PYBIND11_MODULE; `csrc/ops.h` declares every op) into one extension module on first use
+(~10-60 s, once per source version) into
 `$ROLLOUT_CACHE/torch_extensions/<name>/` (default `~/.cache/rollout/...`) and returns the
 module, or None with one warning on the "kernels" logger if it cannot be built (no compiler,
 compile error); callers then fall back to pure torch. The module name carries a hash of the
@@ -36,7 +37,7 @@ logger = logging.getLogger("kernels")
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "invariant_ops.cpp",
-            _CSRC / "vnni_linear.cpp", _CSRC / "shm_comm.cpp", _CSRC / "bindings.cpp"]
+            _CSRC / "vnni_linear.cpp", _CSRC / "moe.cpp", _CSRC / "shm_comm.cpp", _CSRC / "bindings.cpp"]
 _HEADERS = [_CSRC / "ops.h", _CSRC / "vec.h"]  # included by the sources: part of the hash
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]

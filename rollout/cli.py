@@ -111,6 +111,9 @@ def _add_model_args(group) -> None:
     _add_dtype_device(group)
     group.add_argument("--seed", type=int, default=0,
                        help="seeds the engine's sampler for requests that bring no seed of their own")
+    group.add_argument("--enable-return-routed-experts", action="store_true",
+                       help="mixture-of-experts models: keep each token's chosen experts, so that requests may ask "
+                            "return_routed_experts (routing replay in the trainer)")
     group.add_argument("--batch-invariant", action="store_true",
                        help="a token's logprobs do not depend on the batch, bit for bit (float32 on CPU; a trainer "
                             "recomputes the same bits with engine.model.batch_invariant.InvariantScorer)")
@@ -163,6 +166,9 @@ def _add_scale_out_args(group) -> None:
                             "or per GPU); /scale still refuses what memory cannot hold")
     group.add_argument("--data-parallel-backend", default="mp", choices=["mp", "ray"],
                        help="replicas as local processes (mp) or Ray actors (ray: any node of a Ray cluster)")
+    group.add_argument("--enable-expert-parallel", action="store_true",
+                       help="mixture-of-experts models: split each layer's experts between the replicas (-dp), "
+                            "tokens sent to their experts by all-to-all; the replicas step in lockstep")
     group.add_argument("--api-server-count", "-asc", type=int, default=1,
                        help="API-server processes sharing the listening socket, each a client of every replica")
     group.add_argument("--stay-up-when-engine-dies", action="store_true",
@@ -274,7 +280,9 @@ def _serve(args) -> int:
                          profiler_dir=args.profiler_dir, log_stats_interval_s=args.log_stats_interval_s,
                          enable_lora=args.enable_lora or bool(args.lora_modules), max_loras=args.max_loras,
                          max_lora_rank=args.max_lora_rank, engine_stall_timeout_s=args.engine_stall_timeout_s,
-                         encoder_cache_size=args.encoder_cache_size, otlp_traces_endpoint=args.otlp_traces_endpoint)
+                         encoder_cache_size=args.encoder_cache_size, otlp_traces_endpoint=args.otlp_traces_endpoint,
+                         enable_expert_parallel=args.enable_expert_parallel,
+                         enable_return_routed_experts=args.enable_return_routed_experts)
     if args.otlp_traces_endpoint:  # before the model loads: a missing SDK is a start-up error
         from engine.frontend.tracing import check_otlp_endpoint
 

@@ -88,6 +88,10 @@ class GenerateOutput:
     retokenization_drift: dict | None = None
     closing_token_ids: list[int] = field(default_factory=list)
     sampling_mask: SamplingMasks | None = None  # with sampling_params.return_sampling_mask
+    # with sampling_params.return_routed_experts (a mixture-of-experts model): int16 numpy array
+    # (len(prompt_token_ids) + len(token_ids) - 1, num_layers, top_k), the experts each layer routed each
+    # token to, -1 in dense layers (routing replay); a streamed delta's: its new rows
+    routed_experts: Any = None
 
     @classmethod
     def from_json(cls, result: dict, c: dict) -> GenerateOutput:
@@ -100,7 +104,20 @@ class GenerateOutput:
                    prompt_logprobs=result.get("prompt_logprobs"), lora_versions=c.get("lora_versions", []),
                    index=c.get("index", 0), retokenization_drift=result.get("retokenization_drift"),
                    closing_token_ids=result.get("closing_token_ids", []),
-                   sampling_mask=SamplingMasks.from_json(c.get("sampling_mask")))
+                   sampling_mask=SamplingMasks.from_json(c.get("sampling_mask")),
+                   routed_experts=decode_routed_experts(c.get("routed_experts")))
+
+
+def decode_routed_experts(d: dict | None):
+    """The server's {"shape", "dtype", "data": base64 of little-endian bytes} as a numpy array."""
+    if d is None:
+        return None
+    import base64
+
+    import numpy as np
+
+    data = bytearray(base64.b64decode(d["data"]))  # (writable: torch.from_numpy takes it as is)
+    return np.frombuffer(data, dtype=np.dtype(d["dtype"]).newbyteorder("<")).reshape(d["shape"])
 
 
 @dataclass

@@ -107,7 +107,8 @@ def _serve(config: ServerConfig, engine_config, sock: socket.socket, tmp: str, s
     coordinator = procs.coordinator = DPCoordinator(tmp) if n > 1 else None
     inputs = [f"ipc://{tmp}/input-{i}" for i in range(k)]
     outputs = [f"ipc://{tmp}/output-{i}" for i in range(k)]
-    addresses = EngineAddresses(inputs, outputs, coordinator.engine_address if coordinator else "")
+    addresses = EngineAddresses(inputs, outputs, coordinator.engine_address if coordinator else "",
+                                coordinator.waves_address if coordinator else "")
     t0 = time.perf_counter()
     log(f"loading the model into {n} engine core(s) for {k} API servers ...")
     manager = procs.manager = CoreEngineProcManager(engine_config, addresses, lambda i, why: log(f"WARNING: {why}"))

@@ -27,9 +27,11 @@ from weight_sync.checksum import weights_checksum
 from weight_sync.group import (WeightDeadlineError, WeightGroupError, WeightPushRefused, WeightTransferError,
                                WeightTransferGroup, find_free_port)
 from weight_sync.ipc import SharedWeights, read_shared
+from weight_sync.names import checkpoint_named
 from weight_sync.protocol import DEFAULT_BUCKET_BYTES, WeightReceiver, WeightSender
 
 __all__ = [
+    "checkpoint_named",
     "DEFAULT_BUCKET_BYTES",
     "SharedWeights",
     "WeightReceiver",

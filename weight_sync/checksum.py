@@ -36,6 +36,13 @@ def _tensor_digest(t: torch.Tensor, dtype: torch.dtype) -> bytes:
 
 def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> str:
     """Hex digest over (name, dtype, shape, raw bytes) of every tensor, in sorted name order."""
+    return combine_digests(tensor_entries(named_tensors, dtype))
+
+
+def tensor_entries(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                   dtype: torch.dtype | None = None) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """{name: (dtype, shape, sha256 hex of the raw bytes)}: what weights_checksum combines, so that
+    parts of a model held in different places (expert-parallel replicas) combine into its number."""
     items: dict[str, torch.Tensor] = {}
     for name, t in named_tensors:
         if name in items:
@@ -44,11 +51,16 @@ def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: t
     names = sorted(items)
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         digests = list(pool.map(lambda n: _tensor_digest(items[n], _out_dtype(items[n], dtype)), names))
+    return {name: (str(_out_dtype(items[name], dtype)).removeprefix("torch."), tuple(items[name].shape), digest.hex())
+            for name, digest in zip(names, digests)}
+
+
+def combine_digests(entries: dict[str, tuple[str, tuple[int, ...], str]]) -> str:
     top = hashlib.sha256()
-    for name, digest in zip(names, digests):
-        t = items[name]
-        top.update(f"{name}\0{str(_out_dtype(t, dtype)).removeprefix('torch.')}\0{tuple(t.shape)}\0".encode())
-        top.update(digest)
+    for name in sorted(entries):
+        dtype, shape, digest = entries[name]
+        top.update(f"{name}\0{dtype}\0{tuple(shape)}\0".encode())
+        top.update(bytes.fromhex(digest))
     return top.hexdigest()
 
 

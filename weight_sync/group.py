@@ -261,6 +261,18 @@ class WeightTransferGroup:
         self._run("gather", start)
         return outs[0] if outs else None
 
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, output_counts: list[int],
+                   input_counts: list[int]) -> torch.Tensor:
+        """Rank r sends rows [sum(input_counts[:q]), +input_counts[q]) of `tensor` to rank q and
+        receives rank q's rows for it into `output` (output_counts[q] of them, in rank order)."""
+        def start(timeout):
+            opts = dist.AllToAllOptions()
+            opts.timeout = timeout
+            return self._pg.alltoall_base(output, tensor.contiguous(), output_counts, input_counts, opts)
+
+        self._run("all_to_all", start)
+        return output
+
     def barrier(self) -> None:
         self.all_reduce_max(0)
 

@@ -45,6 +45,7 @@ from engine.core.pause import Pause, PauseState
 from engine.core.scheduler import Scheduler
 from engine.errors import EngineStateError, InvalidRequestError
 from engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, StreamInput
+from engine.routed_experts import check_routed_experts
 from engine.worker.executor import InprocExecutor
 from engine.worker.hf_export import DEFAULT_MAX_SHARD_BYTES
 from engine.worker.multiproc_executor import MultiprocExecutor
@@ -131,6 +132,9 @@ class EngineCore:
         self.asleep: set[str] = set()  # parts freed by sleep: "weights", "kv_cache"
         self.needs_weights = False  # a level-2 sleep dropped the weights: a push or reload refills them
         self._pending_outputs: list[EngineCoreOutput] = []  # produced outside step() (aborts, stream input)
+        # expert parallelism: every step of any replica is a forward pass on all of them, an idle one
+        # where this replica has nothing to run (set by the engine-core process: engine/process/waves.py)
+        self.lockstep = False
         self.profiler = StepProfiler(config.profiler_dir, config.data_parallel_rank, config.device)
 
     @property
@@ -140,6 +144,7 @@ class EngineCore:
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         self._check_can_generate()
+        self._check_routed_experts(request.sampling_params)
         self._check_prompt(request.prompt_token_ids, request.request_id)
         if request.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already running", "request_id")
@@ -157,6 +162,8 @@ class EngineCore:
         req = self.scheduler.requests.get(chunk.request_id)
         if req is None or req.stream is None:
             raise InvalidRequestError(f"no streaming request {chunk.request_id!r} is running")
+        if chunk.sampling_params is not None:
+            self._check_routed_experts(chunk.sampling_params)
         if chunk.prompt_token_ids:
             self._check_prompt(req.all_token_ids + chunk.prompt_token_ids, chunk.request_id)
         out = self.scheduler.add_stream_input(req, chunk)
@@ -172,6 +179,11 @@ class EngineCore:
         vocab = self.config.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"request {request_id!r}: token ids must be in [0, {vocab})")
+
+    def _check_routed_experts(self, params) -> None:
+        c = self.config
+        check_routed_experts(params.return_routed_experts, c.enable_return_routed_experts,
+                             c.model_config.architecture, c.model_config.moe is not None)
 
     def _check_can_generate(self) -> None:
         if self.asleep:
@@ -228,6 +240,8 @@ class EngineCore:
         self._apply_version_move()
         outputs = self.take_pending_outputs()
         if not (self._can_run() and self.scheduler.can_step()):
+            if self.lockstep and self._can_run():  # the other replicas' tokens still need our experts
+                self.executor.collective_rpc("idle_step")
             return outputs
         with phase("schedule"):
             scheduler_output = self.scheduler.schedule()

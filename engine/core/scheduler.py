@@ -219,6 +219,8 @@ class Scheduler:
                     o.new_top_logprobs = [result.top_logprobs[rid]]
             if result.sampling_masks and rid in result.sampling_masks:
                 o.new_sampling_masks = [result.sampling_masks[rid]]
+            if result.routed_experts and rid in result.routed_experts:
+                o.routed_experts = result.routed_experts[rid]
             outputs.append(o)
             if ended:
                 o.resumable = self._end_chunk(req)

@@ -20,6 +20,7 @@ import time
 import uuid
 from typing import Any, AsyncGenerator, Callable, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig
@@ -28,13 +29,14 @@ from engine.default_model import resolve_model
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.frontend.metrics import StatsLogger, engine_metrics
 from engine.frontend.output_processor import OutputProcessor
-from engine.frontend.outputs import PoolingOutput, RequestOutput
+from engine.frontend.outputs import CompletionOutput, PoolingOutput, RequestOutput
 from engine.frontend.processor import Processor, PromptType, load_tokenizer
 from engine.frontend.tracing import RequestTracer
 from engine.process.core_client import AsyncMPClient
 from engine.process.replicas import Route
 from engine.process.utility import UpdateTrace
 from engine.protocol import EngineConnection, EngineCoreRequest, StreamInput
+from engine.routed_experts import routing_shape
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.worker.functions import function_path
 from engine.worker.hf_export import DEFAULT_MAX_SHARD_BYTES
@@ -89,8 +91,29 @@ def merge_delta(into: RequestOutput, new: RequestOutput) -> None:
             a.top_logprobs += b.top_logprobs
         if a.sampling_masks is not None and b.sampling_masks is not None:  # (a new list: `a`'s may be shared)
             a.sampling_masks = a.sampling_masks + b.sampling_masks
+        if b.routed_experts is not None:
+            append_routed_experts(a, b.routed_experts)
         a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
     into.finished = new.finished
+
+
+def append_routed_experts(into: CompletionOutput, rows: np.ndarray) -> None:
+    """DELTA rows (the next positions) after `into`'s, in amortized O(rows): merged streams (the
+    abort manifest's records, a session turn) would copy the whole array per token otherwise. The
+    rows live in a buffer of spare capacity that only this function makes and writes, past the
+    end of every view of it handed out."""
+    have = into.routed_experts
+    if have is None:
+        into.routed_experts = rows
+        return
+    n, m = have.shape[0], rows.shape[0]
+    buf = getattr(into, "_routed_buffer", None)
+    if buf is None or have.base is not buf or buf.shape[0] < n + m:
+        buf = np.empty((max(n + m, 2 * n), *have.shape[1:]), dtype=have.dtype)
+        buf[:n] = have
+        into._routed_buffer = buf
+    buf[n:n + m] = rows
+    into.routed_experts = buf[:n + m]
 
 
 class AsyncLLM:
@@ -105,7 +128,7 @@ class AsyncLLM:
         self.tokenizer = load_tokenizer(self.config)
         self.client = AsyncMPClient(self.config, connection)
         self.processor = Processor(self.config, self.tokenizer, self.client.max_model_len)
-        self.output_processor = OutputProcessor(self.tokenizer, tracer)
+        self.output_processor = OutputProcessor(self.tokenizer, tracer, routing_shape(self.config))
         self._output_handler: asyncio.Task | None = None
         self._stats_task: asyncio.Task | None = None
         self._stats_logger = StatsLogger()

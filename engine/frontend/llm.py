@@ -27,6 +27,7 @@ from engine.frontend.processor import Processor, PromptType, load_tokenizer
 from engine.frontend.tracing import RequestTracer
 from engine.process.core_client import InprocClient, SyncMPClient
 from engine.process.utility import UpdateTrace
+from engine.routed_experts import routing_shape
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.worker.functions import function_path
 from engine.worker.hf_export import DEFAULT_MAX_SHARD_BYTES
@@ -49,7 +50,7 @@ class LLM:
         # output thread keeps the client alive, so nothing else would.
         self._finalizer = weakref.finalize(self, self.client.shutdown)
         self.processor = Processor(self.config, self.tokenizer, self.client.max_model_len)
-        self.output_processor = OutputProcessor(self.tokenizer, tracer)
+        self.output_processor = OutputProcessor(self.tokenizer, tracer, routing_shape(self.config))
         self._ids = itertools.count()
         self._stats_logger = StatsLogger()
         self._next_log = time.monotonic() + (self.config.log_stats_interval_s or 0)

@@ -15,6 +15,7 @@ from engine.frontend.metrics import FrontendStats
 from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.frontend.tracing import RequestTracer
 from engine.protocol import EngineCoreOutput, FinishReason, SamplingMask
+from engine.routed_experts import RoutedExperts
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -52,6 +53,8 @@ class SequenceState:
     resumable: bool = False  # streaming input: the chunk ended, the request goes on
     sent_tokens: int = 0  # for DELTA outputs: how much was already handed out
     sent_chars: int = 0
+    routed: RoutedExperts | None = None  # return_routed_experts: the rows so far, by position
+    sent_routed: int = 0
 
     def __post_init__(self):
         if self.params.logprobs is not None:
@@ -66,6 +69,8 @@ class SequenceState:
         self.logprobs = self.top_logprobs = None
         self.finish_reason = self.stop_reason = None
         self.sent_tokens = self.sent_chars = 0  # (a DELTA stream cannot restart: SamplingParams refuses it)
+        if self.routed is not None:  # (the prompt's rows come again with the new first token)
+            self.routed = RoutedExperts(self.routed.num_layers, self.routed.top_k)
         self.__post_init__()
         if self.detok is not None:
             self.detok.reset()
@@ -100,8 +105,10 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, tracer: RequestTracer | None = None):
+    def __init__(self, tokenizer, tracer: RequestTracer | None = None, routing_shape: tuple[int, int] | None = None):
+        """routing_shape: (num_layers, top_k) of an engine that keeps routed experts, else None."""
         self.tokenizer = tokenizer
+        self.routing_shape = routing_shape
         self.tracer = tracer  # None: tracing off (one span per ended request when on)
         self.requests: dict[str, RequestState] = {}  # caller's request id -> state
         self.child_to_parent: dict[str, str] = {}
@@ -112,6 +119,9 @@ class OutputProcessor:
                     trace_headers: Mapping[str, str] | None = None) -> RequestState:
         seqs = [SequenceState(i, params, Detokenizer(self.tokenizer, params.skip_special_tokens)
                               if params.detokenize else None) for i in range(len(child_ids))]
+        if params.return_routed_experts and self.routing_shape is not None:
+            for seq in seqs:
+                seq.routed = RoutedExperts(*self.routing_shape)
         state = RequestState(request_id, prompt, prompt_token_ids, params, seqs,
                              {cid: i for i, cid in enumerate(child_ids)}, queue=queue)
         if self.tracer is not None:
@@ -158,6 +168,10 @@ class OutputProcessor:
                 if state.first_token_time is None:
                     state.first_token_time = time.monotonic()
                     state.first_token_core_time, state.core_timings = timestamp, o.timings
+            if o.routed_experts is not None and self.routing_shape is not None:
+                if seq.routed is None:  # a streaming-input chunk's params asked for them
+                    seq.routed = RoutedExperts(*self.routing_shape)
+                seq.routed.place(*o.routed_experts)
             stopped = self._append(seq, o)
             if stopped:
                 to_abort.append(o.request_id)
@@ -235,7 +249,8 @@ class OutputProcessor:
                     top_logprobs=_copy(seq.top_logprobs), sampling_masks=_copy(seq.sampling_masks),
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason, weight_versions=list(seq.weight_versions),
-                    lora_versions=list(seq.lora_versions)))
+                    lora_versions=list(seq.lora_versions),
+                    routed_experts=None if seq.routed is None else seq.routed.view()))
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
                              prompt_logprobs=state.prompt_logprobs, prompt_top_logprobs=state.prompt_top_logprobs,
@@ -254,6 +269,9 @@ class OutputProcessor:
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, weight_versions=seq.weight_versions[a:b],
             lora_versions=seq.lora_versions[a:b])
         seq.sent_tokens, seq.sent_chars = b, max(seq.sent_chars, len(text))
+        if seq.routed is not None:  # the rows new since the last delta (recomputed earlier ones are not sent again)
+            out.routed_experts = seq.routed.view(min(seq.sent_routed, seq.routed.length))
+            seq.sent_routed = seq.routed.length
         return out
 
     def abort(self, request_id: str) -> list[str]:

@@ -1,6 +1,7 @@
 """What the engine hands back to its callers (mirrors vLLM's RequestOutput / CompletionOutput)."""
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.protocol import SamplingMask
@@ -17,6 +18,12 @@ class CompletionOutput:
     engine.protocol.SamplingMask).
     weight_versions[i]: the weight version of the model that produced token_ids[i].
     lora_versions[i]: the version of the request's LoRA adapter that produced it (empty without one).
+    routed_experts (SamplingParams.return_routed_experts): int16 array (num_tokens, num_layers, top_k),
+    row p = the experts each layer routed the token at position p of prompt + token_ids to (-1 in
+    dense layers); num_tokens = len(prompt) + len(token_ids) - 1, as the last token was never run
+    through the model. Read-only. With output_kind DELTA: the rows new since the previous output
+    (the first one starts with the prompt's); a streaming-input request's rows follow its whole
+    context (every chunk's input, then its output). engine/routed_experts.py.
     """
 
     index: int
@@ -29,6 +36,7 @@ class CompletionOutput:
     stop_reason: object | None = None  # the stop string or stop token id that ended it
     weight_versions: list[int] = field(default_factory=list)
     lora_versions: list[int] = field(default_factory=list)
+    routed_experts: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.protocol import EngineCoreRequest, MMFeature
+from engine.routed_experts import check_routed_experts
 from engine.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -37,6 +38,8 @@ class Processor:
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = max(longest, 1) * max_model_len
         self.classifier = config.model_config.num_labels > 0
+        mc = config.model_config
+        self.routed_experts = (config.enable_return_routed_experts, mc.architecture, mc.moe is not None)
         self.images = None
         if config.model_config.vision:
             from engine.frontend.multimodal import ImageProcessor
@@ -55,6 +58,8 @@ class Processor:
             return prompt
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params is not None:
+            self.check_routed_experts(params)
         if self.classifier and (params is None or params.pooling is None):
             raise InvalidRequestError("this model is a sequence classifier: it serves encode / classify, not "
                                       "generation", "model")
@@ -76,6 +81,11 @@ class Processor:
         ids, features = self.images.process(text, images.get("image", []))
         self.check_token_ids(ids)
         return ProcessedPrompt(text, ids, features or None)
+
+    def check_routed_experts(self, params: SamplingParams) -> None:
+        """return_routed_experts only from an engine that keeps them (the engine core checks it
+        too: this is the early answer, before tokenizing)."""
+        check_routed_experts(params.return_routed_experts, *self.routed_experts)
 
     def core_requests(self, request_id: str, token_ids: list[int], params: SamplingParams,
                       lora_id: int = 0, mm_features: list[MMFeature] | None = None,

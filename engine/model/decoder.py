@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError, UnsupportedModelError
 from engine.model.attention import AttentionMetadata, attention
+from engine.model.moe import EPGroup, MoE
 from engine.model.parallel import Partition, Shard, TPGroup, gather_along
 from engine.model.vision import VisionEncoder
 from kernels import cpu_ext
@@ -91,7 +92,8 @@ class Linear:
 
 
 class Layer:
-    __slots__ = ("input_norm", "qkv", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down")
+    # a mixture-of-experts layer has `moe` (engine/model/moe.py) where a dense one has gate_up and down
+    __slots__ = ("input_norm", "qkv", "q_norm", "k_norm", "o", "post_norm", "gate_up", "down", "moe")
 
 
 class LayerOps:
@@ -115,9 +117,13 @@ class LayerOps:
 
 class LlamaModel:
     def __init__(self, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
-                 batch_invariant: bool = False, tp: TPGroup | None = None):
+                 batch_invariant: bool = False, tp: TPGroup | None = None, ep: EPGroup | None = None):
         self.mc, self.dtype, self.device = mc, dtype, device
         self.tp = tp if tp is not None and tp.size > 1 else None
+        self.ep = ep if mc.moe is not None and ep is not None and ep.world_size > 1 else None
+        if mc.moe is not None and (self.tp is not None or batch_invariant):
+            raise UnsupportedModelError("a mixture-of-experts model runs with tensor_parallel_size 1 and without "
+                                        "batch_invariant (expert parallelism across replicas: enable_expert_parallel)")
         size, rank = (tp.size, tp.rank) if self.tp else (1, 0)
         self.partitions = [Partition.of(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, mc.vocab_size, size, r)
                            for r in range(size)]
@@ -135,15 +141,24 @@ class LlamaModel:
 
         self.embed = torch.zeros(part.vocab[1], H, dtype=dtype, device=device)
         self.layers = []
-        for _ in range(mc.num_layers):
+        moe_layers = set(mc.moe.layers) if mc.moe is not None else set()
+        for i in range(mc.num_layers):
             layer = Layer()
             layer.input_norm, layer.post_norm = vec(H), vec(H)
             layer.qkv = Linear(self.q_size + 2 * self.kv_size, H, mc.qkv_bias, dtype, device)
             layer.q_norm, layer.k_norm = (vec(D), vec(D)) if mc.qk_norm else (None, None)
             layer.o = Linear(H, self.q_size, False, dtype, device)
-            layer.gate_up = Linear(2 * I, H, False, dtype, device)
-            layer.down = Linear(H, I, False, dtype, device)
+            if i in moe_layers:
+                router = Linear(mc.moe.num_experts, H, False, dtype, device)
+                layer.moe, layer.gate_up, layer.down = MoE(mc.moe, H, router, dtype, device, self.ep), None, None
+            else:
+                layer.moe = None
+                layer.gate_up = Linear(2 * I, H, False, dtype, device)
+                layer.down = Linear(H, I, False, dtype, device)
             self.layers.append(layer)
+        # (num KV slots, num_layers, top_k) int16: each computed token's experts by layer, -1 in dense
+        # layers (set by the runner when routed experts are returned; see ModelRunner.routed_experts)
+        self.routing: torch.Tensor | None = None
         self.norm = vec(H)
         # a causal LM's vocabulary head, or a sequence classifier's label head (`score`)
         self.lm_head = None if mc.num_labels else Linear(part.vocab[1], H, False, dtype, device)
@@ -158,6 +173,7 @@ class LlamaModel:
         if batch_invariant:
             self._use_invariant_kernels()
         self._hf = self._hf_name_map()
+        self._aliases = self._fused_expert_names()
 
     def _use_invariant_kernels(self) -> None:
         """Batch-invariant mode (see engine/model/batch_invariant.py): the fixed-order matmul for every
@@ -173,7 +189,9 @@ class LlamaModel:
 
     def _linears(self) -> list[Linear]:
         heads = [h for h in (self.lm_head, self.score) if h is not None]
-        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + heads
+        per_layer = [(layer.qkv, layer.o, layer.gate_up, layer.down) if layer.moe is None
+                     else (layer.qkv, layer.o, layer.moe.router) for layer in self.layers]
+        return [lin for lins in per_layer for lin in lins] + heads
 
     # ---- weights, by Hugging Face names -------------------------------------------------
     def _hf_name_map(self) -> dict[str, tuple[torch.Tensor, int, int, Shard]]:
@@ -215,15 +233,63 @@ class LlamaModel:
                 m[p + "self_attn.q_norm.weight"] = full(layer.q_norm)
                 m[p + "self_attn.k_norm.weight"] = full(layer.k_norm)
             m[p + "self_attn.o_proj.weight"] = full(layer.o.weight, col_q)
+            if layer.moe is not None:
+                m.update(self._expert_names(p, layer.moe))
+                continue
             m[p + "mlp.gate_proj.weight"] = (layer.gate_up.weight, 0, inter, by_inter)
             m[p + "mlp.up_proj.weight"] = (layer.gate_up.weight, inter, inter, by_inter)
             m[p + "mlp.down_proj.weight"] = full(layer.down.weight, col_inter)
         return m
 
+    def _expert_names(self, p: str, moe: MoE) -> dict[str, tuple[torch.Tensor, int, int, Shard]]:
+        """A MoE layer's checkpoint names: its router and every expert's gate, up and down (Mixtral:
+        block_sparse_moe's w1, w3, w2). Under expert parallelism the experts of other replicas are
+        empty slices here (nothing to receive, nothing to write), their full shapes kept for checks."""
+        E, I, H = moe.cfg.num_experts, moe.cfg.intermediate_size, self.mc.hidden_size
+        mixtral = moe.cfg.checkpoint_style == "mixtral"
+        block = "block_sparse_moe." if mixtral else "mlp."
+        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        m = {p + block + "gate.weight": (moe.router.weight, 0, E, Shard())}
+        none_h, none_i = moe.w13.new_empty(0, H), moe.w2.new_empty(0, I)
+        for e in range(E):
+            name = f"{p}{block}experts.{e}."
+            local = moe.first <= e < moe.first + moe.count
+            if local:
+                w13, w2 = moe.w13[e - moe.first], moe.w2[e - moe.first]
+                m[name + gate + ".weight"] = (w13, 0, I, Shard())
+                m[name + up + ".weight"] = (w13, I, I, Shard())
+                m[name + down + ".weight"] = (w2, 0, H, Shard())
+            else:
+                m[name + gate + ".weight"] = (none_h, 0, 0, Shard(0, ((0, 0),), I))
+                m[name + up + ".weight"] = (none_h, 0, 0, Shard(0, ((0, 0),), I))
+                m[name + down + ".weight"] = (none_i, 0, 0, Shard(0, ((0, 0),), H))
+        return m
+
+    def _fused_expert_names(self) -> dict[str, tuple[torch.Tensor, int, int, Shard]]:
+        """transformers' in-memory names for the same tensors (a trainer's state_dict(): the router
+        as mlp.gate, every expert in one mlp.experts.gate_up_proj (E, 2I, H) and down_proj (E, H, I)),
+        accepted by pushes and split into the checkpoint names (split_fused_experts)."""
+        m = {}
+        for i, layer in enumerate(self.layers):
+            moe = layer.moe
+            if moe is None:
+                continue
+            p = f"{self.mc.text_prefix}layers.{i}.mlp."
+            ep = Shard(0, ((moe.first, moe.count),), moe.cfg.num_experts)
+            if moe.cfg.checkpoint_style == "mixtral":
+                m[p + "gate.weight"] = (moe.router.weight, 0, moe.cfg.num_experts, Shard())
+            m[p + "experts.gate_up_proj"] = (moe.w13, 0, moe.count, ep)
+            m[p + "experts.down_proj"] = (moe.w2, 0, moe.count, ep)
+        return m
+
+    def _entry(self, name: str) -> tuple[torch.Tensor, int, int, Shard]:
+        entry = self._hf.get(name)
+        return entry if entry is not None else self._aliases[name]
+
     def hf_view(self, name: str) -> torch.Tensor:
         """The in-place view of one HF parameter (this rank's slice of it); KeyError for a name
         the model does not have."""
-        tensor, start, rows, _ = self._hf[name]
+        tensor, start, rows, _ = self._entry(name)
         return tensor.narrow(0, start, rows)
 
     def hf_views(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -233,14 +299,14 @@ class LlamaModel:
             yield name, self.hf_view(name)
 
     def hf_shard(self, name: str) -> Shard:
-        return self._hf[name][3]
+        return self._entry(name)[3]
 
     def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the full HF tensor `name` (a view; the tensor itself without
         tensor parallelism). A tied model's pushed lm_head.weight is cut like the embedding."""
         if name == "lm_head.weight" and name not in self._hf:
             name = self.mc.text_prefix + "embed_tokens.weight"
-        return self._hf[name][3].of(full, self.part.rank)
+        return self._entry(name)[3].of(full, self.part.rank)
 
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """HF name -> (shape, dtype) of the full tensors a trainer pushes."""
@@ -252,7 +318,45 @@ class LlamaModel:
         accepted = self.expected_weights()
         if self.mc.tie_word_embeddings and self.lm_head is not None:
             accepted["lm_head.weight"] = accepted[self.mc.text_prefix + "embed_tokens.weight"]
+        for name in self._aliases:
+            view = self.hf_view(name)
+            accepted[name] = (self.hf_shard(name).full_shape(tuple(view.shape)), view.dtype)
         return accepted
+
+    def split_fused_experts(self, staged: dict[str, torch.Tensor]) -> None:
+        """Replace pushed in-memory expert names (see _fused_expert_names) by the checkpoint names
+        they hold, as views of the staged tensors, so that the rest of an update sees one naming.
+        A tensor pushed under both names is refused: which one should win is not clear."""
+        for name in [n for n in staged if n in self._aliases]:
+            t = staged.pop(name)
+            if name.endswith(".gate.weight"):  # Mixtral's router
+                targets = {name.replace(".mlp.", ".block_sparse_moe."): t}
+            else:
+                layer = self.layers[int(name[len(self.mc.text_prefix + "layers."):].split(".")[0])]
+                targets = self._expert_slices(name, layer.moe, t)
+            for target, view in targets.items():
+                if target in staged:
+                    raise InvalidRequestError(f"{target} was pushed twice (also inside {name}): push one naming")
+                staged[target] = view
+
+    @staticmethod
+    def _expert_slices(name: str, moe: MoE, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{checkpoint name: view of t} for a staged gate_up_proj or down_proj (this replica's
+        experts; the others' names get empty tensors, like their views here)."""
+        I, mixtral = moe.cfg.intermediate_size, moe.cfg.checkpoint_style == "mixtral"
+        p = name.rsplit("mlp.experts.", 1)[0] + ("block_sparse_moe.experts." if mixtral else "mlp.experts.")
+        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        gate_up = name.endswith("gate_up_proj")
+        out = {}
+        for e in range(moe.cfg.num_experts):
+            if moe.first <= e < moe.first + moe.count:
+                w = t[e - moe.first]
+                parts = {gate: w[:I], up: w[I:]} if gate_up else {down: w}
+            else:
+                empty = t.new_empty(0, t.shape[-1])
+                parts = {gate: empty, up: empty} if gate_up else {down: empty}
+            out.update((f"{p}{e}.{proj}.weight", v) for proj, v in parts.items())
+        return out
 
     def untie_pushed(self, staged: dict[str, torch.Tensor]) -> None:
         """Drop a pushed lm_head.weight of a tied model (as vLLM does) after checking it equals
@@ -271,7 +375,7 @@ class LlamaModel:
         shape, or (when given) a dtype other than the model's."""
         if name == "lm_head.weight" and self.mc.tie_word_embeddings and self.lm_head is not None:  # see untie_pushed
             name = self.mc.text_prefix + "embed_tokens.weight"
-        if name not in self._hf:
+        if name not in self._hf and name not in self._aliases:
             raise InvalidRequestError(f"unknown parameter {name!r} (this model has no such tensor)")
         view = self.hf_view(name)
         want = self.hf_shard(name).full_shape(tuple(view.shape))
@@ -377,6 +481,11 @@ class LlamaModel:
             if tp is not None:
                 tp.all_reduce_(h)
             x, residual = add_norm(h, residual, layer.post_norm, eps)
+            if layer.moe is not None:
+                h, experts = layer.moe(x)
+                if self.routing is not None:
+                    self.routing[slots, i] = experts.to(torch.int16)
+                continue
             gate_up = layer.gate_up(x)
             if lora is not None:
                 lora.apply(i, "gate_up", x, gate_up)
@@ -387,6 +496,13 @@ class LlamaModel:
             if tp is not None:
                 tp.all_reduce_(h)
         return add_norm(h, residual, self.norm, eps)[0]
+
+    def idle_step(self) -> None:
+        """A step without tokens under expert parallelism: serve the other replicas' tokens in
+        every MoE layer, in the order a forward pass reaches them (engine/model/moe.py)."""
+        for layer in self.layers:
+            if layer.moe is not None:
+                layer.moe.idle_step(self.mc.hidden_size, self.dtype, self.device)
 
     def _embed_sharded(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel embedding: each rank looks up the ids in its rows, zeros elsewhere,

@@ -103,6 +103,7 @@ class Shard:
 
     dim: int | None = None
     ranges: tuple[tuple[int, int], ...] = ()
+    size: int | None = None  # the full size along dim when no range reaches it (an expert-parallel replica's)
 
     def of(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """rank's slice of a full tensor (a view)."""
@@ -115,7 +116,7 @@ class Shard:
         if self.dim is None:
             return tuple(local_shape)
         shape = list(local_shape)
-        shape[self.dim] = max(s + n for s, n in self.ranges)
+        shape[self.dim] = self.size if self.size is not None else max(s + n for s, n in self.ranges)
         return tuple(shape)
 
     def assemble(self, parts: list[torch.Tensor]) -> torch.Tensor:

@@ -8,13 +8,11 @@ DPLoads lists (replica index, waiting + running) for every replica heard from; i
 whenever a load changed (at most every PUBLISH_INTERVAL_S) and at least every HEARTBEAT_S, so a
 frontend that subscribes late catches up.
 
-No request waves. vLLM's DP coordinator also runs "waves" (START_DP_WAVE, wave_complete, dummy
-batches on idle replicas) to keep replicas in lockstep, because a mixture-of-experts forward pass
-with expert parallelism holds collectives across replicas (an all-to-all per MoE layer): an idle
-replica must still join every step or the busy ones hang. Every architecture this engine runs
-(Llama, Mistral, Qwen2, Qwen3) is dense: a replica's forward pass never talks to another, so
-replicas step independently, a pause or a weight push can never meet a half-finished wave, and
-there is nothing to keep in lockstep (vLLM makes the same choice for dense models).
+Request waves, for expert parallelism only (engine/process/waves.py): a replica that enters a
+wave with work of its own reports it (WaveEvent started), and the coordinator publishes the wave
+number to every engine on a second socket (`waves_address`), again every WAVE_REPEAT_S while the
+wave runs (a subscriber that joined late still hears it), until replica 0 reports the wave
+complete. Dense replicas never talk to each other in a step and run no waves.
 """
 import os
 import subprocess
@@ -24,10 +22,11 @@ import msgspec
 import zmq
 
 from engine.lifetime import child_argv, child_env
-from engine.protocol import DPLoads, EngineLoad
+from engine.protocol import DPLoads, EngineLoad, WaveEvent
 
 PUBLISH_INTERVAL_S = 0.02
 HEARTBEAT_S = 1.0
+WAVE_REPEAT_S = 0.2
 
 
 class DPCoordinator:
@@ -39,13 +38,16 @@ class DPCoordinator:
         if host is None:
             self.engine_address = f"ipc://{folder}/coordinator-in"
             self.frontend_address = f"ipc://{folder}/coordinator-out"
+            self.waves_address = f"ipc://{folder}/coordinator-waves"
         else:
             from weight_sync import find_free_port
 
             self.engine_address = f"tcp://{host}:{find_free_port(host)}"
             self.frontend_address = f"tcp://{host}:{find_free_port(host)}"
+            self.waves_address = f"tcp://{host}:{find_free_port(host)}"
         entry = (f"from engine.process.coordinator import run_coordinator; "
-                 f"run_coordinator({self.engine_address!r}, {self.frontend_address!r}, {os.getpid()})")
+                 f"run_coordinator({self.engine_address!r}, {self.frontend_address!r}, {self.waves_address!r}, "
+                 f"{os.getpid()})")
         self.proc = subprocess.Popen(child_argv(entry, os.getpid()), stdin=subprocess.DEVNULL, env=child_env())
 
     def is_alive(self) -> bool:
@@ -61,7 +63,7 @@ class DPCoordinator:
                 self.proc.wait()
 
 
-def run_coordinator(engine_address: str, frontend_address: str, parent_pid: int) -> None:
+def run_coordinator(engine_address: str, frontend_address: str, waves_address: str, parent_pid: int) -> None:
     from engine.lifetime import die_with_parent
 
     die_with_parent(parent_pid)
@@ -71,24 +73,39 @@ def run_coordinator(engine_address: str, frontend_address: str, parent_pid: int)
     pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.LINGER, 0)
     pub.bind(frontend_address)
+    waves = ctx.socket(zmq.PUB)
+    waves.setsockopt(zmq.LINGER, 0)
+    waves.bind(waves_address)
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     poller.register(pub, zmq.POLLIN)  # subscriptions: a new frontend gets the picture at once
-    decoder = msgspec.msgpack.Decoder(EngineLoad)
+    decoder = msgspec.msgpack.Decoder(EngineLoad | WaveEvent)
     loads: dict[int, int] = {}
     changed, last_sent = True, 0.0
+    wave, wave_running, wave_sent = 0, False, 0.0  # the wave engines must join, while one runs
     while True:
-        timeout_ms = max(0.0, (last_sent + (PUBLISH_INTERVAL_S if changed else HEARTBEAT_S)) - time.monotonic())
-        for sock, _ in poller.poll(timeout_ms * 1000):
+        due = last_sent + (PUBLISH_INTERVAL_S if changed else HEARTBEAT_S)
+        if wave_running:
+            due = min(due, wave_sent + WAVE_REPEAT_S)
+        for sock, _ in poller.poll(max(0.0, due - time.monotonic()) * 1000):
             if sock is pull:
-                load = decoder.decode(pull.recv())
-                total = load.num_waiting + load.num_running
-                changed = changed or loads.get(load.engine_index) != total
-                loads[load.engine_index] = total
+                msg = decoder.decode(pull.recv())
+                if isinstance(msg, WaveEvent):
+                    if msg.started and msg.wave >= wave:
+                        wave, wave_running, wave_sent = msg.wave, True, 0.0
+                    elif not msg.started and msg.wave >= wave:
+                        wave, wave_running = msg.wave + 1, False
+                    continue
+                total = msg.num_waiting + msg.num_running
+                changed = changed or loads.get(msg.engine_index) != total
+                loads[msg.engine_index] = total
             else:
                 pub.recv()  # a (un)subscription
                 changed = True
         now = time.monotonic()
+        if wave_running and now - wave_sent >= WAVE_REPEAT_S:
+            waves.send(msgspec.msgpack.encode(wave))
+            wave_sent = now
         if now - last_sent >= (PUBLISH_INTERVAL_S if changed else HEARTBEAT_S):
             pub.send(msgspec.msgpack.encode(DPLoads(sorted(loads.items()))))
             changed, last_sent = False, now

@@ -192,7 +192,8 @@ class _MPClientBase:
         self.coordinator = DPCoordinator(self._tmpdir, _node_ip() if ray else None) if with_coordinator else None
         self.coordinator_address = self.coordinator.frontend_address if self.coordinator else ""
         addresses = EngineAddresses([self.input_address], [self.output_address],
-                                    self.coordinator.engine_address if self.coordinator else "")
+                                    self.coordinator.engine_address if self.coordinator else "",
+                                    self.coordinator.waves_address if self.coordinator else "")
         manager_cls = CoreEngineActorManager if ray else CoreEngineProcManager
         try:
             self.manager = manager_cls(config, addresses, self._engine_died)
@@ -351,7 +352,9 @@ class SyncMPClient(_MPClientBase, _SyncPlans):
     matched to their callers by call id."""
 
     def __init__(self, config: EngineConfig):
-        super().__init__(config, zmq.Context())
+        # (expert-parallel replicas need the coordinator for their waves)
+        super().__init__(config, zmq.Context(),
+                         with_coordinator=config.enable_expert_parallel and config.data_parallel_size > 1)
         self.outputs: queue.Queue = queue.Queue()
         self._pending: dict[int, tuple[queue.Queue, int]] = {}  # call id -> (waiter, replica)
         self._lock = threading.Lock()

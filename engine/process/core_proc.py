@@ -34,9 +34,10 @@ from engine.errors import InvalidRequestError
 from engine.lifetime import PARENT_DEATH_SIGNAL, die_with_parent
 from engine.serial import MsgpackDecoder, MsgpackEncoder
 from engine.process.utility import bind
+from engine.process.waves import BARRIER_WAIT_S, IDLE_SPIN_S, LOCAL_CALLS, BarrierCall, Lockstep
 from engine.protocol import (EngineAddresses, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineLoad,
                              FinishReason, Heartbeat, Hello, Ready, RequestType, Startup, StreamInput, UtilityOutput,
-                             UtilityRequest)
+                             UtilityRequest, WaveEvent)
 
 DEFERRED_POLL_S = 0.005
 logger = logging.getLogger("engine")
@@ -99,6 +100,12 @@ class EngineCoreProc:
         self._last_load: tuple[int, int] | None = None
         self.busy: tuple[str, float] | None = None  # (what, since when) the busy loop is doing; None: idle
         core.executor.on_death = self._die  # a tensor-parallel rank that dies ends the replica
+        # expert parallelism: the replicas step in lockstep (engine/process/waves.py)
+        ep = getattr(getattr(core.executor, "worker", None), "model_runner", None)
+        ep = ep.ep if ep is not None else None
+        self.lockstep = Lockstep(ep) if ep is not None else None
+        self.barrier_calls: list[BarrierCall] = []
+        core.lockstep = self.lockstep is not None
         threading.Thread(target=self._input_thread, daemon=True, name="core-input").start()
         threading.Thread(target=self._output_thread, daemon=True, name="core-output").start()
         threading.Thread(target=self._heartbeat_thread, daemon=True, name="core-heartbeat").start()
@@ -115,13 +122,22 @@ class EngineCoreProc:
             poller.register(sock, zmq.POLLIN)
             sockets.append(sock)
         client = {sock: i for i, sock in enumerate(sockets)}
+        waves = None
+        if self.lockstep is not None and self.addresses.waves:  # the coordinator's START_DP_WAVE
+            waves = self.ctx.socket(zmq.SUB)
+            waves.setsockopt(zmq.SUBSCRIBE, b"")
+            waves.connect(self.addresses.waves)
+            poller.register(waves, zmq.POLLIN)
         decoders = {RequestType.ADD: MsgpackDecoder(EngineCoreRequest),
                     RequestType.ADD_MANY: MsgpackDecoder(list[EngineCoreRequest]),
                     RequestType.STREAM_INPUT: MsgpackDecoder(StreamInput),
                     RequestType.ABORT: MsgpackDecoder(list[str]),
                     RequestType.UTILITY: MsgpackDecoder(UtilityRequest)}
         while True:
-            for sock, _ in poller.poll() if len(sockets) > 1 else [(sockets[0], None)]:
+            for sock, _ in poller.poll() if len(sockets) > 1 or waves is not None else [(sockets[0], None)]:
+                if sock is waves:
+                    self.input_queue.put((0, RequestType.START_DP_WAVE, msgspec.msgpack.decode(sock.recv(), type=int)))
+                    continue
                 frames = sock.recv_multipart(copy=False)
                 try:
                     kind = RequestType(bytes(frames[0].buffer))
@@ -178,6 +194,8 @@ class EngineCoreProc:
 
     # ---- busy loop --------------------------------------------------------------------------
     def run(self) -> None:
+        if self.lockstep is not None:
+            return self._run_lockstep()
         try:
             while True:
                 if not self.core.has_work():  # idle: block for input, or until something is due
@@ -198,6 +216,75 @@ class EngineCoreProc:
         except BaseException as e:  # a bug in a step: every caller must learn it, now
             logger.error("%s", traceback.format_exc())
             self._die(f"{type(e).__name__}: {e}")
+
+    def _run_lockstep(self) -> None:
+        """The busy loop of an expert-parallel replica (engine/process/waves.py)."""
+        ls, core = self.lockstep, self.core
+        try:
+            while True:
+                if not ls.in_wave and not core.has_work() and not self.barrier_calls:
+                    self.busy = None
+                    try:
+                        self._handle(*self.input_queue.get(timeout=self._idle_timeout()))
+                    except queue.Empty:
+                        pass
+                while not self.input_queue.empty():
+                    self._handle(*self.input_queue.get_nowait())
+                work = core.has_work()
+                if not ls.in_wave and (work or self.barrier_calls):
+                    ls.in_wave = True
+                    self.output_queue.put((TO_COORDINATOR, WaveEvent(self.engine_index, ls.wave, True)))
+                if ls.in_wave:
+                    self._lockstep_iteration(work)
+                if self.deferred:
+                    self._resolve_deferred()
+                if self.addresses.coordinator:
+                    self._report_load()
+        except BaseException as e:  # a bug, or a replica gone (the group's collectives fail): all learn it
+            logger.error("%s", traceback.format_exc())
+            self._die(f"{type(e).__name__}: {e}")
+
+    def _lockstep_iteration(self, work: bool) -> None:
+        ls, head = self.lockstep, self.barrier_calls[0] if self.barrier_calls else None
+        if head is not None and head.deferred is None and time.monotonic() - head.since > BARRIER_WAIT_S:
+            self.barrier_calls.pop(0)  # (only this replica has it: the others decide nothing about it)
+            self._answer(head.client, UtilityOutput(head.call_id, failure=(
+                f"{head.method} reached this replica but not every replica within {BARRIER_WAIT_S:g} s: under expert "
+                "parallelism calls that touch the weights run on all replicas at once")))
+            head = self.barrier_calls[0] if self.barrier_calls else None
+        ready = head is not None and (head.deferred is None or head.deferred.done())
+        n_work, n_ready, n_pending = ls.sync(work, ready, head is not None)
+        if n_ready == ls.size:
+            self.busy = (head.method, time.monotonic())
+            self._run_barrier_call(head)
+        elif n_work:
+            self.busy = ("step", time.monotonic())
+            self._send(self.core.step(), time.monotonic())
+        elif not n_pending:  # nothing anywhere: the wave ends on every replica in this iteration
+            ls.in_wave = False
+            ls.wave += 1
+            if ls.rank == 0:
+                self.output_queue.put((TO_COORDINATOR, WaveEvent(self.engine_index, ls.wave - 1, False)))
+        else:
+            time.sleep(IDLE_SPIN_S)  # a barrier call that some replica has not received yet
+
+    def _run_barrier_call(self, call: BarrierCall) -> None:
+        """Run (or finish) the call at the head of the queue: every replica does so in this iteration."""
+        try:
+            if call.deferred is None:
+                result = getattr(self.core, call.method)(**call.kwargs)
+                if isinstance(result, Deferred):
+                    if not result.done():
+                        call.deferred = result  # finished in a later iteration, when done on every replica
+                        return
+                    result = result.finish()
+            else:
+                result = call.deferred.finish()
+        except Exception as e:
+            self.barrier_calls.pop(0)
+            return self._answer(call.client, UtilityOutput.failed(call.call_id, e))
+        self.barrier_calls.pop(0)
+        self._answer(call.client, UtilityOutput(call.call_id, result=result))
 
     def _die(self, why: str) -> None:
         """Tell every frontend, then exit (from any thread)."""
@@ -231,7 +318,16 @@ class EngineCoreProc:
         elif kind == RequestType.ABORT:
             self._send(self.core.abort_requests(msg))
         elif kind == RequestType.UTILITY:
+            if self.lockstep is not None and msg.method not in LOCAL_CALLS:
+                try:
+                    kwargs = bind(msg.method, msg.args, msg.kwargs)
+                except Exception as e:  # bad arguments: refused at once, on every replica alike
+                    return self._answer(client, UtilityOutput.failed(msg.call_id, e))
+                self.barrier_calls.append(BarrierCall(client, msg.call_id, msg.method, kwargs))
+                return
             self._call(client, msg)
+        elif kind == RequestType.START_DP_WAVE:
+            self.lockstep.join(msg)
 
     def _send(self, outputs: list[EngineCoreOutput], timestamp: float = 0.0) -> None:
         """Queue request outputs for the frontends that sent those requests."""

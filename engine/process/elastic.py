@@ -46,6 +46,9 @@ class ElasticScaling:
         if isinstance(self.manager, EngineWatcher):
             raise EngineStateError("the engine cores belong to the launcher of several API servers: "
                                    "scaling is not supported there")
+        if self.config.enable_expert_parallel and self.config.data_parallel_size > 1:
+            raise EngineStateError("the replicas of an expert-parallel engine split the experts between them: "
+                                   "scaling them is not supported (start it with another data_parallel_size)")
         check_replica_count(self.config, size)  # before anything starts or stops
         await self._ensure_ready()
         live = sorted(i for i, e in self.engines.items() if e.alive)

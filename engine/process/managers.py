@@ -118,6 +118,10 @@ class CoreEngineProcManager:
         self._shutting_down = False
         self._tmp = tempfile.mkdtemp(prefix="rollout-")
         self.num_blocks = self.max_model_len = 0
+        if config.enable_expert_parallel and config.data_parallel_size > 1 and not config.expert_parallel_address:
+            from weight_sync import find_free_port
+
+            config.expert_parallel_address = f"127.0.0.1:{find_free_port()}"  # replica 0 hosts the group
         self.start(list(range(config.data_parallel_size)) if indices is None else indices)
         threading.Thread(target=self._monitor, daemon=True, name="core-monitor").start()
 

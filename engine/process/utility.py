@@ -148,6 +148,19 @@ def agree(results: list) -> Any:
     return results[0]
 
 
+def combine_checksum(results: list) -> str:
+    """weights_checksum: the one every replica gives, or under expert parallelism the checksum of
+    the replicas' tensors put together (each holds some experts: weight_sync.checksum)."""
+    if not all(isinstance(r, dict) for r in results):
+        return agree(results)
+    from weight_sync.checksum import combine_digests
+
+    entries = {}
+    for r in results:
+        entries.update((name, tuple(entry)) for name, entry in r["entries"].items())
+    return combine_digests(entries)
+
+
 def combine_pause(results: list[dict]) -> dict:
     merged = dict(results[0], aborted=sum(r["aborted"] for r in results), kept=sum(r["kept"] for r in results))
     if "was_paused" in merged:  # (asked with unless_paused) paused before only if every replica was
@@ -207,7 +220,7 @@ UTILITIES: dict[str, Utility] = {
     "commit_weights": Utility(CommitArgs),
     "discard_weights": Utility(NoArgs),
     "send_weights_to_peers": Utility(PeersArgs),
-    "weights_checksum": Utility(NoArgs, agree),
+    "weights_checksum": Utility(NoArgs, combine_checksum),
     "save_weights": Utility(SaveWeightsArgs, first, first_replica_only=True),
     "save_sharded_state": Utility(SaveShardedStateArgs, first, first_replica_only=True),
     "get_weight_version": Utility(WeightVersionArgs, agree),

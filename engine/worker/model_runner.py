@@ -10,6 +10,11 @@ It never imports the scheduler or the KV block manager.
 With tensor parallelism every rank runs this same step on the same SchedulerOutput (its shard of
 the model, its kv heads of the cache); only rank 0 gets the gathered logits, so only rank 0
 samples and computes logprobs, and its output is the step's.
+
+Routed experts (enable_return_routed_experts, engine/routed_experts.py): `routing` lives beside the
+KV cache, one row per KV slot, and the model writes each computed token's experts into it; a
+request that asks gets, at each of its sampling steps, the rows of the positions that became
+available since its previous one (on its first: from position 0, prefix-cache hits included).
 """
 import bisect
 from collections import OrderedDict
@@ -23,8 +28,10 @@ from engine.model.attention import AttentionMetadata, per_token_decode_rows, ste
 from engine.model.decoder import LlamaModel
 from engine.model.parallel import TPGroup
 from engine.protocol import MMFeature, SamplingMask
+from engine.routed_experts import DTYPE as ROUTING_DTYPE
 from engine.sampling_params import MAX_SAMPLING_MASK_IDS, SamplingParams
 from engine.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from engine.worker.expert_parallel import expert_parallel_group
 from engine.worker.lora import Adapter, LoRABatch, LoRARequest, load_adapter
 from engine.worker.profiler import phase
 from engine.worker.sharded_state import is_sharded_state, read_rank
@@ -45,6 +52,8 @@ class CachedRequestState:
     pool_sum: torch.Tensor | None = None  # mean pooling: float32 sum of the hidden states so far
     lora_id: int = 0  # its LoRA adapter (0: the base model)
     mm_features: list[MMFeature] | None = None  # its prompt's images
+    routed_sent: int = 0  # return_routed_experts: positions [0, routed_sent) were sent
+    routed_low: int | None = None  # the lowest start since the last sampling step (a recompute goes back)
 
 
 @dataclass
@@ -74,6 +83,7 @@ class ModelRunner:
             from kernels import cpu_ext
 
             cpu_ext.load()  # build the C++ kernels now (once per machine), not in the first request
+        self.ep = expert_parallel_group(config)  # the replicas' group when experts are split between them
         self.model: LlamaModel | None = self.new_model()
         if is_sharded_state(config.model):
             self.model.load_local(read_rank(config.model, self.model.part.rank, config.tensor_parallel_size),
@@ -86,6 +96,9 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # (num slots, num_layers, top_k) int16 with enable_return_routed_experts: each slot's token's
+        # experts per layer, -1 in dense layers; allocated and freed with the KV cache
+        self.routing: torch.Tensor | None = None
         self.num_blocks = 0
         self.loras: dict[int, Adapter] = {}  # resident LoRA adapters by id, least recently used first (a cache:
         # which adapters exist, their versions and pins are the engine core's LoRARegistry)
@@ -99,7 +112,7 @@ class ModelRunner:
     def new_model(self) -> LlamaModel:
         """The model's tensors, zero (load_weights or a weight push fills them)."""
         c = self.config
-        return LlamaModel(c.model_config, self.dtype, self.device, c.max_model_len, c.batch_invariant, self.tp)
+        return LlamaModel(c.model_config, self.dtype, self.device, c.max_model_len, c.batch_invariant, self.tp, self.ep)
 
     # ---- KV cache -----------------------------------------------------------------------
     def kv_cache_blocks(self) -> int:
@@ -131,10 +144,15 @@ class ModelRunner:
         self.kv_cache = torch.empty(mc.num_layers, 2, self.num_blocks, bs, self.num_kv_heads, mc.head_dim,
                                     dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
+        if self.config.enable_return_routed_experts:  # (about 1% of the KV cache's size, not in its budget)
+            self.routing = torch.full((self.num_blocks * bs, mc.num_layers, mc.moe.top_k), -1, dtype=torch.int16,
+                                      device=self.device)
         return self.num_blocks
 
     def free_kv_cache(self) -> None:
-        self.kv_cache, self.kv_caches = None, []
+        self.kv_cache, self.kv_caches, self.routing = None, [], None
+        if self.model is not None:
+            self.model.routing = None
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -142,13 +160,17 @@ class ModelRunner:
         self.update_states(so)
         out = ModelRunnerOutput()
         if not so.scheduled:
+            self.idle_step()
             return out
         assert self.kv_cache is not None, "executing while asleep"  # (the core also refuses while it has no weights)
+        self.model.routing = self.routing  # (a wake-up at level 2 builds a new model)
         with phase("prepare_inputs"):
             inputs = self.prepare_inputs(so)
         with phase("forward"):
             hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, inputs.lora,
                                         inputs.mm)
+        if self.routing is not None:
+            self.routed_experts(so, out)
         if inputs.pool_rows:
             with phase("pool"):
                 self.pool(hidden, inputs.pool_rows, out)
@@ -169,6 +191,13 @@ class ModelRunner:
                 self.sample(logits, inputs.samplers, out)
         return out
 
+    @torch.inference_mode()
+    def idle_step(self) -> None:
+        """Expert parallelism: a step in which this replica has no tokens still serves the other
+        replicas' tokens in its experts (engine/process/waves.py calls it; nothing otherwise)."""
+        if self.model is not None and self.model.ep is not None:
+            self.model.idle_step()
+
     def update_states(self, so: SchedulerOutput) -> None:
         """Forget finished requests, then (re)load announced ones (in this order: an id can be reused)."""
         for rid in so.finished_req_ids:
@@ -182,7 +211,8 @@ class ModelRunner:
         generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
         if old is not None:  # new params for the next streaming chunk: the prompt's progress stays
             return CachedRequestState(p, generator, old.prompt_token_ids, old.num_prompt_logprobs, lora_id=nr.lora_id,
-                                      mm_features=old.mm_features)
+                                      mm_features=old.mm_features, routed_sent=old.routed_sent,
+                                      routed_low=old.routed_low)
         return CachedRequestState(p, generator, nr.prompt_token_ids, lora_id=nr.lora_id, mm_features=nr.mm_features)
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
@@ -236,6 +266,35 @@ class ModelRunner:
         inputs.input_ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         inputs.positions = torch.tensor(positions, dtype=torch.int64, device=dev)
         return inputs
+
+    # ---- routed experts -------------------------------------------------------------------
+    def routed_experts(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        """For every request that asks and samples in this step: the routing rows of positions
+        [from, computed), `from` = the first position not sent before, or lower where a recompute
+        (after a preemption) went back: those rows are sent again, as recomputed. Prefill chunks
+        that do not sample send nothing; their rows wait in the buffer for the sampling step, so
+        one output carries one piece (first position, int16 bytes (n, num_layers, top_k))."""
+        spans = []
+        for sr in so.scheduled:
+            state = self.requests[sr.request_id]
+            if not state.params.return_routed_experts:
+                continue
+            state.routed_low = sr.start if state.routed_low is None else min(state.routed_low, sr.start)
+            if not sr.sample:
+                continue
+            lo, hi = min(state.routed_sent, state.routed_low), sr.start + len(sr.token_ids)
+            state.routed_sent, state.routed_low = max(state.routed_sent, hi), None
+            spans.append((sr, lo, hi))
+        if not spans:
+            return
+        bs = self.block_size
+        slots = [sr.block_ids[p // bs] * bs + p % bs for sr, lo, hi in spans for p in range(lo, hi)]
+        rows = self.routing[torch.tensor(slots, dtype=torch.int64, device=self.device)].cpu().numpy()  # (n, L, k)
+        rows = rows.astype(ROUTING_DTYPE, copy=False)
+        at = 0
+        for sr, lo, hi in spans:
+            out.routed_experts[sr.request_id] = (lo, rows[at:at + hi - lo].tobytes())
+            at += hi - lo
 
     # ---- images ---------------------------------------------------------------------------
     def _image_embeddings(self, rows_in_order: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:

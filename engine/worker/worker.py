@@ -62,6 +62,9 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 
+    def idle_step(self) -> None:
+        self.model_runner.idle_step()
+
     # ---- the encoder cache (vision-language models) -----------------------------------------
     def reset_encoder_cache(self) -> bool:
         self.model_runner.reset_encoder_cache()
@@ -160,6 +163,7 @@ class Worker:
             raise InvalidRequestError(f"unknown weight source {source!r}")
         staged = read(model, source, args)
         model.untie_pushed(staged)
+        model.split_fused_experts(staged)
         if not staged:
             raise InvalidRequestError("weight update: no tensors")
         if complete:
@@ -343,6 +347,10 @@ class Worker:
     def weights_checksum(self) -> str:
         from weight_sync import weights_checksum
 
+        if self.model.ep is not None:  # this replica's experts (and the rest): combined by the frontend
+            from weight_sync.checksum import tensor_entries
+
+            return {"entries": tensor_entries((n, v) for n, v in self.model.hf_views() if v.numel())}
         weights = list(self._full_weights())
         return weights_checksum(weights) if self.rank == 0 else None
 
@@ -355,6 +363,9 @@ class Worker:
         answers."""
         if self.model is None:
             raise EngineStateError("the weights were dropped (sleep level 2): push or reload weights before saving")
+        if self.model.ep is not None:
+            raise EngineStateError("saving the weights of an expert-parallel engine (each replica holds some experts) "
+                                   "is not supported yet")
         target = check_target(folder, overwrite, [self.config.model, self.config.tokenizer])
         weights = self._full_weights()
         try:
@@ -446,8 +457,9 @@ class _Deadline:
 
 
 def _shard_selector(model: LlamaModel) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
-    """What a tensor-parallel rank keeps of each full tensor it receives (None: all of it)."""
-    return None if model.tp is None else model.shard_of
+    """What a tensor-parallel rank or an expert-parallel replica keeps of each full tensor it
+    receives (None: all of it)."""
+    return None if model.tp is None and model.ep is None else model.shard_of
 
 
 def _lora_tensor_check(name: str, accepted: dict[str, tuple]) -> Callable:

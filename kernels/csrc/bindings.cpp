@@ -57,6 +57,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_vnni_linear", &rollout_vnni::bf16_vnni_linear,
         "x (M, K) @ weight.T + bias in bfloat16 (float32 sums) from bf16_vnni_pack(weight): for "
         "decode steps", py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("fused_experts", &rollout_moe::fused_experts,
+        "x (T, H), w13 (E, 2I, H), w2 (E, H, I), topk_ids (T, k), topk_weights (T, k) -> (T, H): each "
+        "token's experts' SwiGLU MLPs, weighted and summed in ascending expert id (ids outside [0, E) "
+        "add nothing); float32 or bfloat16 (see kernels/moe.py)",
+        py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("topk_ids"), py::arg("topk_weights"));
   // The GIL is released while a call waits for its peers: they may be threads of this process.
   using rollout_shm::ShmComm;
   using release_gil = py::call_guard<py::gil_scoped_release>;

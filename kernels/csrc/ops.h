@@ -1,5 +1,5 @@
 // The C++ CPU ops of the extension module, declared once: defined in paged_attention.cpp,
-// fused_ops.cpp, invariant_ops.cpp, vnni_linear.cpp and shm_comm.cpp, bound to Python in
+// fused_ops.cpp, invariant_ops.cpp, vnni_linear.cpp, moe.cpp and shm_comm.cpp, bound to Python in
 // bindings.cpp (the module's only PYBIND11_MODULE).
 #pragma once
 
@@ -57,6 +57,12 @@ at::Tensor bf16_vnni_pack(const at::Tensor& weight);
 at::Tensor bf16_vnni_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                             const std::optional<at::Tensor>& bias);
 }  // namespace rollout_vnni
+
+// moe.cpp
+namespace rollout_moe {
+at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                         const at::Tensor& topk_ids, const at::Tensor& topk_weights);
+}  // namespace rollout_moe
 
 // shm_comm.cpp: collectives over one /dev/shm segment shared by the ranks of one machine
 // (kernels/shm_comm.py states the contract). Not thread-safe: one caller thread per object.

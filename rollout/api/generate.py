@@ -17,6 +17,10 @@ sampled token's logprob under the distribution it was drawn from (see SamplingPa
 sampling_params' return_sampling_mask (true / "threshold" / "ids") adds each output's
 "sampling_mask": {"num_kept", "min_logprob", "kept_logmass", "ids"}, one entry per token: the set
 top-k / top-p / min-p left it to be drawn from (engine.protocol.SamplingMask; output_json.py).
+sampling_params' return_routed_experts (a mixture-of-experts model served with
+--enable-return-routed-experts) adds each output's "routed_experts": {"shape": [N, L, k], "dtype":
+"int16", "data": base64 of the little-endian bytes}: the experts every layer routed each of the
+N = prompt + output - 1 tokens to (-1 in dense layers); streamed, each line's rows are the new ones.
 sampling_params' max_weight_staleness / min_weight_version / stale_action are the server's
 staleness rules (engine/core/staleness.py; finish_reason "stale"; "restart" is refused with stream).
 With "session_params": {"id": ...} the prompt is the next turn of an open session
@@ -65,6 +69,12 @@ async def tokenize_prompts(state, prompts: list, field: str, batch: bool, params
         raise APIError(400, f"max_tokens is {params.max_tokens}, but the context holds {limit} tokens "
                             f"(max_model_len) including the prompt; a request whose prompt + max_tokens exceeds "
                             f"it stops at the context's end with finish_reason 'length'", params_field + "max_tokens")
+    if params.return_routed_experts:
+        field_name = params_field + "return_routed_experts"
+        try:
+            state.engine.processor.check_routed_experts(params)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e).replace("return_routed_experts", field_name, 1), field_name) from e
     encode = params.pooling is not None
     if encode and len(prompts) > state.config.max_encode_inputs:
         raise APIError(400, f"{field} has {len(prompts)} inputs; this server takes at most "

@@ -12,7 +12,11 @@ vLLM's `prompt_logprobs` (rollout/api/logprobs_json.py). Several prompts with n 
 prompt-major, choice index = prompt * n + sample. An X-Request-Id header (or "request_id") names
 the engine request, for /abort_requests. Ours, as extra fields: max_weight_staleness,
 min_weight_version, stale_action (engine/core/staleness.py: a choice a weight push leaves too stale
-ends with finish_reason "stale"; "restart" is refused with stream).
+ends with finish_reason "stale"; "restart" is refused with stream); return_routed_experts (SGLang's
+request field; a mixture-of-experts model served with --enable-return-routed-experts): each choice's
+"routed_experts" {"shape": [N, L, k], "dtype": "int16", "data": base64}, the experts of its prompt and
+output tokens but the last (vLLM answers nested lists, the prompt's apart as prompt_routed_experts);
+streamed, each chunk's new rows.
 """
 import time
 
@@ -29,7 +33,7 @@ from rollout.api.chat_render import off_loop, render_chat
 from rollout.api.errors import APIError, engine_error
 from rollout.api.generate import final_output, tokenize_prompts
 from rollout.api.logprobs_json import TokenText, chat_logprobs, completion_logprobs, echo_logprobs, vllm_prompt_logprobs
-from rollout.api.output_json import usage_json
+from rollout.api.output_json import routed_experts_json, usage_json
 from rollout.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                   normalize_prompts)
 from rollout.api.state import ServerState, get_state, request_route
@@ -121,6 +125,8 @@ def _choices(outs: list[RequestOutput], n: int, state: ServerState, chat: bool, 
                 ch.update(_versions(c) if chat else dict(_versions(c), prompt_token_ids=out.prompt_token_ids))
             if not chat and body.prompt_logprobs is not None:
                 ch["prompt_logprobs"] = vllm_prompt_logprobs(out, tokens)
+            if c.routed_experts is not None:
+                ch["routed_experts"] = routed_experts_json(c.routed_experts)
             choices.append(ch)
     return choices
 
@@ -199,6 +205,8 @@ async def _events(state, body, gens, firsts, n: int, base: str, created: int, ch
                 ch.update(_versions(c))
                 if not chat and idx not in sent_first:
                     ch["prompt_token_ids"] = out.prompt_token_ids
+            if c.routed_experts is not None:  # the rows new since the previous chunk
+                ch["routed_experts"] = routed_experts_json(c.routed_experts)
             sent_first.add(idx)
             choices.append(ch)
         yield sse(dict(chunk, choices=choices))

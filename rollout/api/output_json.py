@@ -1,5 +1,9 @@
 """The engine's outputs as /generate's JSON (a leaf shared by /generate and session turns):
 `request_output_json` for one result, `usage_json` for a request's token counts."""
+import base64
+
+import numpy as np
+
 from engine.frontend.outputs import CompletionOutput, RequestOutput
 
 
@@ -13,7 +17,16 @@ def completion_json(c: CompletionOutput) -> dict:
                              for step in c.top_logprobs]
     if c.sampling_masks is not None:
         d["sampling_mask"] = sampling_mask_json(c.sampling_masks)
+    if c.routed_experts is not None:
+        d["routed_experts"] = routed_experts_json(c.routed_experts)
     return d
+
+
+def routed_experts_json(rows: np.ndarray) -> dict:
+    """(num_tokens, num_layers, top_k) int16 expert ids (-1 in dense layers), compactly: base64 of
+    the little-endian bytes, row-major (rollout.client decodes it to the array)."""
+    return {"shape": list(rows.shape), "dtype": "int16",
+            "data": base64.b64encode(rows.astype("<i2", copy=False).tobytes()).decode("ascii")}
 
 
 def sampling_mask_json(masks: list) -> dict:

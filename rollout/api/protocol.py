@@ -104,6 +104,9 @@ class _OpenAISampling(_Strict):
     max_weight_staleness: int | None = None
     min_weight_version: int | None = None
     stale_action: str = "finish"
+    # ours, as SGLang's request field (vLLM returns them to every request when started with the flag):
+    # each choice's `routed_experts` (rollout/api/output_json.py)
+    return_routed_experts: bool = False
 
     def check_unsupported(self) -> None:
         refuse_penalties(self)
@@ -119,7 +122,8 @@ class _OpenAISampling(_Strict):
                                   include_stop_str_in_output=self.include_stop_str_in_output,
                                   skip_special_tokens=self.skip_special_tokens,
                                   max_weight_staleness=self.max_weight_staleness,
-                                  min_weight_version=self.min_weight_version, stale_action=self.stale_action)
+                                  min_weight_version=self.min_weight_version, stale_action=self.stale_action,
+                                  return_routed_experts=self.return_routed_experts)
         for name in ("temperature", "top_p", "top_k", "min_p"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
@@ -234,6 +238,7 @@ class GenerateSamplingParams(_Strict):
     stale_action: str = "finish"  # (checked by SamplingParams: its message names the choices)
     temp_scaled_prompt_logprobs: bool = False
     return_sampling_mask: bool | Literal["threshold", "ids"] = False  # each token's kept set (output_json.py)
+    return_routed_experts: bool = False  # each token's experts per layer (a MoE model; output_json.py)
 
 
 class SessionParams(_Strict):

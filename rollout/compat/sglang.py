@@ -2,10 +2,12 @@
 io_struct.py; slime's sglang_engine.py / sglang_rollout.py; AReaL's remote_inf_engine.py):
 
     POST /generate {input_ids | text, sampling_params {max_new_tokens, ...}, return_logprob,
-         logprob_start_len, top_logprobs_num, rid, stream}   (our /generate tells the bodies apart)
+         logprob_start_len, top_logprobs_num, rid, stream, return_routed_experts,
+         routed_experts_start_len}   (our /generate tells the bodies apart)
          -> {text, output_ids, meta_info {id, finish_reason {type, ...}, prompt_tokens,
              completion_tokens, cached_tokens, weight_version, output_token_logprobs
-             [[logprob, id, null], ...], input_token_logprobs, e2e_latency}} (a list for a batch)
+             [[logprob, id, null], ...], input_token_logprobs, e2e_latency, routed_experts (base64
+             of int32 (positions, num_layers, top_k), flattened, -1 in dense layers)}} (a list for a batch)
     POST /init_weights_update_group {master_address, master_port, rank_offset, world_size,
          group_name, backend}            -> {success, message}
     POST /update_weights_from_distributed {names, dtypes, shapes, group_name, weight_version,
@@ -29,6 +31,7 @@ order, or one uint8 buffer with load_format "flattened_bucket". A push that will
 still received whole, so the trainer's broadcasts never hang on us.
 """
 import asyncio
+import base64
 import datetime
 import time
 from typing import Any, Literal
@@ -91,7 +94,8 @@ class SGLangSamplingParams(BaseModel):
     ebnf: str | None = None
     logit_bias: dict[str, float] | None = None
 
-    def to_engine(self, logprobs: int | None, prompt_logprobs: int | None, kind: RequestOutputKind):
+    def to_engine(self, logprobs: int | None, prompt_logprobs: int | None, kind: RequestOutputKind,
+                  routed_experts: bool = False):
         refuse_penalties(self, "sampling_params.")
         for name in ("json_schema", "regex", "ebnf"):
             if getattr(self, name) is not None:
@@ -104,7 +108,8 @@ class SGLangSamplingParams(BaseModel):
                   max_tokens=self.max_new_tokens, min_tokens=self.min_new_tokens, stop=self.stop,
                   stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                   skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.no_stop_trim,
-                  seed=self.sampling_seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs, output_kind=kind)
+                  seed=self.sampling_seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs, output_kind=kind,
+                  return_routed_experts=routed_experts)
         try:
             return make_sampling_params(kw)
         except InvalidRequestError as e:
@@ -129,6 +134,7 @@ class SGLangGenerateRequest(_Body):
     input_embeds: Any = None
     session_params: Any = None
     return_routed_experts: bool = False
+    routed_experts_start_len: int = 0  # the first position whose routing is returned (at most the prompt's length)
     return_hidden_states: bool = False
 
 
@@ -148,9 +154,8 @@ async def generate(request: Request, data: dict):
             raise APIError(400, f"{name} is not supported in SGLang's /generate here" + (
                 " (sessions: our /generate with prompt_token_ids and session_params)" if name == "session_params"
                 else ""), name)
-    for name in ("return_routed_experts", "return_hidden_states"):
-        if getattr(body, name):
-            raise APIError(400, f"{name} is not supported by this engine", name)
+    if body.return_hidden_states:
+        raise APIError(400, "return_hidden_states is not supported by this engine", "return_hidden_states")
     if (body.text is None) == (body.input_ids is None):
         raise APIError(400, "give exactly one of 'text' and 'input_ids'", "input_ids")
     field = "text" if body.text is not None else "input_ids"
@@ -162,8 +167,18 @@ async def generate(request: Request, data: dict):
     scoring = body.return_logprob and body.logprob_start_len >= 0
     top = body.top_logprobs_num if body.return_logprob else None
     kind = RequestOutputKind.CUMULATIVE if body.stream else RequestOutputKind.FINAL_ONLY
-    params = body.sampling_params.to_engine(top, top if scoring else None, kind)
+    params = body.sampling_params.to_engine(top, top if scoring else None, kind, body.return_routed_experts)
+    if body.return_routed_experts:
+        try:
+            state.engine.processor.check_routed_experts(params)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), "return_routed_experts") from e
     ids = await tokenize_prompts(state, prompts, field, batch, params, "sampling_params.")
+    if body.return_routed_experts:
+        shortest = min(len(p) for p in ids)
+        if not 0 <= body.routed_experts_start_len <= shortest:
+            raise APIError(400, f"routed_experts_start_len must lie in [0, {shortest}] (the prompt's length), "
+                                f"got {body.routed_experts_start_len}", "routed_experts_start_len")
     lora = state.resolve_model(body.lora_path) if body.lora_path else None
     rank = body.routed_dp_rank if body.routed_dp_rank is not None else body.data_parallel_rank
     route = Route(data_parallel_rank=rank) if rank is not None else None
@@ -232,6 +247,11 @@ def _result(state: ServerState, body: SGLangGenerateRequest, out: RequestOutput,
                                                     [None, *out.prompt_logprobs[start + 1:]])
             if out.prompt_top_logprobs is not None and body.top_logprobs_num:
                 meta["input_top_logprobs"] = _top(state, body, out.prompt_top_logprobs[start:])
+    if body.return_routed_experts and c.routed_experts is not None and c.finish_reason is not None:
+        # SGLang's: base64 of int32, flattened (positions [routed_experts_start_len, prompt + output - 1),
+        # num_layers, top_k); sent with the sequence's end, as SGLang does
+        rows = c.routed_experts[body.routed_experts_start_len:]
+        meta["routed_experts"] = base64.b64encode(rows.astype("<i4").tobytes()).decode("ascii")
     if out.finished:
         meta["e2e_latency"] = time.monotonic() - arrival
     return {"text": c.text, "output_ids": c.token_ids, "meta_info": meta}

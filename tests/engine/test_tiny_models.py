@@ -13,7 +13,8 @@ import inspect
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config,
+                          Qwen3MoeConfig)
 
 import engine
 from engine.default_model import default_model_path
@@ -38,6 +39,16 @@ MODELS = {
                dict(max_num_batched_tokens=32)),
     # Mistral with a sliding window far shorter than the sequences, tied, chunked prefill too
     "mistral": (MistralConfig, dict(num_hidden_layers=4, head_dim=16, sliding_window=16, tie_word_embeddings=True,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+                dict(max_num_batched_tokens=40)),
+    # Qwen3-MoE: 8 experts, top 2 renormalised, layer 1 dense (mlp_only_layers), q/k norms
+    "qwen3_moe": (Qwen3MoeConfig, dict(num_hidden_layers=3, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                       moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+                                       tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}), {}),
+    # Mixtral: 4 experts, top 2 (always renormalised), chunked prefill
+    "mixtral": (MixtralConfig, dict(num_hidden_layers=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                    sliding_window=None, tie_word_embeddings=False,
                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
                 dict(max_num_batched_tokens=40)),
 }
