@@ -109,7 +109,7 @@ class MoEConfig:
     intermediate_size: int  # each expert's
     renormalize: bool  # the top-k weights rescaled to sum 1 (Mixtral always; Qwen3-MoE by norm_topk_prob)
     layers: tuple[int, ...]  # the decoder layers whose MLP is the experts (the others stay dense)
-    checkpoint_style: str  # "qwen" (mlp.experts.E.gate_proj/up_proj/down_proj) or "mixtral" (block_sparse_moe.experts.E.w1/w3/w2)
+    checkpoint_style: str  # "qwen" or "mixtral": how checkpoints name its experts (weight_sync/names.py)
 
     @classmethod
     def of(cls, arch: str, cfg: dict) -> "MoEConfig":

@@ -132,8 +132,10 @@ class EngineCore:
         self.asleep: set[str] = set()  # parts freed by sleep: "weights", "kv_cache"
         self.needs_weights = False  # a level-2 sleep dropped the weights: a push or reload refills them
         self._pending_outputs: list[EngineCoreOutput] = []  # produced outside step() (aborts, stream input)
-        # expert parallelism: every step of any replica is a forward pass on all of them, an idle one
-        # where this replica has nothing to run (set by the engine-core process: engine/process/waves.py)
+        # expert parallelism: the replicas' group (one worker per replica: tensor parallelism is refused),
+        # and whether every step of any replica is a forward pass on all of them, an idle one where this
+        # replica has nothing to run (set by the engine-core process: engine/process/waves.py)
+        self.ep_group = self.executor.worker.model_runner.ep if isinstance(self.executor, InprocExecutor) else None
         self.lockstep = False
         self.profiler = StepProfiler(config.profiler_dir, config.data_parallel_rank, config.device)
 

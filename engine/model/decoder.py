@@ -30,6 +30,7 @@ from kernels.activation import silu_and_mul
 from kernels.norm import fused_add_rms_norm
 from kernels.rotary import rope_and_cache, rope_cos_sin_cache, rope_inv_freq
 from weight_sync.checkpoint import load_safetensors_folder
+from weight_sync.names import expert_names, router_name, split_experts
 
 # float32 steps of at most this many rows run the fixed-order C++ kernel that streams the weights
 # once (kernels/csrc/invariant_ops.cpp) rather than oneDNN's prepacked GEMM, which wins from there
@@ -245,24 +246,17 @@ class LlamaModel:
         """A MoE layer's checkpoint names: its router and every expert's gate, up and down (Mixtral:
         block_sparse_moe's w1, w3, w2). Under expert parallelism the experts of other replicas are
         empty slices here (nothing to receive, nothing to write), their full shapes kept for checks."""
-        E, I, H = moe.cfg.num_experts, moe.cfg.intermediate_size, self.mc.hidden_size
-        mixtral = moe.cfg.checkpoint_style == "mixtral"
-        block = "block_sparse_moe." if mixtral else "mlp."
-        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-        m = {p + block + "gate.weight": (moe.router.weight, 0, E, Shard())}
+        E, I, H, style = moe.cfg.num_experts, moe.cfg.intermediate_size, self.mc.hidden_size, moe.cfg.checkpoint_style
+        m = {router_name(p, style): (moe.router.weight, 0, E, Shard())}
         none_h, none_i = moe.w13.new_empty(0, H), moe.w2.new_empty(0, I)
         for e in range(E):
-            name = f"{p}{block}experts.{e}."
-            local = moe.first <= e < moe.first + moe.count
-            if local:
+            gate, up, down = expert_names(p, e, style)
+            if moe.first <= e < moe.first + moe.count:
                 w13, w2 = moe.w13[e - moe.first], moe.w2[e - moe.first]
-                m[name + gate + ".weight"] = (w13, 0, I, Shard())
-                m[name + up + ".weight"] = (w13, I, I, Shard())
-                m[name + down + ".weight"] = (w2, 0, H, Shard())
+                m[gate], m[up], m[down] = (w13, 0, I, Shard()), (w13, I, I, Shard()), (w2, 0, H, Shard())
             else:
-                m[name + gate + ".weight"] = (none_h, 0, 0, Shard(0, ((0, 0),), I))
-                m[name + up + ".weight"] = (none_h, 0, 0, Shard(0, ((0, 0),), I))
-                m[name + down + ".weight"] = (none_i, 0, 0, Shard(0, ((0, 0),), H))
+                m[gate] = m[up] = (none_h, 0, 0, Shard(0, ((0, 0),), I))
+                m[down] = (none_i, 0, 0, Shard(0, ((0, 0),), H))
         return m
 
     def _fused_expert_names(self) -> dict[str, tuple[torch.Tensor, int, int, Shard]]:
@@ -329,34 +323,17 @@ class LlamaModel:
         A tensor pushed under both names is refused: which one should win is not clear."""
         for name in [n for n in staged if n in self._aliases]:
             t = staged.pop(name)
+            layer = name.rsplit("mlp.", 1)[0]
+            moe = self.layers[int(layer.rstrip(".").rsplit(".", 1)[1])].moe
+            style = moe.cfg.checkpoint_style
             if name.endswith(".gate.weight"):  # Mixtral's router
-                targets = {name.replace(".mlp.", ".block_sparse_moe."): t}
-            else:
-                layer = self.layers[int(name[len(self.mc.text_prefix + "layers."):].split(".")[0])]
-                targets = self._expert_slices(name, layer.moe, t)
-            for target, view in targets.items():
+                targets = [(router_name(layer, style), t)]
+            else:  # this replica's experts (the staged slice), empty tensors for the others'
+                targets = split_experts(name, t, style, moe.first, moe.cfg.num_experts)
+            for target, view in targets:
                 if target in staged:
                     raise InvalidRequestError(f"{target} was pushed twice (also inside {name}): push one naming")
                 staged[target] = view
-
-    @staticmethod
-    def _expert_slices(name: str, moe: MoE, t: torch.Tensor) -> dict[str, torch.Tensor]:
-        """{checkpoint name: view of t} for a staged gate_up_proj or down_proj (this replica's
-        experts; the others' names get empty tensors, like their views here)."""
-        I, mixtral = moe.cfg.intermediate_size, moe.cfg.checkpoint_style == "mixtral"
-        p = name.rsplit("mlp.experts.", 1)[0] + ("block_sparse_moe.experts." if mixtral else "mlp.experts.")
-        gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-        gate_up = name.endswith("gate_up_proj")
-        out = {}
-        for e in range(moe.cfg.num_experts):
-            if moe.first <= e < moe.first + moe.count:
-                w = t[e - moe.first]
-                parts = {gate: w[:I], up: w[I:]} if gate_up else {down: w}
-            else:
-                empty = t.new_empty(0, t.shape[-1])
-                parts = {gate: empty, up: empty} if gate_up else {down: empty}
-            out.update((f"{p}{e}.{proj}.weight", v) for proj, v in parts.items())
-        return out
 
     def untie_pushed(self, staged: dict[str, torch.Tensor]) -> None:
         """Drop a pushed lm_head.weight of a tied model (as vLLM does) after checking it equals
@@ -502,7 +479,7 @@ class LlamaModel:
         every MoE layer, in the order a forward pass reaches them (engine/model/moe.py)."""
         for layer in self.layers:
             if layer.moe is not None:
-                layer.moe.idle_step(self.mc.hidden_size, self.dtype, self.device)
+                layer.moe.idle_step()
 
     def _embed_sharded(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel embedding: each rank looks up the ids in its rows, zeros elsewhere,

@@ -46,7 +46,7 @@ class EPGroup(Protocol):
 class MoE:
     """One layer's router and experts (this replica's experts under expert parallelism)."""
 
-    __slots__ = ("cfg", "router", "w13", "w2", "first", "count", "ep", "starts")
+    __slots__ = ("cfg", "router", "w13", "w2", "first", "count", "ep", "starts", "bounds")
 
     def __init__(self, cfg: MoEConfig, hidden: int, router, dtype: torch.dtype, device: torch.device,
                  ep: EPGroup | None = None):
@@ -54,7 +54,9 @@ class MoE:
         E, I = cfg.num_experts, cfg.intermediate_size
         n, r = (ep.world_size, ep.rank) if ep is not None else (1, 0)
         self.first, self.count = split(E, n, r)
-        self.starts = [split(E, n, q)[0] for q in range(n)] + [E]  # first expert of each replica, then E
+        starts = [split(E, n, q)[0] for q in range(n)]  # the first expert of each replica
+        self.starts = torch.tensor(starts, device=device)
+        self.bounds = torch.tensor(starts[1:], device=device)  # (bucketize: pair -> replica)
         self.w13 = torch.zeros(self.count, 2 * I, hidden, dtype=dtype, device=device)
         self.w2 = torch.zeros(self.count, hidden, I, dtype=dtype, device=device)
 
@@ -65,25 +67,23 @@ class MoE:
             return fused_experts(x, self.w13, self.w2, ids, weights), ids
         return self._expert_parallel(x, ids, weights), ids
 
-    def idle_step(self, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+    def idle_step(self) -> None:
         """Serve the other replicas' tokens in a step where this replica has none."""
-        k = self.cfg.top_k
-        self._expert_parallel(torch.empty(0, hidden, dtype=dtype, device=device),
-                              torch.empty(0, k, dtype=torch.int32, device=device),
-                              torch.empty(0, k, dtype=torch.float32, device=device))
+        k, w = self.cfg.top_k, self.w2
+        self._expert_parallel(w.new_empty(0, w.shape[1]), torch.empty(0, k, dtype=torch.int32, device=w.device),
+                              torch.empty(0, k, dtype=torch.float32, device=w.device))
 
     def _expert_parallel(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         ep, n = self.ep, self.ep.world_size
         T, k = ids.shape
         flat = ids.flatten().long()  # pair p = (token p // k, slot p % k)
-        owner = torch.bucketize(flat, torch.tensor(self.starts[1:-1], device=x.device), right=True)
+        owner = torch.bucketize(flat, self.bounds, right=True)
         by_owner = torch.argsort(owner, stable=True)
         send = torch.bincount(owner, minlength=n).to(torch.int64)
         recv = torch.empty_like(send)
         ep.all_to_all(recv, send, [1] * n, [1] * n)
         send_counts, recv_counts = send.tolist(), recv.tolist()
-        starts = torch.tensor(self.starts[:-1], device=x.device)
-        local_ids = (flat - starts[owner])[by_owner]
+        local_ids = (flat - self.starts[owner])[by_owner]
         rows = ep.all_to_all(x.new_empty(sum(recv_counts), x.shape[1]), x[by_owner // k], recv_counts, send_counts)
         their_ids = ep.all_to_all(local_ids.new_empty(sum(recv_counts)), local_ids, recv_counts, send_counts)
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=x.device)

@@ -101,9 +101,7 @@ class EngineCoreProc:
         self.busy: tuple[str, float] | None = None  # (what, since when) the busy loop is doing; None: idle
         core.executor.on_death = self._die  # a tensor-parallel rank that dies ends the replica
         # expert parallelism: the replicas step in lockstep (engine/process/waves.py)
-        ep = getattr(getattr(core.executor, "worker", None), "model_runner", None)
-        ep = ep.ep if ep is not None else None
-        self.lockstep = Lockstep(ep) if ep is not None else None
+        self.lockstep = Lockstep(core.ep_group) if core.ep_group is not None else None
         self.barrier_calls: list[BarrierCall] = []
         core.lockstep = self.lockstep is not None
         threading.Thread(target=self._input_thread, daemon=True, name="core-input").start()
@@ -198,48 +196,45 @@ class EngineCoreProc:
             return self._run_lockstep()
         try:
             while True:
-                if not self.core.has_work():  # idle: block for input, or until something is due
-                    self.busy = None
-                    try:
-                        self._handle(*self.input_queue.get(timeout=self._idle_timeout()))
-                    except queue.Empty:
-                        pass
-                while not self.input_queue.empty():
-                    self._handle(*self.input_queue.get_nowait())
+                self._take_input(idle=not self.core.has_work())
                 if self.core.has_work():
                     self.busy = ("step", time.monotonic())
                     self._send(self.core.step(), time.monotonic())
-                if self.deferred:
-                    self._resolve_deferred()
-                if self.addresses.coordinator:
-                    self._report_load()
+                self._after_iteration()
         except BaseException as e:  # a bug in a step: every caller must learn it, now
             logger.error("%s", traceback.format_exc())
             self._die(f"{type(e).__name__}: {e}")
+
+    def _take_input(self, idle: bool) -> None:
+        """Handle what the IO threads queued; when idle, first block for it (or until something is due)."""
+        if idle:
+            self.busy = None
+            try:
+                self._handle(*self.input_queue.get(timeout=self._idle_timeout()))
+            except queue.Empty:
+                pass
+        while not self.input_queue.empty():
+            self._handle(*self.input_queue.get_nowait())
+
+    def _after_iteration(self) -> None:
+        if self.deferred:
+            self._resolve_deferred()
+        if self.addresses.coordinator:
+            self._report_load()
 
     def _run_lockstep(self) -> None:
         """The busy loop of an expert-parallel replica (engine/process/waves.py)."""
         ls, core = self.lockstep, self.core
         try:
             while True:
-                if not ls.in_wave and not core.has_work() and not self.barrier_calls:
-                    self.busy = None
-                    try:
-                        self._handle(*self.input_queue.get(timeout=self._idle_timeout()))
-                    except queue.Empty:
-                        pass
-                while not self.input_queue.empty():
-                    self._handle(*self.input_queue.get_nowait())
+                self._take_input(idle=not ls.in_wave and not core.has_work() and not self.barrier_calls)
                 work = core.has_work()
                 if not ls.in_wave and (work or self.barrier_calls):
                     ls.in_wave = True
                     self.output_queue.put((TO_COORDINATOR, WaveEvent(self.engine_index, ls.wave, True)))
                 if ls.in_wave:
                     self._lockstep_iteration(work)
-                if self.deferred:
-                    self._resolve_deferred()
-                if self.addresses.coordinator:
-                    self._report_load()
+                self._after_iteration()
         except BaseException as e:  # a bug, or a replica gone (the group's collectives fail): all learn it
             logger.error("%s", traceback.format_exc())
             self._die(f"{type(e).__name__}: {e}")

@@ -67,10 +67,7 @@ class Lockstep:
         self.group.all_reduce_sum_(f)
         return int(f[0]), int(f[1]), int(f[2])
 
-    def join(self, wave: int) -> bool:
-        """A START_DP_WAVE for `wave`: enter it unless it is over here already. Whether to announce
-        nothing (False) or that this replica entered (True)."""
-        if self.in_wave or wave < self.wave:
-            return False
-        self.wave, self.in_wave = wave, True
-        return True
+    def join(self, wave: int) -> None:
+        """A START_DP_WAVE for `wave`: enter it unless it is over here already (a repeat)."""
+        if not self.in_wave and wave >= self.wave:
+            self.wave, self.in_wave = wave, True
