@@ -84,7 +84,30 @@ def _build_dir(name: str) -> Path:
     return _cache_dir() / "torch_extensions" / name
 
 
+def _import_built(name: str, so: Path):
+    """The module of an extension built earlier (its name hashes its sources and flags, so an
+    existing library is current), imported directly: torch's loader takes a lock file and runs
+    ninja in every process, and a process killed while holding that lock (tests and
+    supervisors kill engines at start-up) leaves every later start waiting on it."""
+    import importlib.util
+
+    import torch  # noqa: F401 - the library links against libtorch, loaded by importing torch
+
+    spec = importlib.util.spec_from_file_location(name, so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _build():
+    name = _module_name()
+    so = _build_dir(name) / f"{name}.so"
+    if so.exists():
+        try:
+            return _import_built(name, so)
+        except ImportError as e:  # a link cut short: build it again
+            logger.warning("rebuilding the CPU kernels: %s does not load (%s)", so, e)
+            so.unlink(missing_ok=True)
     from torch.utils import cpp_extension
 
     if not _ensure_ninja():
@@ -92,7 +115,6 @@ def _build():
     cxx = os.environ.get("CXX", "c++")
     if not shutil.which(cxx.split()[0] if cxx.strip() else "c++"):
         raise RuntimeError(f"no C++ compiler ({cxx!r} not found)")
-    name = _module_name()
     build_dir = _build_dir(name)
     build_dir.mkdir(parents=True, exist_ok=True)
     # torch waits forever on a lock file left by a build that was killed (e.g. SIGKILL).

@@ -36,6 +36,7 @@ import zmq
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, remote_error
 from engine.lifetime import child_argv, child_env, die_with_parent
+from engine.model.parallel import Partition
 from engine.protocol import UtilityOutput
 from engine.serial import MsgpackDecoder, MsgpackEncoder
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
@@ -70,6 +71,9 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.size = config.tensor_parallel_size
+        mc = config.model_config
+        for rank in range(self.size):  # a model that cannot be split this way is refused before any rank starts
+            Partition.of(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, mc.vocab_size, self.size, rank)
         self.on_death: Callable[[str], None] | None = None  # the engine-core process ends the replica
         self.dead: str | None = None
         self._stopping = False
