@@ -3,8 +3,12 @@ staging, atomic swap, version bump, prefix-cache reset) -> resume, for the defau
 float32 and bfloat16, with the engine core in its own process and this process as the trainer
 (rank 0). Printed beside the bare transport time of the same push (WeightSender alone, the
 engine's receive included), so the engine-side overhead (swap, repack) shows. Route "shm" is the
-same cycle for a trainer on the same machine: SharedWeights (shared memory) +
-update_weights_from_ipc, no process group.
+same cycle for a trainer on the same machine: SharedWeights (shared memory, one segment reused
+from push to push, as the client does) + update_weights_from_ipc, no process group.
+
+"of copy": the push's GB/s (trainer tensors -> live weights, payload bytes once) over this
+machine's copy bandwidth (one large Tensor.copy_ of the same bytes, counting bytes read +
+written), measured in the same run: one copy of the weights at full speed would be 50%.
 
     python benchmarks/rl_cycle.py [--reps 3]
 """
@@ -19,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
+from timing import machine_line  # noqa: E402  (benchmarks/timing.py)
 from weight_sync import (SharedWeights, WeightSender, WeightTransferGroup, find_free_port,  # noqa: E402
                          load_safetensors_folder)
 
@@ -42,20 +47,49 @@ def run(dtype: str, reps: int) -> dict:
         receiver.join()
         return stats["seconds"]
 
+    shared = SharedWeights()
+
     def shm_push() -> float:  # share (one copy into shared memory), then the engine copies it in
-        with SharedWeights() as shared:
-            t = time.perf_counter()
-            handles = shared.share(state)
-            share_s = time.perf_counter() - t
-            llm.update_weights_from_ipc(handles)
+        t = time.perf_counter()
+        handles = shared.share(state)
+        share_s = time.perf_counter() - t
+        llm.update_weights_from_ipc(handles)
         return share_s
 
-    best = {"gloo": cycle(llm, gloo_push, reps), "shm": cycle(llm, shm_push, reps)}
-    for row in best.values():
-        row["gb"] = sum(t.numel() * t.element_size() for _, t in state) / 1e9
+    # a partial push (3 of the 30 layers: ~8% of the bytes) costs in proportion to what it moves
+    some = [(n, t) for n, t in state if any(f".layers.{i}." in n for i in (0, 1, 2))]
+    some_shared = SharedWeights()
+
+    def shm_partial_push() -> float:
+        t = time.perf_counter()
+        handles = some_shared.share(some)
+        share_s = time.perf_counter() - t
+        llm.update_weights_from_ipc(handles)
+        return share_s
+
+    best = {"gloo": cycle(llm, gloo_push, reps), "shm": cycle(llm, shm_push, reps),
+            "shm, 3 layers": cycle(llm, shm_partial_push, reps)}
+    copy_gbps = copy_bandwidth(sum(t.numel() * t.element_size() for _, t in state))
+    for route, row in best.items():
+        pushed = some if route == "shm, 3 layers" else state
+        row["gb"], row["copy_gbps"] = sum(t.numel() * t.element_size() for _, t in pushed) / 1e9, copy_gbps
+    shared.close()
+    some_shared.close()
     group.close()
     llm.shutdown()
     return best
+
+
+def copy_bandwidth(nbytes: int, reps: int = 3) -> float:
+    """GB/s of one Tensor.copy_ of `nbytes` between touched buffers, counting bytes read + written."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(reps + 1):  # (the first one touches dst)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best / 1e9
 
 
 def cycle(llm, push, reps: int) -> dict:
@@ -81,12 +115,15 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     args = ap.parse_args()
+    print(f"{machine_line()}; torch {torch.__version__}")
     rows = [(d, route, r) for d in args.dtypes.split(",") for route, r in run(d, args.reps).items()]
-    print(f"{'dtype':9s} {'route':5s} {'GB':>5s} {'pause s':>8s} {'push s':>7s} {'(sender)':>9s} {'resume s':>9s} "
-          f"{'cycle s':>8s} {'GB/s':>6s}")
+    print("| dtype | route | GB | pause s | push s | (sender) | resume s | cycle s | push GB/s | copy GB/s | of copy |")
+    print("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for d, route, r in rows:
-        print(f"{d:9s} {route:5s} {r['gb']:5.2f} {r['pause_s']:8.3f} {r['push_s']:7.3f} {r['send_s']:9.3f} "
-              f"{r['resume_s']:9.3f} {r['cycle_s']:8.3f} {r['gb'] / r['cycle_s']:6.2f}")
+        gbps = r["gb"] / r["push_s"]
+        print(f"| {d} | {route} | {r['gb']:.2f} | {r['pause_s']:.3f} | {r['push_s']:.3f} | {r['send_s']:.3f} | "
+              f"{r['resume_s']:.3f} | {r['cycle_s']:.3f} | {gbps:.2f} | {r['copy_gbps']:.1f} | "
+              f"{gbps / r['copy_gbps']:.0%} |")
     print("best of --reps cycles; push = the engine's update call (receive, checks, swap, version, cache reset);"
           " (sender) = the trainer's part alone: WeightSender.send (gloo) or SharedWeights.share (shm)")
 

@@ -2,17 +2,20 @@
 
 Two processes on this machine, a gloo group over TCP on 127.0.0.1: the trainer (this process,
 rank 0) pushes random tensors shaped like SmolLM2-135M (30 layers + tied embedding, ~134.5M
-params) with `WeightSender.send`, in float32 and bfloat16, sweeping the bucket cap; the engine
-(a spawned process, rank 1) receives with `WeightReceiver.receive` into fresh memory, as the
-engine does. Each row is the best of --reps pushes, timed on the sender from the header to the
-final confirmation (so the receiver holds everything). GB/s counts payload bytes once.
+params) with `WeightSender.send`, in float32 and bfloat16 (and float32 tensors cast to bfloat16
+in flight, `send(dtype=)`: "float32>bfloat16"), sweeping the bucket cap; the engine (a spawned
+process, rank 1) receives with `WeightReceiver.receive` into staging tensors kept from push to
+push, as the engine does (engine/worker/weight_buffers.py). Each row is the best of --reps
+pushes, timed on the sender from the header to the final confirmation (so the receiver holds
+everything). GB/s counts payload bytes once.
 
 References measured in the same run: (1) this machine's copy bandwidth, one large
 `Tensor.copy_` of 512 MiB counting bytes read + written, re-measured next to every row because
 the load on a shared 2-core box drifts (a loopback push moves each byte through several copies:
 staging, socket buffers, fresh receive buffer, so it sits far below this); (2) the transport
 alone, "raw bytes": 8 broadcasts of one reused 64 MiB buffer through the same group, no packing,
-no fresh memory, no protocol. Then the time of `weights_checksum` on the same tensors.
+no fresh memory, no protocol ("of raw": a push's GB/s over it). Then the time of
+`weights_checksum` on the same tensors.
 
 NCCL rows need two GPUs (one rank per GPU); they are skipped otherwise.
 
@@ -31,6 +34,7 @@ import torch.multiprocessing as mp
 # shadow the `weight_sync` package it benchmarks: put the repository root ahead of it.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from timing import machine_line  # noqa: E402  (benchmarks/timing.py)
 from weight_sync import (  # noqa: E402
     WeightReceiver,
     WeightSender,
@@ -74,10 +78,12 @@ def _engine_main(port, backend, device, dtypes, num_pushes_each):
     receiver = WeightReceiver(group)
     shapes = smollm2_135m_shapes()
     for dtype in dtypes:
-        expected = {n: (s, getattr(torch, dtype)) for n, s in shapes.items()}
+        wire = getattr(torch, dtype.split(">")[-1])
+        expected = {n: (s, wire) for n, s in shapes.items()}
+        staging = {n: torch.zeros(s, dtype=wire, device=group.device) for n, s in shapes.items()}
         for _ in range(num_pushes_each):
-            got = receiver.receive(expected)
-            del got  # freed before the next push, as after an engine's swap
+            receiver.receive(expected, into=staging.__getitem__)
+        del staging
     group.close()
 
 
@@ -123,11 +129,11 @@ def run(backend: str, dtypes, bucket_labels, reps, rows):
                      RAW_BYTES * RAW_COUNT / raw / 1e9, copy_gbps))
         del buf
         for dtype in dtypes:
-            dt = getattr(torch, dtype)
+            dt, wire = getattr(torch, dtype.split(">")[0]), getattr(torch, dtype.split(">")[-1])
             tensors = {n: torch.randn(s, generator=g).to(device or "cpu", dt) for n, s in shapes.items()}
             for label in bucket_labels:
                 sender = WeightSender(group, bucket_bytes=bucket_bytes_of(label))
-                stats = [sender.send(tensors.items()) for _ in range(reps)]
+                stats = [sender.send(tensors.items(), dtype=wire) for _ in range(reps)]
                 best = min(stats, key=lambda s: s["seconds"])
                 copy_gbps = copy_bandwidth(group.device)  # measured next to each row: the load on this box drifts
                 rows.append((backend, dtype, label, best["num_buckets"], best["seconds"], best["gb_per_s"], copy_gbps))
@@ -159,14 +165,15 @@ def checksum_rows(dtypes, reps):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float32>bfloat16"],
+                    help="a>b: tensors in a, sent as b")
     ap.add_argument("--buckets", nargs="+", default=["4", "16", "64", "256", "one"], help="MiB, or 'one'")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     t_start = time.perf_counter()
     n_params = sum(torch.Size(s).numel() for s in smollm2_135m_shapes().values())
     print(f"SmolLM2-135M-shaped push: {n_params / 1e6:.1f}M params, {len(smollm2_135m_shapes())} tensors; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads\n{machine_line()}")
 
     rows = []
     run("gloo", args.dtypes, args.buckets, args.reps, rows)
@@ -176,16 +183,17 @@ def main():
         print("nccl: skipped (needs two CUDA devices, one per rank)")
 
     print()
-    print("| backend | dtype     | bucket MiB | broadcasts | seconds | GB/s | copy GB/s | of copy |")
-    print("|---------|-----------|-----------:|-----------:|--------:|-----:|----------:|--------:|")
+    print("| backend | dtype            | bucket MiB | broadcasts | seconds | GB/s | of raw | copy GB/s | of copy |")
+    print("|---------|------------------|-----------:|-----------:|--------:|-----:|-------:|----------:|--------:|")
+    raw = {backend: gbps for backend, dtype, _, _, _, gbps, _ in rows if dtype == "raw bytes"}
     for backend, dtype, label, nb, sec, gbps, copy_gbps in rows:
-        print(f"| {backend:7s} | {dtype:9s} | {label:>10s} | {nb:>10d} | {sec:7.3f} | {gbps:4.2f} "
-              f"| {copy_gbps:9.1f} | {gbps / copy_gbps:>7.1%} |")
+        print(f"| {backend:7s} | {dtype:16s} | {label:>10s} | {nb:>10d} | {sec:7.3f} | {gbps:4.2f} "
+              f"| {gbps / raw[backend]:>6.0%} | {copy_gbps:9.1f} | {gbps / copy_gbps:>7.1%} |")
 
     print()
     print("| weights_checksum          | MB   | seconds | GB/s |")
     print("|---------------------------|-----:|--------:|-----:|")
-    for what, nbytes, sec in checksum_rows(args.dtypes, args.reps):
+    for what, nbytes, sec in checksum_rows([d for d in args.dtypes if ">" not in d], args.reps):
         print(f"| {what:25s} | {nbytes / 1e6:4.0f} | {sec:7.3f} | {nbytes / sec / 1e9:4.2f} |")
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
 

@@ -171,12 +171,6 @@ def _update_info(named: list, dtype, version: int | None) -> dict:
             "shapes": [list(t.shape) for _, t in named], "packed": True, "weight_version": version}
 
 
-def _cast(named_tensors: Iterable, dtype) -> list:
-    """(name, tensor) pairs with the floating-point tensors in `dtype` (None: as they are)."""
-    return [(n, t.detach().to(dtype) if dtype is not None and t.is_floating_point() else t)
-            for n, t in named_tensors]
-
-
 class WeightUpdate:
     """One update in progress (see WeightTransfer.update); `send` pushes one chunk of named
     tensors (awaitable with the async client)."""
@@ -215,11 +209,19 @@ class WeightTransfer:
         self.group = None  # weight_sync.WeightTransferGroup, rank 0
         self.dtype = None  # the engine's dtype: pushed floating-point tensors are cast to it
         self.bucket_bytes: int | None = None
+        self.shared = None  # weight_sync.SharedWeights of push_shared: its segment is reused push after push
+        self._sharing = threading.Lock()  # held while a push reads self.shared
+        self._senders: dict = {}  # (group, bucket size) -> its WeightSender (bucket buffers reused)
 
     def _sender(self, group):
         from weight_sync import WeightSender
 
-        return WeightSender(group, **({"bucket_bytes": self.bucket_bytes} if self.bucket_bytes else {}))
+        key = (id(group), self.bucket_bytes)
+        sender = self._senders.get(key)
+        if sender is None or sender.group is not group:
+            sender = WeightSender(group, **({"bucket_bytes": self.bucket_bytes} if self.bucket_bytes else {}))
+            self._senders = {key: sender}
+        return sender
 
     def run(self, plan: Plan):
         return arun_plan(self.client, plan) if self.is_async else run_plan(self.client, plan)
@@ -260,7 +262,9 @@ class WeightTransfer:
         return self.run(self._close_plan())
 
     def _close_plan(self) -> Plan:
-        group, self.group = self.group, None
+        if self.shared is not None:
+            self.shared.close()
+        group, self.group, self._senders = self.group, None, {}
         if group is None:
             return
         try:
@@ -459,13 +463,24 @@ class WeightTransfer:
 
             served = (yield lambda c: c.server_info()).get("dtype")
             dtype = getattr(torch, served) if served else None
-        named = _cast(named_tensors, dtype or self.dtype)
         t0 = time.perf_counter()
-        with SharedWeights() as shared:
-            handles = shared.share(named)
+        own = self._sharing.acquire(blocking=False)  # a concurrent push gets a segment of its own
+        if own and self.shared is None:
+            self.shared = SharedWeights()
+        shared = self.shared if own else SharedWeights()
+        try:
+            handles = shared.share(named_tensors, dtype or self.dtype)
             result = yield lambda c: c.weights_update("ipc", idempotency_key, deadline_s, handles=handles,
                                                       version=version, lora_name=lora_name, pause_mode=pause_mode,
                                                       recompute_kv=recompute_kv)
+        except BaseException:  # the server may still be reading the segment: the next push shares a new one
+            shared.close()
+            raise
+        finally:
+            if own:
+                self._sharing.release()
+            else:
+                shared.close()
         log_push(self.client.wandb_run, "ipc", time.perf_counter() - t0, result.get("num_bytes"),
                  result.get("weight_version") if lora_name is None else None)
         return result

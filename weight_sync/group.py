@@ -228,9 +228,15 @@ class WeightTransferGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """In place: every rank's `tensor` (contiguous, on `self.device`) ends up equal to src's."""
+        self.broadcast_async(tensor, src).wait()
+
+    def broadcast_async(self, tensor: torch.Tensor, src: int = 0) -> Pending:
+        """broadcast, started: the backend's own threads move the bytes while the caller packs or
+        unpacks another buffer; `wait()` on the result (in the order started) before touching
+        `tensor` again. Errors surface from `wait()`, as from `broadcast`."""
         assert tensor.device == self.device, f"tensor on {tensor.device}, group on {self.device}"
         assert tensor.is_contiguous(), "broadcast needs a contiguous tensor"
-        self._run("broadcast", lambda timeout: self._pg.broadcast(tensor, src, timeout))
+        return self._start("broadcast", lambda timeout: self._pg.broadcast(tensor, src, timeout))
 
     def all_reduce_max(self, value: int) -> int:
         """The maximum of `value` over all ranks (status handshakes: 0 = ok everywhere)."""
@@ -327,6 +333,9 @@ class WeightTransferGroup:
     # -- internals --------------------------------------------------------------------------
 
     def _run(self, what: str, start) -> None:
+        self._start(what, start).wait()
+
+    def _start(self, what: str, start) -> Pending:
         """start(timeout) launches the collective with that per-operation timeout; it is waited
         for as long. The timeout is the group's, or what is left of the deadline if shorter: gloo
         then ends the operation itself, so that aborting the group really closes its sockets (a
@@ -346,13 +355,44 @@ class WeightTransferGroup:
             if left < self.timeout_s:
                 timeout, by_deadline = datetime.timedelta(seconds=left), True
         try:
-            start(timeout).wait(timeout)
+            work = start(timeout)
+        except Exception as e:  # noqa: BLE001 - the same failure as one seen by wait()
+            work = _Failed(e)
+        return Pending(self, what, work, timeout, by_deadline)
+
+    def _failed(self, what: str, e: Exception, by_deadline: bool) -> WeightTransferError:
+        self.abort(f"{what} failed: {e}")
+        if by_deadline and time.monotonic() >= self._deadline - 0.05:
+            return WeightDeadlineError(f"{what} on rank {self.rank}/{self.world_size} did not finish before the "
+                                       f"deadline; the group was aborted: {e}")
+        return WeightTransferError(f"{what} failed on rank {self.rank}/{self.world_size} (peer died or did not "
+                                   f"answer within {self.timeout_s:g}s): {e}")
+
+
+class _Failed:
+    """A collective that failed to start: its wait() raises the error."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def wait(self, timeout=None):
+        raise self.error
+
+
+class Pending:
+    """A started collective (WeightTransferGroup.broadcast_async): `wait()` blocks until it is done,
+    raising WeightTransferError (the group then aborted) as the blocking calls do."""
+
+    __slots__ = ("group", "what", "work", "timeout", "by_deadline")
+
+    def __init__(self, group: WeightTransferGroup, what: str, work, timeout, by_deadline: bool):
+        self.group, self.what, self.work, self.timeout, self.by_deadline = group, what, work, timeout, by_deadline
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        work, self.work = self.work, None
+        try:
+            work.wait(self.timeout)
         except Exception as e:  # gloo/NCCL raise RuntimeError / DistBackendError with the cause
-            self.abort(f"{what} failed: {e}")
-            if by_deadline and time.monotonic() >= self._deadline - 0.05:
-                raise WeightDeadlineError(f"{what} on rank {self.rank}/{self.world_size} did not finish before the "
-                                          f"deadline; the group was aborted: {e}") from e
-            raise WeightTransferError(
-                f"{what} failed on rank {self.rank}/{self.world_size} (peer died or did not answer "
-                f"within {self.timeout_s:g}s): {e}"
-            ) from e
+            raise self.group._failed(self.what, e, self.by_deadline) from e  # noqa: SLF001

@@ -73,38 +73,52 @@ def _load_cuda(handle: str) -> torch.Tensor:
 
 class SharedWeights:
     """The trainer's side: `handles = shared.share(named_tensors)`; keep `shared` open until the
-    engine's update returned, then `close()` (or use it as a context manager)."""
+    engine's update returned, then share the next push through the same object (its segment is
+    reused when the names, shapes and dtypes repeat: fresh shared memory costs page faults worth
+    several copies) and `close()` it at the end (or use it as a context manager). After an
+    update that failed or timed out, call `close()` before sharing again: the engine may still
+    be reading the segment."""
 
     def __init__(self):
         self._shm: shared_memory.SharedMemory | None = None
+        self._metas: list[dict] = []
         self._keep: list[torch.Tensor] = []
 
-    def share(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict:
-        self.close()
+    def share(self, named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> dict:
+        """Handles for the engine. `dtype`: floating-point tensors are cast to it (in the copy
+        into shared memory, CPU tensors; CUDA tensors are cast first)."""
+        self._keep = []
         named = [(n, t.detach()) for n, t in named_tensors]
         if not named:
             raise ValueError("nothing to share")
         kinds = {t.device.type for _, t in named}
         if kinds == {"cuda"}:
-            self._keep = [t for _, t in named]
-            return {"kind": "cuda", "tensors": [{"name": n, "handle": _dump_cuda(t)} for n, t in named]}
+            self.close()
+            self._keep = [_cast(t, dtype) for _, t in named]
+            return {"kind": "cuda", "tensors": [{"name": n, "handle": _dump_cuda(t)}
+                                                for (n, _), t in zip(named, self._keep)]}
         if kinds != {"cpu"}:
             raise ValueError(f"tensors must be all CUDA or all CPU, got {sorted(kinds)}")
         metas, offset = [], 0
         for n, t in named:
-            metas.append({"name": n, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset})
-            offset += (t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
-        self._shm = shared_memory.SharedMemory(create=True, size=max(offset, 1))
-        _CREATED_HERE.add(self._shm.name)
+            out = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            metas.append({"name": n, "dtype": dtype_name(out), "shape": list(t.shape), "offset": offset})
+            offset += (t.numel() * out.itemsize + ALIGN - 1) // ALIGN * ALIGN
+        if metas != self._metas:
+            self.close()
+            self._shm = shared_memory.SharedMemory(create=True, size=max(offset, 1))
+            _CREATED_HERE.add(self._shm.name)
+            self._metas = metas
         for (_, t), m in zip(named, metas):
-            nbytes = t.numel() * t.element_size()
-            dst = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=nbytes, offset=m["offset"])
-            dst.copy_(t.contiguous().view(-1).view(torch.uint8))
+            dst = torch.frombuffer(self._shm.buf, dtype=parse_dtype(m["dtype"]), count=t.numel(),
+                                   offset=m["offset"]) if t.numel() else None
+            if dst is not None:
+                dst.view(t.shape).copy_(t)
             del dst  # no view may outlive the segment
         return {"kind": "shm", "shm": self._shm.name, "tensors": metas}
 
     def close(self) -> None:
-        self._keep = []
+        self._keep, self._metas = [], []
         if self._shm is not None:
             shm, self._shm = self._shm, None
             shm.close()
@@ -117,36 +131,52 @@ class SharedWeights:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
 
 def read_shared(handles: dict, device: torch.device, check: Callable | None = None,
-                select: Callable | None = None) -> dict[str, torch.Tensor]:
-    """The engine's side: fresh copies on `device` of the tensors behind the handles. `check(name,
+                select: Callable | None = None,
+                into: Callable[[str], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The engine's side: copies on `device` of the tensors behind the handles. `check(name,
     shape, dtype)` runs for every tensor before anything is copied (raise to refuse the push);
-    `select(name, tensor)`: the part of each to copy (a tensor-parallel rank's slice)."""
+    `select(name, tensor)`: the part of each to copy (a tensor-parallel rank's slice); `into(name)`:
+    where to copy it (the caller's staging memory; fresh tensors without it)."""
     if not isinstance(handles, dict) or handles.get("kind") not in ("cuda", "shm") \
             or not isinstance(handles.get("tensors"), list):
         raise ValueError('IPC handles must be {"kind": "cuda" | "shm", "tensors": [...]} (from SharedWeights)')
     if handles["kind"] == "cuda":
         named = [(m["name"], _load_cuda(m["handle"])) for m in handles["tensors"]]
-        return _checked_copies(named, device, check, select)
+        return _checked_copies(named, device, check, select, into)
     shm = _attach(str(handles.get("shm")))
     try:
         named = list(_views(shm, handles["tensors"]))
-        out = _checked_copies(named, device, check, select)
+        out = _checked_copies(named, device, check, select, into)
         del named
     finally:
         shm.close()
     return out
 
 
-def _checked_copies(named, device, check, select=None) -> dict[str, torch.Tensor]:
+def _checked_copies(named, device, check, select=None, into=None) -> dict[str, torch.Tensor]:
     names = [n for n, _ in named]
     if len(set(names)) != len(names):
         raise ValueError("a tensor name appears twice in the handles")
     if check is not None:
         for n, t in named:
             check(n, tuple(t.shape), t.dtype)
-    return {n: (t if select is None else select(n, t)).to(device, copy=True) for n, t in named}
+    out = {}
+    for n, t in named:
+        part = t if select is None else select(n, t)
+        out[n] = part.to(device, copy=True) if into is None else into(n).copy_(part)
+    return out
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:

@@ -7,8 +7,10 @@
     2. all_reduce_max(status)      0 = all accept, 1 = a receiver refused, 2 = the sender aborted
        -> nonzero: everyone raises `WeightTransferError` here; nothing else was sent, the group
           stays in step and can carry the next push
-    3. broadcast each bucket (uint8, <= bucket_bytes)  receive into a fresh buffer; the tensors
-                                                     are views into it (never the live weights)
+    3. broadcast each bucket (uint8, <= bucket_bytes)  receive into a bucket buffer, then copy
+       (packing the next one while it travels)       each tensor to where the caller stages it
+                                                     (`into`; never the live weights), or keep
+                                                     views into fresh buffers
     4. all_reduce_max(0)           confirms every receiver holds everything; only then does
                                                      `receive()` return the staged tensors
 
@@ -16,7 +18,9 @@ Buckets: tensors are grouped by dtype (in order of first appearance), metadata o
 dtype, and packed back to back into 1-D byte buffers of at most `bucket_bytes`, each tensor at a
 256-byte aligned offset (so the receiver's views are as aligned as fresh allocations for
 vectorized kernels). A tensor larger than the cap is cut into cap-sized pieces received straight
-into its own fresh tensor, so the sender's staging buffer never exceeds the cap. A tensor that is
+into its destination, so the sender's staging buffers never exceed the cap. Both sides keep
+PIPELINE_DEPTH buckets in flight and reuse their buffers from push to push: fresh memory costs
+page faults worth several copies. A tensor that is
 alone in its bucket (or piece) and already contiguous with the wire's dtype and device is sent
 from its own storage, without a copy. The plan is a pure function of the header, so both sides
 compute it and only the header crosses the wire. Buckets travel as bytes, so any dtype moves on
@@ -30,13 +34,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
+from collections import deque
 from dataclasses import dataclass
 
 import msgspec
 import numpy as np
 import torch
 
-from weight_sync.group import WeightPushRefused, WeightTransferError, WeightTransferGroup
+from weight_sync.group import Pending, WeightPushRefused, WeightTransferError, WeightTransferGroup
 
 __all__ = ["WeightSender", "WeightReceiver", "WeightTransferError", "DEFAULT_BUCKET_BYTES"]
 
@@ -44,10 +49,13 @@ __all__ = ["WeightSender", "WeightReceiver", "WeightTransferError", "DEFAULT_BUC
 # buckets than with 64 MiB or more (the staging buffer stays cache-resident and the sender packs
 # the next bucket while the receiver drains the last; benchmarks/weight_transfer.py). NCCL, 256 MiB
 # (not measured here: it needs two GPUs): per-call launch and sync costs are fixed while
-# NVLink moves 16 MiB in ~0.1 ms, so bigger buckets amortize them; 256 MiB is also all the extra
-# GPU memory a push costs the trainer (one staging buffer), and the receiver needs none.
+# NVLink moves 16 MiB in ~0.1 ms, so bigger buckets amortize them; two such staging buffers are
+# all the extra GPU memory a push costs the trainer (see PIPELINE_DEPTH).
 DEFAULT_BUCKET_BYTES = {"gloo": 16 << 20, "nccl": 256 << 20}
 ALIGN = 256  # byte alignment of every tensor inside a bucket
+# Buckets in flight at once on each side: the sender packs one while the other travels, the
+# receiver unpacks one while the next arrives (each side keeps that many bucket buffers).
+PIPELINE_DEPTH = 2
 MAX_HEADER_BYTES = 256 << 20  # ~100 bytes per tensor: millions of tensors fit
 
 OK, REFUSED, SENDER_ABORTED = 0, 1, 2
@@ -162,6 +170,7 @@ class WeightSender:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.group = group
         self.bucket_bytes = bucket_bytes
+        self._buffers: list[torch.Tensor | None] = [None] * PIPELINE_DEPTH
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> dict:
         """Push all `named_tensors` (any device; cast to `dtype` first when given, floating-point
@@ -178,20 +187,9 @@ class WeightSender:
                 "a receiver refused the push (names, shapes or dtypes do not match its model; the "
                 "receiver's exception says which); nothing was sent"
             )
-        buckets = plan_buckets(header)
+        buckets = [b for b in plan_buckets(header) if b.nbytes]
         try:
-            staging = None  # grows to the largest bucket that needs packing, <= bucket_bytes
-            for b in buckets:
-                if b.nbytes == 0:
-                    continue
-                buf = self._direct(tensors, b)
-                if buf is None:
-                    if staging is None or staging.numel() < b.nbytes:
-                        staging = None
-                        staging = torch.empty(b.nbytes, dtype=torch.uint8, device=self.group.device)
-                    buf = staging[: b.nbytes]
-                    _pack(tensors, b, buf)
-                self.group.broadcast(buf)
+            self._broadcast_all(tensors, buckets)
         except WeightTransferError:
             raise
         except BaseException as e:  # the receivers wait for buckets we will not send: break the group
@@ -204,10 +202,46 @@ class WeightSender:
         return {
             "num_tensors": len(tensors),
             "num_bytes": num_bytes,
-            "num_buckets": sum(1 for b in buckets if b.nbytes),
+            "num_buckets": len(buckets),
             "seconds": seconds,
             "gb_per_s": num_bytes / seconds / 1e9,
         }
+
+    def _broadcast_all(self, tensors: list[torch.Tensor], buckets: list[Bucket]) -> None:
+        """Every bucket, pipelined: the next one is packed (and cast) while the backend's threads
+        still send the last, so packing costs no time of its own; at most PIPELINE_DEPTH are in
+        flight, each packed one in its own staging buffer (reused from push to push)."""
+        in_flight: deque[tuple[Pending, int | None]] = deque()
+        free = list(range(PIPELINE_DEPTH))
+        for b in buckets:
+            buf = self._direct(tensors, b)
+            slot = None
+            if buf is None:
+                while not free:
+                    done, slot_done = in_flight.popleft()
+                    done.wait()
+                    if slot_done is not None:
+                        free.append(slot_done)
+                slot = free.pop()
+                buf = self._staging(slot, b.nbytes)
+                _pack(tensors, b, buf)
+            in_flight.append((self.group.broadcast_async(buf), slot))
+            while len(in_flight) > PIPELINE_DEPTH:
+                done, slot_done = in_flight.popleft()
+                done.wait()
+                if slot_done is not None:
+                    free.append(slot_done)
+        while in_flight:
+            in_flight.popleft()[0].wait()
+
+    def _staging(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Staging buffer `slot`, at least `nbytes` (<= the bucket cap), kept for the next push:
+        fresh memory costs page faults worth several copies."""
+        buf = self._buffers[slot]
+        if buf is None or buf.numel() < nbytes:
+            self._buffers[slot] = None
+            buf = self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        return buf[:nbytes]
 
     def _collect(self, named_tensors, dtype) -> tuple[list[torch.Tensor], PushHeader]:
         """Metadata of every tensor, built before anything is sent. A failure here (a bad
@@ -261,41 +295,43 @@ def _pack(tensors: list[torch.Tensor], b: Bucket, buf: torch.Tensor) -> None:
         _copy(buf[offset : offset + t.numel() * dtype.itemsize].view(dtype).view(t.shape), t)
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src), but a plain single-threaded memcpy for CPU -> CPU without a cast.
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """dst.copy_(src) (returns dst), but a plain single-threaded memcpy for CPU -> CPU without a cast.
 
     Packing is memory-bound, and one thread already outruns loopback TCP; torch's OpenMP copy
     collapses several-fold when the cores are oversubscribed (trainer, engine and gloo's threads
     on one box), measured in benchmarks/weight_transfer.py."""
-    if dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and src.is_contiguous():
+    if dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and src.is_contiguous() \
+            and dst.is_contiguous():
         np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
     else:
         dst.copy_(src)
-
-
-def _kept(select: Callable[[str, torch.Tensor], torch.Tensor], name: str, t: torch.Tensor) -> torch.Tensor:
-    part = select(name, t)
-    return part if part is t else part.clone()  # a copy: the bucket buffer can go
+    return dst
 
 
 class WeightReceiver:
-    """Ranks 1..N of a `WeightTransferGroup`: receives one push at a time."""
+    """Ranks 1..N of a `WeightTransferGroup`: receives one push at a time. Keep one for the
+    group's life: its bucket buffers are reused from push to push."""
 
     def __init__(self, group: WeightTransferGroup):
         assert group.rank != 0, "rank 0 is the sender"
         self.group = group
         self.last_stats: dict = {}
+        self._buffers: list[torch.Tensor] = []  # free bucket buffers (used when `into` is given)
 
     def receive(self, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                select: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                select: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                into: Callable[[str], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Receive one push, checked against `expected` (name -> (shape, dtype) of the model).
 
         Returns name -> tensor for the pushed names only (a subset push is legal), once every
-        rank has confirmed the push complete. Tensors are fresh (views into per-bucket buffers,
-        on `group.device`); the caller swaps them in. `select(name, tensor)`: the part of each
-        tensor to keep (a tensor-parallel rank's slice), taken as its bucket arrives so that no
-        receiver holds the whole push. Raises `WeightTransferError` with the reason if this
-        receiver refuses, another rank refuses or fails, or the transport fails.
+        rank has confirmed the push complete. Without `into` the tensors are fresh (views into
+        per-bucket buffers, on `group.device`); with it, `into(name)` is where each one goes (the
+        caller's staging memory, of the kept part's shape) and the returned tensors are those.
+        `select(name, tensor)`: the part of each tensor to keep (a tensor-parallel rank's
+        slice), taken as its bucket arrives so that no receiver holds the whole push. Buckets
+        are received one ahead of the one being unpacked. Raises `WeightTransferError` with the
+        reason if this receiver refuses, another rank refuses or fails, or the transport fails.
         """
         t0 = time.perf_counter()
         header = self._recv_header()
@@ -311,25 +347,13 @@ class WeightReceiver:
         out: dict[str, torch.Tensor] = {}
         buckets = plan_buckets(header)
         try:
+            posted: deque[tuple[Bucket, Pending | None, torch.Tensor]] = deque()
             for b in buckets:
-                dtype = parse_dtype(b.dtype)
-                if b.piece_start >= 0:  # a piece of a large tensor: received straight into it
-                    m = header.tensors[b.indices[0]]
-                    if b.piece_start == 0:
-                        flat = torch.empty(_nbytes(m), dtype=torch.uint8, device=self.group.device)
-                        out[m.name] = flat.view(dtype).view(m.shape)
-                    self.group.broadcast(flat[b.piece_start : b.piece_start + b.nbytes])
-                    if select is not None and b.piece_start + b.nbytes == _nbytes(m):  # its last piece
-                        out[m.name] = _kept(select, m.name, out[m.name])
-                    continue
-                buf = torch.empty(b.nbytes, dtype=torch.uint8, device=self.group.device)
-                if b.nbytes:
-                    self.group.broadcast(buf)
-                for i, offset in zip(b.indices, b.offsets):
-                    m = header.tensors[i]
-                    out[m.name] = buf[offset : offset + _nbytes(m)].view(dtype).view(m.shape)
-                    if select is not None:
-                        out[m.name] = _kept(select, m.name, out[m.name])
+                posted.append((b, *self._post(header, b, out, select, into)))
+                if len(posted) >= PIPELINE_DEPTH:
+                    self._unpack(header, *posted.popleft(), out, select, into)
+            while posted:
+                self._unpack(header, *posted.popleft(), out, select, into)
         except WeightTransferError:
             raise
         except BaseException as e:  # the sender would block on us: break the group so it fails now
@@ -347,6 +371,61 @@ class WeightReceiver:
             "gb_per_s": num_bytes / seconds / 1e9,
         }
         return out
+
+    def _post(self, header: PushHeader, b: Bucket, out: dict, select, into) -> tuple[Pending | None, torch.Tensor]:
+        """Start receiving bucket `b`: into its tensor's memory (a piece of a large tensor), or
+        into a bucket buffer."""
+        if b.piece_start >= 0:
+            m = header.tensors[b.indices[0]]
+            if b.piece_start == 0:  # the tensor's memory: the destination itself when it can take the bytes
+                dest = into(m.name) if into is not None and select is None else None
+                if dest is None or not dest.is_contiguous():
+                    dest = torch.empty(m.shape, dtype=parse_dtype(m.dtype), device=self.group.device)
+                out[m.name] = dest
+            flat = out[m.name].view(-1).view(torch.uint8)[b.piece_start : b.piece_start + b.nbytes]
+            return self.group.broadcast_async(flat), flat
+        if into is None:  # the tensors are views into the buffer: a fresh one per bucket
+            buf = torch.empty(b.nbytes, dtype=torch.uint8, device=self.group.device)
+        else:
+            buf = self._buffer(b.nbytes)
+        return (self.group.broadcast_async(buf) if b.nbytes else None), buf
+
+    def _unpack(self, header: PushHeader, b: Bucket, pending: Pending | None, buf: torch.Tensor, out: dict,
+                select, into) -> None:
+        """Wait for bucket `b`, then hand its tensors over (views, or copies into `into`)."""
+        if pending is not None:
+            pending.wait()
+        dtype = parse_dtype(b.dtype)
+        if b.piece_start >= 0:
+            m = header.tensors[b.indices[0]]
+            if b.piece_start + b.nbytes == _nbytes(m):  # its last piece: the whole tensor is here
+                t = out[m.name]
+                part = t if select is None else select(m.name, t)
+                if into is not None and part.data_ptr() != into(m.name).data_ptr():
+                    out[m.name] = _copy(into(m.name), part)
+                elif part is not t:
+                    out[m.name] = part.clone()  # a copy: the whole tensor can go
+            return
+        for i, offset in zip(b.indices, b.offsets):
+            m = header.tensors[i]
+            t = buf[offset : offset + _nbytes(m)].view(dtype).view(m.shape)
+            part = t if select is None else select(m.name, t)
+            if into is not None:
+                out[m.name] = _copy(into(m.name), part)
+            else:
+                out[m.name] = part if part is t else part.clone()  # (a slice: the bucket buffer can go)
+        if into is not None:
+            self._buffers.append(buf)
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """A bucket buffer of at least `nbytes`, kept for later buckets and pushes (fresh memory
+        costs page faults worth several copies)."""
+        for k, buf in enumerate(self._buffers):
+            if buf.numel() >= nbytes:
+                return self._buffers.pop(k)[:nbytes]
+        if self._buffers:
+            self._buffers.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
 
     def _recv_header(self) -> PushHeader:
         length = torch.zeros(1, dtype=torch.int64, device=self.group.device)

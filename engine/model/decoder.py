@@ -338,10 +338,10 @@ class LlamaModel:
     def untie_pushed(self, staged: dict[str, torch.Tensor]) -> None:
         """Drop a pushed lm_head.weight of a tied model (as vLLM does) after checking it equals
         the embedding it is tied to (the pushed one, else the live one)."""
-        head = staged.pop("lm_head.weight", None) if self.mc.tie_word_embeddings and self.lm_head is not None else None
+        head = staged.pop("lm_head.weight", None) if self.ties_head else None
         if head is None:
             return
-        embed_name = self.mc.text_prefix + "embed_tokens.weight"
+        embed_name = self.embed_name
         embed = staged.get(embed_name, self.hf_view(embed_name))
         if not torch.equal(head.to(embed.device, embed.dtype), embed):
             raise InvalidRequestError("lm_head.weight differs from model.embed_tokens.weight, but this model ties "
@@ -350,8 +350,8 @@ class LlamaModel:
     def check_weight(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> None:
         """Refuse (InvalidRequestError) a tensor this model has no place for: unknown name, wrong
         shape, or (when given) a dtype other than the model's."""
-        if name == "lm_head.weight" and self.mc.tie_word_embeddings and self.lm_head is not None:  # see untie_pushed
-            name = self.mc.text_prefix + "embed_tokens.weight"
+        if name == "lm_head.weight" and self.ties_head:  # see untie_pushed
+            name = self.embed_name
         if name not in self._hf and name not in self._aliases:
             raise InvalidRequestError(f"unknown parameter {name!r} (this model has no such tensor)")
         view = self.hf_view(name)
@@ -410,15 +410,49 @@ class LlamaModel:
         for lin in self._linears():
             lin.pack(None, False)
 
-    def repack(self) -> None:
-        """Refresh the packed matmul weights from the plain tensors (after any weight write).
-        Batch-invariant mode packs nothing: its kernel is the one that gives invariant results."""
+    def repack(self, linears: list[Linear] | None = None) -> None:
+        """Refresh the packed matmul weights from the plain tensors (after any weight write; of
+        `linears` only, default all). Batch-invariant mode packs nothing: its kernel is the one
+        that gives invariant results."""
         enable = (self.device.type == "cpu" and not self.batch_invariant
                   and self.dtype in (torch.bfloat16, torch.float32))
         ext = cpu_ext.ops_for(self.device, self.dtype) if enable else None
         onednn = enable and _mkldnn_ok(self.dtype)
-        for lin in self._linears():
+        for lin in self._linears() if linears is None else linears:
             lin.pack(ext, onednn)
+
+    @property
+    def embed_name(self) -> str:
+        return self.mc.text_prefix + "embed_tokens.weight"
+
+    @property
+    def ties_head(self) -> bool:
+        """Whether the LM head is the embedding (a pushed lm_head.weight is then checked and dropped)."""
+        return self.mc.tie_word_embeddings and self.lm_head is not None
+
+    def weight_storages(self) -> list[tuple[torch.Tensor, list[str]]]:
+        """Every tensor that holds weights (the fused qkv, the embedding, ...: the base of the HF
+        views) with the HF names that fill it entirely; a storage that its names do not cover
+        whole (none here, by construction) gets the names it holds but can never be swapped:
+        an extra, unnamed name (None) marks it."""
+        roots: dict[int, tuple[torch.Tensor, list[str], list[int]]] = {}
+        for name, view in self.hf_views():
+            root = view._base if view._base is not None else view
+            if root.numel():
+                roots.setdefault(id(root), (root, [], [0]))
+                roots[id(root)][1].append(name)
+                roots[id(root)][2][0] += view.numel()
+        return [(root, names if covered == root.numel() else names + [None])
+                for root, names, (covered,) in roots.values()]
+
+    def weights_moved(self, storages: set[int]) -> None:
+        """The storages with these ids (see weight_storages) hold new values, some of them
+        swapped in by `set_`: views of them are taken afresh, and the linears reading them are
+        repacked."""
+        self._hf = self._hf_name_map()
+        self._aliases = self._fused_expert_names()
+        self.repack([lin for lin in self._linears()
+                     if id(lin.weight) in storages or (lin.bias is not None and id(lin.bias) in storages)])
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,

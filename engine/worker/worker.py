@@ -4,8 +4,9 @@ The engine core reaches it only through the executor: `execute_model(scheduler_o
 step, and `collective_rpc` for everything else, where any public method of the worker, or of
 the worker extension class named in the config (how RL frameworks add `update_weights`-style
 methods), can be called by name. Weight updates come in two calls: stage_weights receives or
-reads the whole update into fresh tensors and checks it, commit_staged copies it in; a failed
-or interrupted update leaves the old weights serving, bit for bit.
+reads the whole update into staging memory and checks it, commit_staged makes it live (swapped
+in or copied, engine/worker/weight_buffers.py); a failed or interrupted update leaves the old
+weights serving, bit for bit.
 
 With tensor parallelism there is one Worker per rank, each holding its shard. Updates carry full
 Hugging Face tensors (a trainer's own, whatever the engine's layout) and every rank keeps its
@@ -32,6 +33,7 @@ from engine.worker.functions import import_function
 from engine.worker.hf_export import DEFAULT_MAX_SHARD_BYTES, check_target, save_hf_folder, write_side_files
 from engine.worker.lora import Adapter, LoRARequest, build_adapter, load_adapter, peft_key
 from engine.worker.model_runner import ModelRunner
+from engine.worker.weight_buffers import WeightBuffers
 from engine.worker.sharded_state import is_sharded_state, read_rank, save_rank
 
 
@@ -43,6 +45,8 @@ class Worker:
         self.transfer_group = None  # weight_sync.WeightTransferGroup while a trainer's group is open
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # sleep level 1 on CUDA
         self._staged: dict[str, torch.Tensor] | None = None  # a checked update waiting for commit_staged
+        self._buffers = WeightBuffers()  # where updates are staged (engine/worker/weight_buffers.py)
+        self._receiver = None  # weight_sync.WeightReceiver of transfer_group (its bucket buffers are reused)
         self._staged_lora: Adapter | None = None  # a LoRA adapter's checked update, the same
         self._deadline = _Deadline(None)  # when the update being staged must be staged by
 
@@ -131,7 +135,7 @@ class Worker:
     def close_weight_transfer(self) -> bool:
         if self.transfer_group is not None:
             self.transfer_group.close()
-        self.transfer_group = None
+        self.transfer_group = self._receiver = None
         return True
 
     def stage_weights(self, source: str, args: list, lora_id: int = 0, complete: bool = False,
@@ -180,9 +184,11 @@ class Worker:
 
         if self.transfer_group is None:
             raise EngineStateError("no weight transfer group: call init_weight_transfer first")
+        if self._receiver is None or self._receiver.group is not self.transfer_group:
+            self._receiver = WeightReceiver(self.transfer_group)
         with self.transfer_group.deadline(self._deadline.left("waiting for the trainer's push")):
-            return WeightReceiver(self.transfer_group).receive(model.accepted_weights(),
-                                                               select=_shard_selector(model))
+            return self._receiver.receive(model.accepted_weights(), select=_shard_selector(model),
+                                          into=self._dest(model))
 
     def _receive_named(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
         """SGLang's wire (weight_sync/named.py): args = [names, dtypes, shapes, flattened]. Every
@@ -199,28 +205,28 @@ class Worker:
             if not t.is_floating_point():
                 raise InvalidRequestError(f"{name} has dtype {t.dtype}: weights must be floating point")
         # a trainer's precision (bf16 into an fp32 engine) is cast, as SGLang's loader does
-        return {name: model.shard_of(name, t).to(model.hf_view(name).dtype, copy=True) for name, t in pushed.items()}
+        dest = self._dest(model)
+        return {name: dest(name).copy_(model.shard_of(name, t)) for name, t in pushed.items()}
 
     def _read_checkpoint(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
         path = self.config.model if source == "reload" else args[0]
         if is_sharded_state(path):  # this rank's slices as they are
             return model.checked_local(read_rank(path, self.rank, self.config.tensor_parallel_size), path)
-        staged = {}
+        staged, dest = {}, self._dest(model)
         for name, t in model.checkpoint_tensors(path):
             self._deadline.check(f"reading {path}")
             model.check_weight(name, tuple(t.shape))
             if not t.is_floating_point():  # a float checkpoint of another precision is cast; this is not one
                 raise InvalidRequestError(f"{name} has dtype {t.dtype} in {path}: weights must be floating point")
-            part = model.shard_of(name, t)  # (a slice is copied: the whole tensor is not kept)
-            staged[name] = part.to(model.hf_view(name).dtype, copy=part is not t)
+            staged[name] = dest(name).copy_(model.shard_of(name, t))
         return staged
 
     def _copy_tensors(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
-        staged = {}
+        staged, dest = {}, self._dest(model)
         for name, t in args[0]:
             self._deadline.check("copying the tensors")
             model.check_weight(name, tuple(t.shape), t.dtype)
-            staged[name] = model.shard_of(name, t.detach()).to(self.model_runner.device, copy=True)
+            staged[name] = dest(name).copy_(model.shard_of(name, t.detach()))
         return staged
 
     def _map_shared(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
@@ -232,7 +238,8 @@ class Worker:
             self._deadline.check("copying the shared tensors")
             return t if shard is None else shard(name, t)
 
-        return read_shared(args[0], self.model_runner.device, check=model.check_weight, select=select)
+        return read_shared(args[0], self.model_runner.device, check=model.check_weight, select=select,
+                           into=self._dest(model))
 
     def _receive_from_peer(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
         """A new data-parallel replica copies a live one (its send_weights_to_peers); `rank` is the
@@ -242,9 +249,14 @@ class Worker:
         master_address, master_port, world_size, rank = args
         group = WeightTransferGroup(master_address, master_port, rank + self.rank, world_size, backend=self._backend())
         try:
-            return WeightReceiver(group).receive(model.expected_weights(), select=_shard_selector(model))
+            return WeightReceiver(group).receive(model.expected_weights(), select=_shard_selector(model),
+                                                 into=self._dest(model))
         finally:
             group.close()
+
+    def _dest(self, model: LlamaModel) -> Callable[[str], torch.Tensor]:
+        """Where a base-weight update writes each tensor (see engine/worker/weight_buffers.py)."""
+        return lambda name: self._buffers.dest(model, name)
 
     def _stage_lora(self, lora_id: int, source: str, args: list) -> dict:
         """A loaded adapter's new weights: "disk" a whole PEFT folder; "broadcast", "tensors" and
@@ -325,23 +337,23 @@ class Worker:
         return "nccl" if self.model_runner.device.type == "cuda" else "gloo"
 
     def commit_staged(self) -> bool:
-        """Copy the staged tensors into the live weights (cannot fail on good input: all checked)."""
+        """Make the staged tensors live (cannot fail on good input: all checked)."""
         if self._staged_lora is not None:
             adapter, self._staged_lora = self._staged_lora, None
             self.model_runner.replace_lora(adapter)
             return True
         assert self._staged is not None, "nothing staged"
-        with torch.no_grad():
-            for name, t in self._staged.items():
-                self.model.hf_view(name).copy_(t)
-        self._staged = None
-        self.model.repack()
-        _release_memory(self.model_runner.device)  # the staged copy: glibc would keep it (RSS +25% in 500 pushes)
+        staged, self._staged = self._staged, None
+        self._buffers.commit(self.model, staged)
+        del staged
+        if self.model_runner.device.type != "cpu":  # staged in fresh memory (on a CPU: in the kept spare)
+            _release_memory(self.model_runner.device)
         return True
 
     def discard_staged(self) -> bool:
         self._staged = self._staged_lora = None
-        _release_memory(self.model_runner.device)
+        if self.model_runner.device.type != "cpu":
+            _release_memory(self.model_runner.device)
         return True
 
     def weights_checksum(self) -> str:
@@ -402,6 +414,7 @@ class Worker:
         already there; their prepacked copies are dropped). Level 2: weights freed too."""
         runner = self.model_runner
         runner.free_kv_cache()
+        self._buffers.release()
         if level == 2:  # (a second sleep goes deeper, never shallower)
             runner.model, self._offloaded = None, None
         elif runner.model is None or self._offloaded:

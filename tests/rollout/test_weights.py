@@ -165,6 +165,33 @@ def test_push_weights_shared_from_this_machine(client, original):
     assert client.weights_checksum() == good
 
 
+def test_concurrent_shared_pushes_on_one_client_do_not_share_a_segment(client, original):
+    """The client reuses its shared-memory segment push after push; two pushes at once from one
+    client must not both write it (the server reads one while the other refills it): each
+    lands whole, and the live weights are those of the push that went live last."""
+    good = client.weights_checksum()
+    states = [{"model.norm.weight": original["model.norm.weight"] * s} for s in (0.5, 2.0)]
+    results, errors, go = {}, [], threading.Barrier(2)
+
+    def push(i):
+        try:
+            go.wait(60)
+            results[i] = client.push_weights_shared(states[i].items())["weight_version"]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=push, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors and len(results) == 2, errors
+    last = max(results, key=results.get)
+    assert client.weights_checksum() == weights_checksum({**original, **states[last]}.items(), torch.float32)
+    client.push_weights_shared([("model.norm.weight", original["model.norm.weight"])])
+    assert client.weights_checksum() == good
+
+
 def test_push_weights_shared_casts_to_the_served_dtype(server, original):
     """A trainer whose tensors are not in the engine's dtype (float64 here, the server serves
     float32; float32 to a bf16 engine alike): cast by default, with the dtype learned from the

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from tests.weight_sync.partial_push import send_first_bucket_only, send_some_buckets
 from weight_sync import (
+    SharedWeights,
     WeightDeadlineError,
     WeightReceiver,
     WeightSender,
@@ -25,6 +26,7 @@ from weight_sync import (
     WeightTransferGroup,
     find_free_port,
     load_safetensors_folder,
+    read_shared,
     weights_checksum,
 )
 from weight_sync.protocol import ALIGN, PushHeader, TensorMeta, check_header, plan_buckets
@@ -63,23 +65,28 @@ def _receiver_main(port, rank, world_size, pushes, results):
     group = WeightTransferGroup("127.0.0.1", port, rank, world_size, timeout_s=TIMEOUT_S)
     receiver = WeightReceiver(group)
     model = make_tensors()
+    staging = None  # with push["into"]: one set of tensors every such push is received into
     for push in pushes:
         cast = push.get("cast")
         expected = expected_of(model, cast, push.get("drop", ()))
+        if push.get("into") and staging is None:
+            staging = {n: torch.full(shape, 7).to(dtype) for n, (shape, dtype) in expected.items()}
         t0 = time.perf_counter()
         try:
-            got = receiver.receive(expected)
+            got = receiver.receive(expected, into=staging.__getitem__ if push.get("into") else None)
         except WeightTransferError as e:
             results.put({"rank": rank, "ok": False, "error": str(e), "seconds": time.perf_counter() - t0})
             continue
+        scale = push.get("scale", 1)
         equal = all(
-            t.dtype == expected[n][1] and torch.equal(t, model[n].to(expected[n][1])) for n, t in got.items()
+            t.dtype == expected[n][1] and torch.equal(t, (model[n] * scale).to(expected[n][1])) for n, t in got.items()
         )
         results.put({
             "rank": rank,
             "ok": True,
             "names": sorted(got),
             "equal": equal,
+            "into": bool(push.get("into")) and all(t.data_ptr() == staging[n].data_ptr() for n, t in got.items()),
             "aligned": all(t.data_ptr() % 64 == 0 for t in got.values()),
             "checksum": weights_checksum(got.items()),
             "stats": receiver.last_stats,
@@ -150,6 +157,37 @@ def test_push_roundtrip_bit_exact():
         sender.send(strided.items())
         (r,) = next_results(results)
         assert r["ok"] and r["equal"] and r["checksum"] == weights_checksum(model.items()), r
+
+
+def test_push_into_the_callers_staging_memory():
+    """`receive(into=)`: every tensor lands in the caller's own (reused) staging tensors, packed
+    buckets and pieces of large ones alike, push after push; the sender's buckets are pipelined."""
+    model = make_tensors()
+    with engine_workers([{"into": True}, {"into": True, "scale": 3}]) as (group, results):
+        sender = WeightSender(group, bucket_bytes=BUCKET)
+        for scale in (1, 3):
+            sender.send(((n, t * scale) for n, t in model.items()))
+            (r,) = next_results(results)
+            assert r["ok"] and r["equal"] and r["into"] and r["names"] == sorted(model), r
+
+
+def test_shared_weights_reuse_their_segment_and_cast_in_the_copy():
+    model = make_tensors()
+    with SharedWeights() as shared:
+        first = shared.share(model.items())
+        doubled = {n: t * 2 for n, t in model.items()}
+        again = shared.share(doubled.items())
+        assert again["shm"] == first["shm"]  # same names, shapes and dtypes: the same segment, refilled
+        got = read_shared(again, torch.device("cpu"))
+        assert all(torch.equal(got[n], doubled[n]) for n in model)
+        cast = shared.share(model.items(), dtype=torch.bfloat16)  # other dtypes: a new segment
+        assert cast["shm"] != first["shm"]
+        staging = {n: torch.empty(t.shape, dtype=torch.bfloat16 if t.is_floating_point() else t.dtype)
+                   for n, t in model.items()}
+        got = read_shared(cast, torch.device("cpu"), into=staging.__getitem__)
+        assert all(got[n] is staging[n] and torch.equal(got[n], model[n].to(staging[n].dtype)) for n in model)
+    with pytest.raises(ValueError, match="closed it too early"):
+        read_shared(cast, torch.device("cpu"))
 
 
 def test_refusals_raise_on_both_sides_and_keep_the_group_in_step():

@@ -1,0 +1,115 @@
+"""Staging a weight update in the worker's spare and making it live (engine/worker/weight_buffers.py),
+on tiny random-weight models held in this process: a full update swaps every storage (nothing
+copied, the old storage becomes the next spare), a partial one copies exactly what it moves, a
+tied model's lm_head copy is compared and dropped, MoE experts pushed by either naming land, and
+the packed matmul copies always read the new weights."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.model.decoder import LlamaModel
+from engine.worker.weight_buffers import WeightBuffers
+from tests.engine.test_tiny_models import build_model
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3_moe"])
+def folder(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    build_model(request.param, path)
+    return str(path)
+
+
+def _model(folder: str) -> LlamaModel:
+    model = LlamaModel(ModelConfig.from_folder(folder), torch.float32, torch.device("cpu"), 256)
+    model.load_weights(folder)
+    return model
+
+
+def _stage(buffers: WeightBuffers, model: LlamaModel, tensors: dict) -> dict:
+    staged = {name: buffers.dest(model, name).copy_(t) for name, t in tensors.items()}
+    model.untie_pushed(staged)
+    model.split_fused_experts(staged)
+    return staged
+
+
+def _new_values(model: LlamaModel, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(view.shape, generator=g) for name, view in model.hf_views()}
+
+
+def _assert_live(model: LlamaModel, tensors: dict) -> None:
+    for name, t in tensors.items():
+        assert torch.equal(model.hf_view(name), t), name
+    for lin in model._linears():  # the packed copies (oneDNN, the rows kernel) read the new weights
+        x = torch.randn(12, lin.weight.shape[1])
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-4, atol=1e-4)
+
+
+def test_full_update_swaps_every_storage(folder):
+    model, buffers = _model(folder), WeightBuffers()
+    qkv = model.layers[0].qkv.weight
+    first_ptr = qkv.data_ptr()
+    for seed in (1, 2, 3):
+        new = _new_values(model, seed)
+        assert buffers.commit(model, _stage(buffers, model, new)) == 0  # nothing copied
+        _assert_live(model, new)
+        assert model.layers[0].qkv.weight is qkv  # the same tensor object, another storage
+        assert (qkv.data_ptr() == first_ptr) == (seed % 2 == 0)  # the two storages take turns
+
+
+def test_partial_update_copies_what_it_moves(folder):
+    model, buffers = _model(folder), WeightBuffers()
+    buffers.commit(model, _stage(buffers, model, _new_values(model, 1)))  # the spare exists now
+    before = {name: view.clone() for name, view in model.hf_views()}
+    ptr = model.layers[0].qkv.weight.data_ptr()
+    name = model.mc.text_prefix + "layers.0.self_attn.q_proj.weight"
+    q = torch.randn(model.hf_view(name).shape)
+    assert buffers.commit(model, _stage(buffers, model, {name: q})) == q.numel() * 4
+    assert model.layers[0].qkv.weight.data_ptr() == ptr  # copied into, not swapped
+    _assert_live(model, {**before, name: q})
+
+
+def test_discarded_stage_leaves_the_live_weights(folder):
+    model, buffers = _model(folder), WeightBuffers()
+    before = {name: view.clone() for name, view in model.hf_views()}
+    _stage(buffers, model, _new_values(model, 5))  # staged, then never committed
+    _assert_live(model, before)
+    new = _new_values(model, 6)
+    buffers.commit(model, _stage(buffers, model, new))
+    _assert_live(model, new)
+
+
+def test_tied_head_copy_is_checked_and_dropped(tmp_path):
+    build_model("qwen2", tmp_path)
+    model, buffers = _model(str(tmp_path)), WeightBuffers()
+    new = _new_values(model, 7)
+    embed = new[model.embed_name]
+    with pytest.raises(Exception, match="lm_head.weight differs"):
+        _stage(buffers, model, {**new, "lm_head.weight": embed + 1})
+    assert buffers.commit(model, _stage(buffers, model, {**new, "lm_head.weight": embed})) == 0
+    _assert_live(model, new)
+    assert model.lm_head.weight is model.embed  # still tied, to the new storage
+
+
+def test_moe_experts_by_their_fused_names(tmp_path):
+    build_model("qwen3_moe", tmp_path)
+    model, buffers = _model(str(tmp_path)), WeightBuffers()
+    new = _new_values(model, 8)
+    fused = {}
+    for i, layer in enumerate(model.layers):
+        if layer.moe is None:
+            continue
+        p = f"model.layers.{i}.mlp."
+        E, I, H = layer.moe.cfg.num_experts, layer.moe.cfg.intermediate_size, model.mc.hidden_size
+        fused[p + "experts.gate_up_proj"] = torch.stack(
+            [torch.cat([new.pop(p + f"experts.{e}.gate_proj.weight"), new.pop(p + f"experts.{e}.up_proj.weight")])
+             for e in range(E)])
+        fused[p + "experts.down_proj"] = torch.stack([new.pop(p + f"experts.{e}.down_proj.weight")
+                                                      for e in range(E)])
+        assert fused[p + "experts.gate_up_proj"].shape == (E, 2 * I, H)
+    assert fused, "the model has MoE layers"
+    assert buffers.commit(model, _stage(buffers, model, {**new, **fused})) == 0
+    for name, t in fused.items():
+        torch.testing.assert_close(model.hf_view(name), t, rtol=0, atol=0)
+    _assert_live(model, new)
