@@ -33,8 +33,8 @@ receiver that raises returns nothing: the caller's live weights are untouched by
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
 from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import msgspec

@@ -430,20 +430,17 @@ class LlamaModel:
         """Whether the LM head is the embedding (a pushed lm_head.weight is then checked and dropped)."""
         return self.mc.tie_word_embeddings and self.lm_head is not None
 
-    def weight_storages(self) -> list[tuple[torch.Tensor, list[str]]]:
-        """Every tensor that holds weights (the fused qkv, the embedding, ...: the base of the HF
-        views) with the HF names that fill it entirely; a storage that its names do not cover
-        whole (none here, by construction) gets the names it holds but can never be swapped:
-        an extra, unnamed name (None) marks it."""
-        roots: dict[int, tuple[torch.Tensor, list[str], list[int]]] = {}
+    def weight_storages(self) -> list[tuple[torch.Tensor, list[str], bool]]:
+        """Every tensor that holds weights (the base of the HF views: the fused qkv, the
+        embedding, ...), the HF names that live in it, and whether they fill it whole (by
+        construction they do; a storage they did not fill could never be swapped in)."""
+        roots: dict[int, tuple[torch.Tensor, list[str]]] = {}
         for name, view in self.hf_views():
             root = view._base if view._base is not None else view
             if root.numel():
-                roots.setdefault(id(root), (root, [], [0]))
-                roots[id(root)][1].append(name)
-                roots[id(root)][2][0] += view.numel()
-        return [(root, names if covered == root.numel() else names + [None])
-                for root, names, (covered,) in roots.values()]
+                roots.setdefault(id(root), (root, []))[1].append(name)
+        return [(root, names, sum(self.hf_view(n).numel() for n in names) == root.numel())
+                for root, names in roots.values()]
 
     def weights_moved(self, storages: set[int]) -> None:
         """The storages with these ids (see weight_storages) hold new values, some of them

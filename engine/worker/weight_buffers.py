@@ -58,13 +58,13 @@ class WeightBuffers:
         were staged in the spare), copy the rest; repack what changed. Returns the bytes copied."""
         copied, changed = 0, set()
         with torch.no_grad():
-            for root, names in model.weight_storages():
+            for root, names, whole in model.weight_storages():
                 pushed = [n for n in names if n in staged]
                 if not pushed:
                     continue
                 changed.add(id(root))
                 spare = self._spare.get(id(root)) if self._model is model else None
-                if spare is not None and len(pushed) == len(names) and all(
+                if spare is not None and whole and len(pushed) == len(names) and all(
                         staged[n].data_ptr() == self._spare_of(model, model.hf_view(n)).data_ptr() for n in names):
                     _swap(root, spare)
                     continue

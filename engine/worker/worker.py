@@ -33,8 +33,8 @@ from engine.worker.functions import import_function
 from engine.worker.hf_export import DEFAULT_MAX_SHARD_BYTES, check_target, save_hf_folder, write_side_files
 from engine.worker.lora import Adapter, LoRARequest, build_adapter, load_adapter, peft_key
 from engine.worker.model_runner import ModelRunner
-from engine.worker.weight_buffers import WeightBuffers
 from engine.worker.sharded_state import is_sharded_state, read_rank, save_rank
+from engine.worker.weight_buffers import WeightBuffers
 
 
 class Worker:
