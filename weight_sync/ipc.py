@@ -20,7 +20,9 @@ import base64
 import binascii
 import io
 import math
+import os
 import pickle
+import threading
 from multiprocessing import shared_memory
 from typing import Callable, Iterable, Iterator
 
@@ -155,14 +157,56 @@ def read_shared(handles: dict, device: torch.device, check: Callable | None = No
     if handles["kind"] == "cuda":
         named = [(m["name"], _load_cuda(m["handle"])) for m in handles["tensors"]]
         return _checked_copies(named, device, check, select, into)
-    shm = _attach(str(handles.get("shm")))
-    try:
-        named = list(_views(shm, handles["tensors"]))
-        out = _checked_copies(named, device, check, select, into)
-        del named
-    finally:
-        shm.close()
-    return out
+    with _kept_lock:
+        shm = _mapped(str(handles.get("shm")))
+        named = []
+        try:
+            named = list(_views(shm, handles["tensors"]))
+            return _checked_copies(named, device, check, select, into)
+        finally:
+            del named  # no view may outlive the mapping
+            if shm is not _kept:
+                shm.close()
+
+
+# The segment read last stays mapped in the reader: a trainer that refills its segment push after
+# push (SharedWeights does) is then read through page tables already in place, where attaching
+# anew costs about as much as a copy of it. At most one is kept; it is dropped as soon as a read
+# names another segment or finds its name gone (the trainer closed it), and by forget_shared().
+_kept: shared_memory.SharedMemory | None = None
+_kept_lock = threading.Lock()
+
+
+def _mapped(name: str) -> shared_memory.SharedMemory:
+    global _kept
+    if _kept is not None and (_kept.name != name.lstrip("/") or not _still_named(_kept.name)):
+        _forget()
+    if _kept is not None:
+        return _kept
+    shm = _attach(name)
+    if _still_named(shm.name):  # (where /dev/shm cannot be checked, nothing is kept)
+        _kept = shm
+    return shm
+
+
+def _still_named(name: str) -> bool:
+    return os.path.exists(f"/dev/shm/{name}")
+
+
+def _forget() -> None:
+    global _kept
+    shm, _kept = _kept, None
+    if shm is not None:
+        try:
+            shm.close()
+        except BufferError:  # a view still exported: the mapping goes with its last reference
+            pass
+
+
+def forget_shared() -> None:
+    """Unmap the segment kept from the last read (a sleeping engine keeps nothing it does not need)."""
+    with _kept_lock:
+        _forget()
 
 
 def _checked_copies(named, device, check, select=None, into=None) -> dict[str, torch.Tensor]:

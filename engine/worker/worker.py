@@ -412,9 +412,12 @@ class Worker:
     def sleep(self, level: int) -> None:
         """Level 1: KV cache freed, weights offloaded to host memory (on a CPU engine they are
         already there; their prepacked copies are dropped). Level 2: weights freed too."""
+        from weight_sync.ipc import forget_shared
+
         runner = self.model_runner
         runner.free_kv_cache()
         self._buffers.release()
+        forget_shared()
         if level == 2:  # (a second sleep goes deeper, never shallower)
             runner.model, self._offloaded = None, None
         elif runner.model is None or self._offloaded:

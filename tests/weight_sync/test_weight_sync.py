@@ -190,6 +190,28 @@ def test_shared_weights_reuse_their_segment_and_cast_in_the_copy():
         read_shared(cast, torch.device("cpu"))
 
 
+def test_the_reader_keeps_the_last_segment_mapped_while_it_is_named():
+    """The engine's side keeps the segment it read last mapped (refills are read through it), and
+    drops it for another segment, once the trainer closed it, or on forget_shared()."""
+    from weight_sync import ipc
+
+    model = make_tensors()
+    with SharedWeights() as shared:
+        first = shared.share(model.items())
+        read_shared(first, torch.device("cpu"))
+        kept = ipc._kept
+        assert kept is not None and kept.name == first["shm"]
+        doubled = {n: t * 2 for n, t in model.items()}
+        got = read_shared(shared.share(doubled.items()), torch.device("cpu"))
+        assert ipc._kept is kept and all(torch.equal(got[n], doubled[n]) for n in model)
+    with SharedWeights() as other:  # the first one is closed: a read of another segment drops it
+        handles = other.share(model.items())
+        read_shared(handles, torch.device("cpu"))
+        assert ipc._kept is not kept and ipc._kept.name == handles["shm"]
+    ipc.forget_shared()
+    assert ipc._kept is None
+
+
 def test_refusals_raise_on_both_sides_and_keep_the_group_in_step():
     model = make_tensors()
     q = "model.layers.1.self_attn.q_proj.weight"
