@@ -47,28 +47,20 @@ def run(dtype: str, reps: int) -> dict:
         receiver.join()
         return stats["seconds"]
 
-    shared = SharedWeights()
-
-    def shm_push() -> float:  # share (one copy into shared memory), then the engine copies it in
-        t = time.perf_counter()
-        handles = shared.share(state)
-        share_s = time.perf_counter() - t
-        llm.update_weights_from_ipc(handles)
-        return share_s
+    def shm_push_of(tensors, shared: SharedWeights):
+        def push() -> float:  # share (one copy into shared memory), then the engine copies it in
+            t = time.perf_counter()
+            handles = shared.share(tensors)
+            share_s = time.perf_counter() - t
+            llm.update_weights_from_ipc(handles)
+            return share_s
+        return push
 
     # a partial push (3 of the 30 layers: ~8% of the bytes) costs in proportion to what it moves
     some = [(n, t) for n, t in state if any(f".layers.{i}." in n for i in (0, 1, 2))]
-    some_shared = SharedWeights()
-
-    def shm_partial_push() -> float:
-        t = time.perf_counter()
-        handles = some_shared.share(some)
-        share_s = time.perf_counter() - t
-        llm.update_weights_from_ipc(handles)
-        return share_s
-
-    best = {"gloo": cycle(llm, gloo_push, reps), "shm": cycle(llm, shm_push, reps),
-            "shm, 3 layers": cycle(llm, shm_partial_push, reps)}
+    shared, some_shared = SharedWeights(), SharedWeights()
+    best = {"gloo": cycle(llm, gloo_push, reps), "shm": cycle(llm, shm_push_of(state, shared), reps),
+            "shm, 3 layers": cycle(llm, shm_push_of(some, some_shared), reps)}
     copy_gbps = copy_bandwidth(sum(t.numel() * t.element_size() for _, t in state))
     for route, row in best.items():
         pushed = some if route == "shm, 3 layers" else state

@@ -211,17 +211,16 @@ class WeightTransfer:
         self.bucket_bytes: int | None = None
         self.shared = None  # weight_sync.SharedWeights of push_shared: its segment is reused push after push
         self._sharing = threading.Lock()  # held while a push reads self.shared
-        self._senders: dict = {}  # (group, bucket size) -> its WeightSender (bucket buffers reused)
+        self._sender_cache = None  # the last WeightSender (its bucket buffers are reused) and its (group, bucket size)
 
     def _sender(self, group):
         from weight_sync import WeightSender
 
-        key = (id(group), self.bucket_bytes)
-        sender = self._senders.get(key)
-        if sender is None or sender.group is not group:
+        key = (group, self.bucket_bytes)
+        if self._sender_cache is None or self._sender_cache[0] != key:
             sender = WeightSender(group, **({"bucket_bytes": self.bucket_bytes} if self.bucket_bytes else {}))
-            self._senders = {key: sender}
-        return sender
+            self._sender_cache = (key, sender)
+        return self._sender_cache[1]
 
     def run(self, plan: Plan):
         return arun_plan(self.client, plan) if self.is_async else run_plan(self.client, plan)
@@ -264,7 +263,7 @@ class WeightTransfer:
     def _close_plan(self) -> Plan:
         if self.shared is not None:
             self.shared.close()
-        group, self.group, self._senders = self.group, None, {}
+        group, self.group, self._sender_cache = self.group, None, None
         if group is None:
             return
         try:

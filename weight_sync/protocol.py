@@ -211,28 +211,28 @@ class WeightSender:
         """Every bucket, pipelined: the next one is packed (and cast) while the backend's threads
         still send the last, so packing costs no time of its own; at most PIPELINE_DEPTH are in
         flight, each packed one in its own staging buffer (reused from push to push)."""
-        in_flight: deque[tuple[Pending, int | None]] = deque()
+        in_flight: deque[tuple[Pending, int | None]] = deque()  # (broadcast, its staging slot)
         free = list(range(PIPELINE_DEPTH))
+
+        def retire_oldest() -> None:
+            done, slot = in_flight.popleft()
+            done.wait()
+            if slot is not None:
+                free.append(slot)
+
         for b in buckets:
-            buf = self._direct(tensors, b)
-            slot = None
+            buf, slot = self._direct(tensors, b), None
             if buf is None:
                 while not free:
-                    done, slot_done = in_flight.popleft()
-                    done.wait()
-                    if slot_done is not None:
-                        free.append(slot_done)
+                    retire_oldest()
                 slot = free.pop()
                 buf = self._staging(slot, b.nbytes)
                 _pack(tensors, b, buf)
             in_flight.append((self.group.broadcast_async(buf), slot))
             while len(in_flight) > PIPELINE_DEPTH:
-                done, slot_done = in_flight.popleft()
-                done.wait()
-                if slot_done is not None:
-                    free.append(slot_done)
+                retire_oldest()
         while in_flight:
-            in_flight.popleft()[0].wait()
+            retire_oldest()
 
     def _staging(self, slot: int, nbytes: int) -> torch.Tensor:
         """Staging buffer `slot`, at least `nbytes` (<= the bucket cap), kept for the next push:

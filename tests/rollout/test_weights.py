@@ -3,6 +3,7 @@ server's engine worker rank 1. A push of changed tensors changes the engine's ch
 exactly what the trainer computes, labels the new tokens with the new version, and pushing the
 originals back restores the original output; vLLM's four phases driven by hand work too."""
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -171,23 +172,16 @@ def test_concurrent_shared_pushes_on_one_client_do_not_share_a_segment(client, o
     lands whole, and the live weights are those of the push that went live last."""
     good = client.weights_checksum()
     states = [{"model.norm.weight": original["model.norm.weight"] * s} for s in (0.5, 2.0)]
-    results, errors, go = {}, [], threading.Barrier(2)
+    go = threading.Barrier(2)
 
-    def push(i):
-        try:
-            go.wait(60)
-            results[i] = client.push_weights_shared(states[i].items())["weight_version"]
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+    def push(state: dict) -> int:
+        go.wait(60)
+        return client.push_weights_shared(state.items())["weight_version"]
 
-    threads = [threading.Thread(target=push, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors and len(results) == 2, errors
-    last = max(results, key=results.get)
-    assert client.weights_checksum() == weights_checksum({**original, **states[last]}.items(), torch.float32)
+    with ThreadPoolExecutor(2) as pool:
+        versions = list(pool.map(push, states, timeout=300))
+    last = states[versions.index(max(versions))]
+    assert client.weights_checksum() == weights_checksum({**original, **last}.items(), torch.float32)
     client.push_weights_shared([("model.norm.weight", original["model.norm.weight"])])
     assert client.weights_checksum() == good
 
