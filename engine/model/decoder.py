@@ -76,12 +76,16 @@ class Linear:
 
     def pack(self, ext, onednn: bool) -> None:
         """Refresh the packed copies from `weight` (ext: the C++ kernels or None; onednn: whether
-        oneDNN's prepacked linear works here in this dtype). Packs nothing when neither applies."""
-        self.vnni = self.vnni_linear = self.packed = self.rows_kernel = None
+        oneDNN's prepacked linear works here in this dtype). Packs nothing when neither applies.
+        Our own packed copy is rewritten in place when its shape holds (a weight update runs with
+        no step in flight): fresh memory would cost page faults worth several copies."""
+        old, self.vnni = self.vnni, None
+        self.vnni_linear = self.packed = self.rows_kernel = None
         self.vnni_max = self.rows_max = 0
         bf16 = self.weight.dtype == torch.bfloat16
         if bf16 and ext is not None and ext.bf16_vnni_supported():
-            self.vnni, self.vnni_linear = ext.bf16_vnni_pack(self.weight), ext.bf16_vnni_linear
+            reuse = old is not None and old.shape == _vnni_shape(self.weight)
+            self.vnni, self.vnni_linear = ext.bf16_vnni_pack(self.weight, old if reuse else None), ext.bf16_vnni_linear
             if not cpu_ext.cpu_has("amx_bf16"):
                 self.vnni_max = 1 << 62  # every step
                 return
@@ -90,6 +94,12 @@ class Linear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
             if not bf16 and ext is not None:
                 self.rows_kernel, self.rows_max = ext.invariant_linear, FP32_ROWS_KERNEL_MAX_ROWS
+
+
+def _vnni_shape(weight: torch.Tensor) -> tuple[int, int, int, int]:
+    """bf16_vnni_pack's layout for a (N, K) weight: panels of 32 columns, k in pairs."""
+    n, k = weight.shape
+    return ((n + 31) // 32, (k + 1) // 2, 32, 2)
 
 
 class Layer:

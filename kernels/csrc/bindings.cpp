@@ -52,8 +52,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_vnni_supported", &rollout_vnni::bf16_vnni_supported,
         "whether bf16_vnni_linear is built for this CPU (AVX-512 BF16)");
   m.def("bf16_vnni_pack", &rollout_vnni::bf16_vnni_pack,
-        "weight (N, K) bf16 -> (ceil(N/32), ceil(K/2), 32, 2): the layout bf16_vnni_linear reads",
-        py::arg("weight"));
+        "weight (N, K) bf16 -> (ceil(N/32), ceil(K/2), 32, 2): the layout bf16_vnni_linear reads "
+        "(written into `out` when given)",
+        py::arg("weight"), py::arg("out") = py::none());
   m.def("bf16_vnni_linear", &rollout_vnni::bf16_vnni_linear,
         "x (M, K) @ weight.T + bias in bfloat16 (float32 sums) from bf16_vnni_pack(weight): for "
         "decode steps", py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());

@@ -53,7 +53,7 @@ at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight,
 // vnni_linear.cpp
 namespace rollout_vnni {
 bool bf16_vnni_supported();
-at::Tensor bf16_vnni_pack(const at::Tensor& weight);
+at::Tensor bf16_vnni_pack(const at::Tensor& weight, const std::optional<at::Tensor>& out);
 at::Tensor bf16_vnni_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                             const std::optional<at::Tensor>& bias);
 }  // namespace rollout_vnni

@@ -1,6 +1,8 @@
 // A bfloat16 matmul for decode steps (up to a few dozen rows), on CPUs with AVX-512 BF16:
 //
-//   bf16_vnni_pack(weight (N, K)) -> packed (ceil(N/32), ceil(K/2), 32, 2) bf16
+//   bf16_vnni_pack(weight (N, K), out=None) -> packed (ceil(N/32), ceil(K/2), 32, 2) bf16
+//     (into `out` when given: a weight update repacks into the memory it packed before, since
+//     fresh pages cost the engine several times a copy in page faults)
 //   bf16_vnni_linear(x (M, K), packed, N, bias (N,) | None) -> x @ weight.T + bias  (M, N)
 //
 // In a decode step a projection is a read of its weights plus M * N * K multiply-adds, and at
@@ -16,7 +18,7 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/zeros.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -45,18 +47,93 @@ bool bf16_vnni_supported() {
 #endif
 }
 
-at::Tensor bf16_vnni_pack(const at::Tensor& weight) {
+#if ROLLOUT_VNNI_BF16
+// A 16 x 16 block of 32-bit values (k pairs) transposed in registers: rows in r, columns out.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: a0 b0 a1 b1 / a2 b2 a3 b3
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[4g + m], lane L: rows 4g..4g+3 at column 4L + m
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {  // column 4L + m: lane L of r[m], r[4 + m], r[8 + m], r[12 + m]
+    const __m512i ab02 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0x88), ab13 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0xdd);
+    const __m512i cd02 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0x88),
+                  cd13 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0xdd);
+    t[m] = _mm512_shuffle_i32x4(ab02, cd02, 0x88);
+    t[4 + m] = _mm512_shuffle_i32x4(ab13, cd13, 0x88);
+    t[8 + m] = _mm512_shuffle_i32x4(ab02, cd02, 0xdd);
+    t[12 + m] = _mm512_shuffle_i32x4(ab13, cd13, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+#endif
+
+at::Tensor bf16_vnni_pack(const at::Tensor& weight, const std::optional<at::Tensor>& out) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2,
               "bf16_vnni_pack: a bfloat16 (N, K) CPU tensor");
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), NP = (N + kPanel - 1) / kPanel, KP = (K + 1) / 2;
-  at::Tensor packed = at::zeros({NP, KP, kPanel, 2}, w.options());
+  at::Tensor packed;
+  if (out.has_value()) {
+    packed = *out;
+    TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                    packed.sizes() == at::IntArrayRef({NP, KP, kPanel, 2}),
+                "bf16_vnni_pack: out must be a contiguous bfloat16 (", NP, ", ", KP, ", ", kPanel, ", 2) CPU tensor");
+  } else {
+    packed = at::empty({NP, KP, kPanel, 2}, w.options());
+  }
   const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
   auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  // Written in order (one k pair of 32 columns after another); the 32 rows read meanwhile stay
+  // in L1 for 32 k values. Columns past N and the k past an odd K are zeros. With AVX-512 a full
+  // panel's first 16 * (K / 32) k pairs go as 16 x 16 register transposes of k pairs (a weight
+  // update repacks every projection: the scalar loop alone cost about as much as the rest).
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t c = 0; c < kPanel && p * kPanel + c < N; ++c)
-        for (int64_t k = 0; k < K; ++k) dst[((p * KP + k / 2) * kPanel + c) * 2 + k % 2] = src[(p * kPanel + c) * K + k];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t cols = std::min(kPanel, N - p * kPanel);
+      const uint16_t* rows = src + p * kPanel * K;
+      uint16_t* d = dst + p * KP * kPanel * 2;
+      int64_t kp = 0;
+#if ROLLOUT_VNNI_BF16
+      const bool aligned = reinterpret_cast<uintptr_t>(dst) % 64 == 0;
+      if (cols == kPanel) {
+        __m512i r[16];
+        for (; kp + 16 <= K / 2; kp += 16, d += 16 * kPanel * 2) {
+          for (int64_t h = 0; h < 2; ++h) {
+            for (int64_t i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows + (h * 16 + i) * K + 2 * kp);
+            transpose16(r);
+            if (aligned) {  // streamed: the packed copy is not read again soon, and a store that
+              for (int64_t j = 0; j < 16; ++j)  // skips the cache skips reading the line first
+                _mm512_stream_si512(reinterpret_cast<__m512i*>(d + j * kPanel * 2 + h * 32), r[j]);
+            } else {
+              for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(d + j * kPanel * 2 + h * 32, r[j]);
+            }
+          }
+        }
+      }
+#endif
+      for (; kp < KP; ++kp, d += kPanel * 2) {  // (the rest: scalar)
+        const int64_t k = 2 * kp;
+        if (k + 1 < K) {
+          for (int64_t c = 0; c < cols; ++c) std::memcpy(d + 2 * c, rows + c * K + k, 4);
+        } else {
+          for (int64_t c = 0; c < cols; ++c) {
+            d[2 * c] = rows[c * K + k];
+            d[2 * c + 1] = 0;
+          }
+        }
+        if (cols < kPanel) std::memset(d + 2 * cols, 0, (kPanel - cols) * 4);
+      }
+    }
+#if ROLLOUT_VNNI_BF16
+    _mm_sfence();  // the streamed stores are visible before the pack returns
+#endif
   });
   return packed;
 }

@@ -43,3 +43,20 @@ def test_strided_rows_and_bad_input(vnni):
         vnni.bf16_vnni_linear(torch.randn(2, 62).bfloat16(), packed, 40)  # K differs from the packed weight
     with pytest.raises(RuntimeError, match="bfloat16"):
         vnni.bf16_vnni_linear(x.float(), packed, 40)
+
+
+@pytest.mark.parametrize("N,K", [(64, 32), (45, 77), (17, 1), (96, 130), (1728, 576)])
+def test_pack_into_memory_it_packed_before(vnni, N, K):
+    """The layout itself (panels of 32 columns, k in pairs, zeros past N and past an odd K), and a
+    repack into an earlier packed tensor full of other values equals a fresh one."""
+    g = torch.Generator().manual_seed(N + K)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    padded = torch.zeros((N + 31) // 32 * 32, (K + 1) // 2 * 2, dtype=torch.bfloat16)
+    padded[:N, :K] = w
+    want = padded.view(-1, 32, (K + 1) // 2, 2).permute(0, 2, 1, 3)
+    fresh = vnni.bf16_vnni_pack(w)
+    assert torch.equal(fresh, want)
+    stale = torch.full_like(fresh, 7.0)
+    assert vnni.bf16_vnni_pack(w, stale).data_ptr() == stale.data_ptr() and torch.equal(stale, want)
+    with pytest.raises(RuntimeError, match="out must be"):
+        vnni.bf16_vnni_pack(w, torch.empty(9, 1, 32, 2, dtype=torch.bfloat16))
