@@ -499,7 +499,12 @@ def _lora_tensor_check(name: str, accepted: dict[str, tuple]) -> Callable:
 
 def _release_memory(device: torch.device) -> None:
     """Hand freed memory back: CUDA caching allocator -> driver; glibc heap -> the OS."""
+    frozen = gc.get_freeze_count() > 0  # (the engine-core process freezes what start-up made,
+    if frozen:                          # the model among it: what sleep dropped must be collectable)
+        gc.unfreeze()
     gc.collect()
+    if frozen:
+        gc.freeze()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     else:
