@@ -3,7 +3,9 @@ once for RolloutClient and AsyncRolloutClient.
 
     push_weights:        [POST /weights/update {source: gloo|nccl} || WeightSender.send]
                          (the server pauses, receives, swaps, clears caches and resumes in that call)
-    push_weights_shared: SharedWeights.share -> POST /weights/update {source: ipc}
+    push_weights_shared: POST /weights/spare -> SpareWriter.write -> POST /weights/update {source: ipc}
+                         (the tensors written straight into the server's staging memory while it
+                         generates; where it lends none: SharedWeights.share, a segment of ours)
     weight_update():     vLLM's phases, for an update in chunks: pause(mode) -> start ->
                          [POST /update_weights || WeightSender.send]... -> finish(version) -> resume
 
@@ -35,6 +37,7 @@ import functools
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Iterable
 
@@ -210,7 +213,10 @@ class WeightTransfer:
         self.dtype = None  # the engine's dtype: pushed floating-point tensors are cast to it
         self.bucket_bytes: int | None = None
         self.shared = None  # weight_sync.SharedWeights of push_shared: its segment is reused push after push
-        self._sharing = threading.Lock()  # held while a push reads self.shared
+        self._sharing = threading.Lock()  # held while a push reads self.shared or writes self.spare
+        self.spare = None  # weight_sync.SpareWriter: the server's staging memory, mapped
+        self._spare_lent = True  # False once the server said it lends none (several replicas, CUDA, ...)
+        self.holder = uuid.uuid4().hex  # who leases the server's spare
         self._sender_cache = None  # the last WeightSender (its bucket buffers are reused) and its (group, bucket size)
 
     def _sender(self, group):
@@ -263,6 +269,8 @@ class WeightTransfer:
     def _close_plan(self) -> Plan:
         if self.shared is not None:
             self.shared.close()
+        if self.spare is not None:
+            self.spare.close()
         group, self.group, self._sender_cache = self.group, None, None
         if group is None:
             return
@@ -444,9 +452,11 @@ class WeightTransfer:
     def push_shared(self, named_tensors: Iterable, version: int | None = None, pause_mode: str = "keep",
                     recompute_kv: bool = False, lora_name: str | None = None, dtype=None,
                     idempotency_key: str | None = None, deadline_s: float | None = None):
-        """For a trainer on the server's machine: share the tensors (CUDA IPC on a shared GPU,
-        shared memory on CPU) -> POST /weights/update {source: ipc}: the server pauses, copies
-        them in, swaps, clears caches and resumes in that call. No transfer group needed.
+        """For a trainer on the server's machine: CPU tensors are written straight into the
+        memory the server stages updates in (leased, POST /weights/spare; one copy, made while it
+        generates), else shared (CUDA IPC on a shared GPU, a shared-memory segment of ours) ->
+        POST /weights/update {source: ipc}: the server pauses, takes them in (swaps the spare in,
+        or copies), clears caches and resumes in that call. No transfer group needed.
         Floating-point tensors are cast to `dtype`, by default the engine's (as push does; learned
         from /server_info when no group told it). `lora_name`, `idempotency_key`, `deadline_s`:
         see push (a retry shares the tensors again; the server answers it from its memory)."""
@@ -463,12 +473,16 @@ class WeightTransfer:
             served = (yield lambda c: c.server_info()).get("dtype")
             dtype = getattr(torch, served) if served else None
         t0 = time.perf_counter()
+        named = list(named_tensors)  # (read twice where the spare does not take them)
         own = self._sharing.acquire(blocking=False)  # a concurrent push gets a segment of its own
         if own and self.shared is None:
             self.shared = SharedWeights()
         shared = self.shared if own else SharedWeights()
         try:
-            handles = shared.share(named_tensors, dtype or self.dtype)
+            handles = (yield from self._write_spare(named, dtype)) if own and lora_name is None else None
+            via = "spare" if handles is not None else "segment"
+            if handles is None:
+                handles = shared.share(named, dtype or self.dtype)
             result = yield lambda c: c.weights_update("ipc", idempotency_key, deadline_s, handles=handles,
                                                       version=version, lora_name=lora_name, pause_mode=pause_mode,
                                                       recompute_kv=recompute_kv)
@@ -482,7 +496,24 @@ class WeightTransfer:
                 shared.close()
         log_push(self.client.wandb_run, "ipc", time.perf_counter() - t0, result.get("num_bytes"),
                  result.get("weight_version") if lora_name is None else None)
-        return result
+        return dict(result, shared_via=via)
+
+    def _write_spare(self, named: list, dtype) -> Plan:
+        """Handles for the tensors written into the server's leased spare, or None (having
+        written nothing) where it lends none or the push does not fit it (SpareWriter.write)."""
+        from weight_sync import SpareWriter
+
+        if not self._spare_lent or not all(t.device.type == "cpu" for _, t in named):
+            return None
+        try:
+            lease = yield lambda c: c.lease_weight_spare(self.holder)
+        except RolloutAPIError as e:
+            if e.status != 409:  # not lent by this server (one CPU rank only), or a server without the route
+                self._spare_lent = False
+            return None  # (409: another trainer holds it now)
+        if self.spare is None:
+            self.spare = SpareWriter()
+        return self.spare.write(lease, named, dtype)
 
 
 def _check_increases(version: int, live: int) -> None:

@@ -26,7 +26,7 @@ from weight_sync.checkpoint import load_safetensors_folder
 from weight_sync.checksum import weights_checksum
 from weight_sync.group import (WeightDeadlineError, WeightGroupError, WeightPushRefused, WeightTransferError,
                                WeightTransferGroup, find_free_port)
-from weight_sync.ipc import SharedWeights, read_shared
+from weight_sync.ipc import SharedWeights, SpareWriter, read_shared
 from weight_sync.names import checkpoint_named
 from weight_sync.protocol import DEFAULT_BUCKET_BYTES, WeightReceiver, WeightSender
 
@@ -34,6 +34,7 @@ __all__ = [
     "checkpoint_named",
     "DEFAULT_BUCKET_BYTES",
     "SharedWeights",
+    "SpareWriter",
     "WeightReceiver",
     "WeightDeadlineError",
     "WeightGroupError",

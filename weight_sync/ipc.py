@@ -12,7 +12,9 @@ anything is copied, and swaps the copies into its weights atomically.
 - CPU tensors: one POSIX shared-memory segment holding them all (one copy on the trainer's side,
   one into the weights), named in the handles with each tensor's offset, dtype and shape.
 
-Handles: {"kind": "cuda" | "shm", "tensors": [...], "shm": name (shm only)}.
+Handles: {"kind": "cuda" | "shm", "tensors": [...], "shm": name (shm only)}, or {"kind": "spare",
+"lease", "tensors": [names]} for tensors a `SpareWriter` wrote into the engine's own staging memory
+(lent by LLM.lease_weight_spare: one copy in all, where a segment of the trainer's costs two).
 """
 from __future__ import annotations
 
@@ -138,6 +140,68 @@ class SharedWeights:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+class SpareWriter:
+    """The trainer's side of a leased spare (engine/worker/weight_buffers.py): `write(lease,
+    named_tensors)` copies the tensors straight into the engine's staging memory (cast to its
+    dtype in that copy) and returns the handles for update_weights_from_ipc, or None, having
+    written nothing, when the push does not fit the lease (a name twice, a name or shape it has
+    no slot for, a tensor not floating point or not on the CPU, another dtype asked for, a tied
+    head that differs, an engine on another machine whose segments are not here): push it
+    another way then, which refuses what is wrong with the engine's own message. Keeps the
+    engine's segments mapped between pushes; `close()` unmaps them."""
+
+    def __init__(self):
+        self._mapped: dict[str, shared_memory.SharedMemory] = {}
+
+    def write(self, lease: dict, named_tensors: Iterable[tuple[str, torch.Tensor]],
+              dtype: torch.dtype | None = None) -> dict | None:
+        pairs = [(n, t.detach()) for n, t in named_tensors]
+        named = dict(pairs)
+        if len(named) != len(pairs):
+            return None
+        slots = {m["name"]: m for m in lease["tensors"]}
+        for name, t in named.items():
+            tied_to = lease.get("tied", {}).get(name)
+            if tied_to is not None:  # dropped by the engine after checking it is the embedding
+                if tied_to not in named or not torch.equal(t, named[tied_to]):
+                    return None
+                continue
+            slot = slots.get(name)
+            if slot is None or t.device.type != "cpu" or not t.is_floating_point() or list(t.shape) != slot["shape"] \
+                    or (dtype is not None and dtype_name(dtype) != slot["dtype"]):
+                return None
+        try:
+            segments = [self._map(name) for name in lease["segments"]]
+        except ValueError:  # not this machine's shared memory (the engine runs elsewhere)
+            return None
+        for name in list(self._mapped):
+            if name not in lease["segments"]:
+                self._mapped.pop(name).close()
+        written = []
+        for name, t in named.items():
+            slot = slots.get(name)
+            if slot is None:
+                continue
+            d = parse_dtype(slot["dtype"])
+            span = 1 + sum((n - 1) * st for n, st in zip(slot["shape"], slot["stride"])) if t.numel() else 0
+            if span:
+                dst = torch.frombuffer(segments[slot["segment"]].buf, dtype=d, count=span, offset=slot["offset"])
+                dst.as_strided(slot["shape"], slot["stride"]).copy_(t)
+                del dst  # no view may outlive the mapping
+            written.append(name)
+        return {"kind": "spare", "lease": lease["lease"], "tensors": written}
+
+    def _map(self, name: str) -> shared_memory.SharedMemory:
+        if name not in self._mapped:
+            self._mapped[name] = _attach(name)
+        return self._mapped[name]
+
+    def close(self) -> None:
+        for shm in self._mapped.values():
+            shm.close()
+        self._mapped = {}
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

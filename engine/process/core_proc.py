@@ -39,6 +39,7 @@ from engine.process.waves import BARRIER_WAIT_S, IDLE_SPIN_S, LOCAL_CALLS, Barri
 from engine.protocol import (EngineAddresses, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineLoad,
                              FinishReason, Heartbeat, Hello, Ready, RequestType, Startup, StreamInput, UtilityOutput,
                              UtilityRequest, WaveEvent)
+from engine.worker.weight_buffers import remove_segments
 
 DEFERRED_POLL_S = 0.005
 logger = logging.getLogger("engine")
@@ -59,9 +60,14 @@ def run_engine_core(handshake_address: str, parent_pid: int, engine_index: int =
         for address in folders:
             if address.startswith("ipc://"):
                 shutil.rmtree(os.path.dirname(address[len("ipc://"):]), ignore_errors=True)
+        remove_segments()
         os._exit(1)
 
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # the frontend stops us
+    def on_stop(*_):  # the frontend stops us (os._exit: no finalizer runs, so shared memory goes here)
+        remove_segments()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; it shuts us down
     signal.signal(PARENT_DEATH_SIGNAL, on_parent_death)
     die_with_parent(parent_pid, on_parent_death)

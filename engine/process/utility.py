@@ -70,6 +70,10 @@ class StageArgs(_Args):
     deadline_s: float | None = None
 
 
+class LeaseArgs(_Args):
+    holder: str
+
+
 class CommitArgs(_Args):
     version: int
     lora_id: int = 0
@@ -148,6 +152,13 @@ def agree(results: list) -> Any:
     return results[0]
 
 
+def only_replica(results: list) -> Any:
+    """The answer of a verb that one replica alone can serve."""
+    if len(results) > 1:
+        raise InvalidRequestError(f"not with {len(results)} replicas: one serves this", "spare")
+    return results[0]
+
+
 def combine_checksum(results: list) -> str:
     """weights_checksum: the one every replica gives, or under expert parallelism the checksum of
     the replicas' tensors put together (each holds some experts: weight_sync.checksum)."""
@@ -219,6 +230,7 @@ UTILITIES: dict[str, Utility] = {
     "stage_weights": Utility(StageArgs),
     "commit_weights": Utility(CommitArgs),
     "discard_weights": Utility(NoArgs),
+    "lease_weight_spare": Utility(LeaseArgs, only_replica),
     "send_weights_to_peers": Utility(PeersArgs),
     "weights_checksum": Utility(NoArgs, combine_checksum),
     "save_weights": Utility(SaveWeightsArgs, first, first_replica_only=True),

@@ -12,14 +12,45 @@ copies the pushed tensors of the others (a partial update costs what it moves). 
 made on the first update and kept: it costs one copy of the weights in memory, which the update
 needed anyway while it was staged; sleep releases it.
 
+A trainer on the same machine can write into the spare itself (`lease`): the spare then lives
+in shared memory, two segments per worker (`SpareSegments`, every storage with a slot in each),
+and each storage's spare is kept in the segment its live tensor is not in, so a swap alternates
+them. The trainer copies its tensors straight into the engine's spare (cast in that copy) while
+generation goes on, and the update only checks the lease and swaps: one copy in all, where
+sharing a segment of the trainer's own costs a copy into it and another out of it. A lease is
+the right to write the spare until the next update stages it; while one is out, other updates
+stage into fresh memory (they must not write what the trainer is writing).
+
 On CUDA, allocation is cheap and memory is scarce: tensors are staged into fresh memory and
 copied in (no spare).
 """
 from __future__ import annotations
 
+import os
+import secrets
+import time
+import weakref
+from dataclasses import dataclass
+
 import torch
 
+from engine.errors import EngineStateError, InvalidRequestError
 from engine.model.decoder import LlamaModel
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "rollout-spare-"  # + "<pid>-<random>-<0|1>": a dead pid's segments are removed
+ALIGN = 64
+# A lease not used for this long is taken to be abandoned (its trainer died mid-push): another
+# trainer may take the spare over. The first holder's update is then refused, never mixed in.
+LEASE_TTL_S = 120.0
+_NAMED: set[str] = set()  # this process's segments that still have names (see remove_segments)
+
+
+@dataclass
+class Lease:
+    token: str
+    holder: str
+    since: float
 
 
 class WeightBuffers:
@@ -28,30 +59,92 @@ class WeightBuffers:
     def __init__(self):
         self._model: LlamaModel | None = None
         self._spare: dict[int, torch.Tensor] = {}  # id(root storage tensor) -> its spare
+        self._segments: SpareSegments | None = None  # where the spare lives once a trainer leased it
+        self._lease: Lease | None = None
 
     def release(self) -> None:
-        """Drop the spare (sleep; a model that is replaced)."""
-        self._model, self._spare = None, {}
+        """Drop the spare (sleep; a model that is replaced) and end any lease. Shared segments lose
+        their names now and their memory with the last tensor in them."""
+        self._model, self._spare, self._lease = None, {}, None
+        if self._segments is not None:
+            self._segments.unlink()
+            self._segments = None
 
     def dest(self, model: LlamaModel, name: str) -> torch.Tensor:
         """Where an update writes the tensor `name` (this rank's part of it): its view in the
-        spare, or a fresh tensor (CUDA; a tied model's lm_head.weight, compared, then dropped)."""
+        spare, or a fresh tensor (CUDA; while a trainer holds the spare's lease; a tied model's
+        lm_head.weight, compared, then dropped)."""
         view = model.hf_view(model.embed_name if name == "lm_head.weight" and model.ties_head else name)
-        spare = self._spare_of(model, view) if name != "lm_head.weight" or not model.ties_head else None
+        usable = self._lease is None and (name != "lm_head.weight" or not model.ties_head)
+        spare = self._spare_of(model, view) if usable else None
         return spare if spare is not None else torch.empty_like(view)
+
+    def _use(self, model: LlamaModel) -> None:
+        if self._model is not model:
+            self.release()
+            self._model = model
 
     def _spare_of(self, model: LlamaModel, view: torch.Tensor) -> torch.Tensor | None:
         if model.device.type != "cpu":
             return None
-        if self._model is not model:
-            self._model, self._spare = model, {}
+        self._use(model)
         root = view._base if view._base is not None else view
         spare = self._spare.get(id(root))
         if spare is None:
-            if not root.is_contiguous() or root.storage_offset() != 0:
+            if not root.is_contiguous():
                 return None
             spare = self._spare[id(root)] = torch.empty_like(root)
-        return spare.as_strided(view.shape, view.stride(), view.storage_offset())
+        # (a swapped-in root may sit at an offset in a shared segment: offsets are taken relative)
+        return spare.as_strided(view.shape, view.stride(),
+                                spare.storage_offset() + view.storage_offset() - root.storage_offset())
+
+    def lease(self, model: LlamaModel, holder: str) -> dict:
+        """The right for `holder` (a trainer) to write the spare until its update stages it, and
+        where: {"lease": token, "segments": [shared-memory names], "tensors": [{"name", "dtype",
+        "shape", "stride", "segment", "offset" (bytes)}], "tied": {pushed name: the name it is
+        checked against and dropped for}}. The same holder may lease again (a retry); another
+        is refused (EngineStateError) while a lease younger than LEASE_TTL_S is out."""
+        now = time.monotonic()
+        if self._lease is not None and self._lease.holder != holder and now - self._lease.since < LEASE_TTL_S:
+            raise EngineStateError(f"another trainer holds the weight spare (leased {now - self._lease.since:.0f} s "
+                                   f"ago): push through a segment of your own", "spare")
+        self._use(model)
+        roots = model.weight_storages()
+        if self._segments is None:
+            self._segments = SpareSegments([root for root, _, _ in roots])
+        segments, tensors = self._segments, []
+        for root, names, _ in roots:
+            spare, live_in = self._spare.get(id(root)), segments.index_of(root)
+            if spare is None or segments.index_of(spare) in (None, live_in):
+                self._spare[id(root)] = spare = segments.slot(1 if live_in == 0 else 0, root)
+            where = segments.index_of(spare)
+            for name in names:
+                view = self._spare_of(model, model.hf_view(name))
+                tensors.append({"name": name, "dtype": str(view.dtype).removeprefix("torch."),
+                                "shape": list(view.shape), "stride": list(view.stride()), "segment": where,
+                                "offset": view.data_ptr() - segments.base(where)})
+        self._lease = Lease(secrets.token_hex(8), holder, now)
+        tied = {"lm_head.weight": model.embed_name} if model.ties_head else {}
+        return {"lease": self._lease.token, "segments": segments.names, "tensors": tensors, "tied": tied}
+
+    def leased(self, model: LlamaModel, handles: dict) -> dict[str, torch.Tensor]:
+        """An update the lease holder wrote into the spare ({"kind": "spare", "lease", "tensors":
+        [names]}): the spare's views of those tensors, to be committed like any staged update.
+        The lease ends here, used or refused."""
+        lease, self._lease = self._lease, None
+        if lease is None or handles.get("lease") != lease.token or self._model is not model:
+            raise InvalidRequestError("the weight spare's lease is not current (another trainer took it over, or the "
+                                      "engine slept or staged another update since): lease it again", "lease")
+        names = handles.get("tensors")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+            raise InvalidRequestError('a spare update names its tensors once each: {"tensors": [names]}', "handles")
+        known = {n for _, in_root, _ in model.weight_storages() for n in in_root}
+        staged = {}
+        for name in names:
+            if name not in known:
+                raise InvalidRequestError(f"the weight spare has no tensor {name!r}", "handles")
+            staged[name] = self._spare_of(model, model.hf_view(name))
+        return staged
 
     def commit(self, model: LlamaModel, staged: dict[str, torch.Tensor]) -> int:
         """Make the checked `staged` tensors live: swap the storages they fill entirely (when they
@@ -73,6 +166,90 @@ class WeightBuffers:
                     copied += staged[n].numel() * staged[n].element_size()
         model.weights_moved(changed)
         return copied
+
+
+class SpareSegments:
+    """Two shared-memory files under /dev/shm with a slot for every weight storage in each (a
+    storage's live tensor and its spare are never in the same one). Files are created sparse:
+    a slot costs memory once written. The names go when the worker releases them or exits
+    (and a dead process's are removed by the next worker that makes some); the memory goes
+    with the last tensor that uses it."""
+
+    def __init__(self, roots: list[torch.Tensor]):
+        if not os.path.isdir(SHM_DIR):
+            raise InvalidRequestError(f"no {SHM_DIR} here: the weight spare cannot be shared", "spare")
+        self._offsets, size = {}, 0
+        for root in roots:
+            self._offsets[id(root)] = size
+            size += (root.numel() * root.element_size() + ALIGN - 1) // ALIGN * ALIGN
+        free = os.statvfs(SHM_DIR)
+        if free.f_bavail * free.f_frsize < 2 * size:  # writing past a full tmpfs is a SIGBUS
+            raise InvalidRequestError(f"{SHM_DIR} has {free.f_bavail * free.f_frsize / 2**20:.0f} MiB free, the "
+                                      f"weight spare needs {2 * size / 2**20:.0f} MiB", "spare")
+        _remove_dead_segments()
+        stem = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-"
+        self.names = [stem + "0", stem + "1"]
+        self._storages = [_create(name, size) for name in self.names]
+        _NAMED.update(self.names)
+        self._unlink = weakref.finalize(self, _unlink_all, list(self.names))
+
+    def unlink(self) -> None:
+        self._unlink()
+
+    def base(self, index: int) -> int:
+        return self._storages[index].data_ptr()
+
+    def index_of(self, t: torch.Tensor) -> int | None:
+        """Which segment holds `t` (None: ordinary memory)."""
+        ptr = t.untyped_storage().data_ptr()
+        return next((i for i, s in enumerate(self._storages) if s.data_ptr() == ptr), None)
+
+    def slot(self, index: int, root: torch.Tensor) -> torch.Tensor:
+        """`root`'s slot in segment `index`, a tensor laid out like it."""
+        offset = self._offsets[id(root)]
+        return torch.empty(0, dtype=root.dtype).set_(self._storages[index], offset // root.element_size(),
+                                                      root.shape, root.stride())
+
+
+def _create(name: str, size: int) -> torch.UntypedStorage:
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, max(size, 1))
+    finally:
+        os.close(fd)
+    return torch.UntypedStorage.from_file(os.path.join(SHM_DIR, name), shared=True, nbytes=max(size, 1))
+
+
+def _unlink_all(names: list[str]) -> None:
+    for name in names:
+        _NAMED.discard(name)
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            pass
+
+
+def remove_segments() -> None:
+    """Take the names of this process's segments back: for an exit that skips finalizers (the
+    engine core's os._exit on SIGTERM), or tmpfs would keep their memory until another worker
+    starts."""
+    _unlink_all(list(_NAMED))
+
+
+def _remove_dead_segments() -> None:
+    """Segments whose worker died without unlinking them (killed): their pid is gone."""
+    for name in os.listdir(SHM_DIR):
+        if not name.startswith(SEGMENT_PREFIX):
+            continue
+        try:
+            pid = int(name[len(SEGMENT_PREFIX):].split("-", 1)[0])
+            os.kill(pid, 0)
+        except ValueError:
+            continue
+        except ProcessLookupError:
+            _unlink_all([name])
+        except PermissionError:  # another user's live process
+            pass
 
 
 def _swap(live: torch.Tensor, spare: torch.Tensor) -> None:

@@ -138,6 +138,15 @@ class Worker:
         self.transfer_group = self._receiver = None
         return True
 
+    def lease_weight_spare(self, holder: str) -> dict:
+        """Hand the trainer `holder` the spare its next update is written into (a shared-memory
+        layout; engine/worker/weight_buffers.py). One rank on a CPU only (the core checks)."""
+        if self.model is None:
+            raise EngineStateError("the weights were dropped (sleep level 2): wake_up(['weights']) first")
+        if self._staged is not None:
+            raise EngineStateError("an update is staged: lease the spare once it is committed or discarded", "spare")
+        return self._buffers.lease(self.model, holder)
+
     def stage_weights(self, source: str, args: list, lora_id: int = 0, complete: bool = False,
                       deadline_s: float | None = None) -> dict:
         """Receive or read a whole update into fresh tensors, every name, shape and dtype checked
@@ -232,6 +241,8 @@ class Worker:
     def _map_shared(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
         from weight_sync.ipc import read_shared
 
+        if isinstance(args[0], dict) and args[0].get("kind") == "spare":  # written by the trainer into our spare
+            return self._buffers.leased(model, args[0])
         shard = _shard_selector(model)
 
         def select(name: str, t: torch.Tensor) -> torch.Tensor:

@@ -441,6 +441,10 @@ def check_absolute(path: str, param: str) -> None:
         raise APIError(400, f"{param} must be an absolute folder on the server's disk, got {path!r}", param)
 
 
+class LeaseSpareBody(_Strict):
+    holder: str = Field(min_length=1)  # the trainer's own id: its retries lease again, others wait
+
+
 class UpdateFromIPCBody(_Strict):
     handles: dict  # from weight_sync.SharedWeights.share(): {"kind", "tensors", ...}
     version: int | None = None

@@ -9,7 +9,8 @@ it into /pause, /start_weight_update, /update_weights, /finish_weight_update, /r
                                    trainer's WeightSender sends beside this call, over the group
                                    formed by /init_weight_transfer_engine
          "path": "/abs/folder"     disk: a safetensors folder on the server's disk
-         "handles": {...}          ipc: weight_sync.SharedWeights.share()'s handles
+         "handles": {...}          ipc: weight_sync.SharedWeights.share()'s handles, or
+                                   SpareWriter.write()'s for the spare leased by POST /weights/spare
          "version": v              default: the live version + 1; must increase
          "lora_name": name         the tensors are that loaded LoRA adapter's (its own versions)
          "pause_mode": "keep"      | "abort" | "wait" (as /pause); "recompute_kv": false (with keep)
@@ -106,12 +107,12 @@ class WeightsUpdateBody(_Strict):
     def fingerprint(self) -> str:
         """What makes two calls the same update: the body but its key and deadline (a retry may
         allow itself another deadline), and of IPC handles the tensor names (a retry shares the
-        tensors again, under new segment names)."""
+        tensors again, under new segment names or a new lease of the spare, or the other way)."""
         body = self.model_dump(exclude={"idempotency_key", "deadline_s"})
         if self.handles is not None:
             tensors = self.handles.get("tensors")
-            body["handles"] = [self.handles.get("kind"), [t.get("name") for t in tensors if isinstance(t, dict)]
-                               if isinstance(tensors, list) else None]
+            body["handles"] = [t.get("name") if isinstance(t, dict) else t for t in tensors] \
+                if isinstance(tensors, list) else None
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 

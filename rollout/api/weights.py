@@ -17,7 +17,8 @@
 Ours: POST /update_weights_from_disk {"path", "version"}, POST /reload_weights {"version"} (the
 start-up checkpoint: after sleep level 2, or to undo pushes), POST /update_weights_from_ipc
 {"handles", "version"} (a trainer on the same machine: weight_sync.SharedWeights, CUDA IPC on a
-shared GPU or shared memory on CPU), POST /close_weight_transfer,
+shared GPU or shared memory on CPU; or the engine's own staging memory, leased by POST
+/weights/spare {"holder"} and written by weight_sync.SpareWriter), POST /close_weight_transfer,
 GET /weights/version (and vLLM's GET /weight_info), GET /weights/checksum (compare with
 `weight_sync.weights_checksum` on the trainer's tensors to verify a push), POST /save_weights
 {"path", "overwrite": false, "max_shard_bytes"} (the live weights, pushes included, as a Hugging
@@ -42,8 +43,9 @@ from rollout.api.cancel import until_disconnect
 from rollout.api.control import call
 from rollout.api.dispatch import alternate, json_object, one_of, parse
 from rollout.api.errors import APIError
-from rollout.api.protocol import (FinishWeightUpdateBody, InitWeightTransferBody, ReloadWeightsBody, SaveWeightsBody,
-                                  StartWeightUpdateBody, UpdateFromDiskBody, UpdateFromIPCBody, UpdateWeightsBody)
+from rollout.api.protocol import (FinishWeightUpdateBody, InitWeightTransferBody, LeaseSpareBody, ReloadWeightsBody,
+                                  SaveWeightsBody, StartWeightUpdateBody, UpdateFromDiskBody, UpdateFromIPCBody,
+                                  UpdateWeightsBody)
 from rollout.api.state import ServerState, WeightUpdate, get_state
 from rollout.log import log
 
@@ -207,6 +209,15 @@ async def save_weights(body: SaveWeightsBody, request: Request):
     log(f"weights version {result['weight_version']} saved to {result['path']} ({len(result['files'])} file(s), "
         f"{time.monotonic() - t0:.2f} s)")
     return dict(result, message="Weights saved")
+
+
+@router.post("/weights/spare")
+async def lease_weight_spare(body: LeaseSpareBody, request: Request):
+    """Lend a trainer on this machine the memory the next update is staged in: it writes its
+    tensors there itself (while generation goes on) and pushes {"kind": "spare", ...} handles
+    (engine/worker/weight_buffers.py; the client's push_weights_shared does both). 400 where no
+    spare is lent (CUDA, several ranks or replicas), 409 while another trainer holds it."""
+    return await call(get_state(request).engine.lease_weight_spare(body.holder))
 
 
 @router.post("/close_weight_transfer")

@@ -317,9 +317,12 @@ async def _aborts_while_paused():
 
 # ---- weights shared by a process on the same machine (weight_sync.ipc) -------------------------
 
-def start_ipc_trainer(mode: str):
+def start_ipc_trainer(mode: str, lease: dict | None = None):
     proc = subprocess.Popen([sys.executable, "-m", "tests.engine.ipc_trainer_proc", mode], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
+    if lease is not None:
+        proc.stdin.write(json.dumps(lease) + "\n")
+        proc.stdin.flush()
     line = proc.stdout.readline()
     assert line, f"the IPC trainer died (exit code {proc.wait(60)})"
     return proc, json.loads(line)
@@ -356,6 +359,41 @@ def test_weights_shared_by_a_trainer_process(llm, prompts, default_model_path):
     with pytest.raises(InvalidRequestError, match="closed it too early"):
         llm.update_weights_from_ipc(shared["handles"])
     assert llm.weights_checksum() == shared["checksum"]
+    llm.reload_weights()
+
+
+@pytest.mark.slow
+def test_a_trainer_process_writes_into_the_engines_spare(llm, prompts, default_model_path):
+    """The engine lends its staging memory (lease_weight_spare); a real trainer process writes
+    the new weights there itself and the update swaps them in: transformers on the new weights,
+    the trainer's checksum. A stale lease is refused with the weights whole; sleep takes the
+    shared segments' names back; after wake the spare is lent again."""
+    import os
+
+    from engine.worker.weight_buffers import SEGMENT_PREFIX, SHM_DIR
+
+    base_version = llm.reload_weights()["weight_version"]
+    proc, shared = start_ipc_trainer("spare", llm.lease_weight_spare("trainer"))
+    try:
+        with pytest.raises(InvalidRequestError, match="lease is not current"):
+            llm.update_weights_from_ipc(dict(shared["handles"], lease="0" * 16), version=base_version + 1)
+        assert llm.get_weight_version() == base_version  # (the refusal ended the lease: lease again)
+        proc.communicate("done\n", timeout=60)
+        proc, shared = start_ipc_trainer("spare", llm.lease_weight_spare("trainer"))
+        result = llm.update_weights_from_ipc(shared["handles"], version=base_version + 3)
+    finally:
+        stop_ipc_trainer(proc)
+    assert result["weight_version"] == base_version + 3 and llm.weights_checksum() == shared["checksum"]
+    after = llm.generate(prompts, GREEDY, use_tqdm=False)
+    reference = hf_greedy(hf_model_with(default_model_path, perturbed_state(default_model_path)), prompts, 16)
+    assert [o.outputs[0].token_ids for o in after] == [r[0] for r in reference]
+    segments = llm.lease_weight_spare("trainer")["segments"]
+    assert all(os.path.exists(os.path.join(SHM_DIR, n)) and n.startswith(SEGMENT_PREFIX) for n in segments)
+    llm.sleep(1)
+    assert not any(os.path.exists(os.path.join(SHM_DIR, n)) for n in segments)
+    llm.wake_up()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == [r[0] for r in reference]
+    assert llm.lease_weight_spare("trainer")["segments"] != segments
     llm.reload_weights()
 
 

@@ -113,3 +113,136 @@ def test_moe_experts_by_their_fused_names(tmp_path):
     for name, t in fused.items():
         torch.testing.assert_close(model.hf_view(name), t, rtol=0, atol=0)
     _assert_live(model, new)
+
+
+# ---- the spare lent to a trainer on the same machine (shared memory) --------------------------
+def _push_through_lease(buffers: WeightBuffers, model: LlamaModel, tensors: dict, holder: str = "trainer"):
+    from weight_sync import SpareWriter
+
+    writer = SpareWriter()
+    try:
+        handles = writer.write(buffers.lease(model, holder), tensors.items())
+    finally:
+        writer.close()
+    assert handles is not None and handles["kind"] == "spare"
+    return buffers.commit(model, buffers.leased(model, handles))
+
+
+def _segment_names() -> set[str]:
+    import os
+
+    from engine.worker.weight_buffers import SEGMENT_PREFIX, SHM_DIR
+
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(f"{SEGMENT_PREFIX}{os.getpid()}-")}
+
+
+def test_leased_spare_takes_a_trainers_writes_and_alternates_two_segments(folder):
+    model, buffers = _model(folder), WeightBuffers()
+    qkv = model.layers[0].qkv.weight
+    homes = []
+    for seed in (1, 2, 3, 4):
+        new = _new_values(model, seed)
+        assert _push_through_lease(buffers, model, new) == 0  # written by the trainer, swapped in
+        _assert_live(model, new)
+        homes.append(buffers._segments.index_of(qkv))
+    assert homes == [0, 1, 0, 1]  # live and spare take turns between the two segments
+    assert len(_segment_names()) == 2
+    new = _new_values(model, 9)  # a push by any other route still stages in the spare
+    assert buffers.commit(model, _stage(buffers, model, new)) == 0
+    _assert_live(model, new)
+    buffers.release()  # (sleep) the names go; the live weights stay readable where they are
+    assert not _segment_names()
+    _assert_live(model, new)
+
+
+def test_leased_partial_push_copies_what_it_moves(folder):
+    model, buffers = _model(folder), WeightBuffers()
+    before = {name: view.clone() for name, view in model.hf_views()}
+    name = model.mc.text_prefix + "layers.0.self_attn.q_proj.weight"
+    q = torch.randn(model.hf_view(name).shape)
+    assert _push_through_lease(buffers, model, {name: q}) == q.numel() * 4
+    _assert_live(model, {**before, name: q})
+    buffers.release()
+
+
+def test_a_lease_is_one_trainers_at_a_time(folder, monkeypatch):
+    import engine.worker.weight_buffers as wb
+    from engine.errors import EngineStateError, InvalidRequestError
+
+    model, buffers = _model(folder), WeightBuffers()
+    first = buffers.lease(model, "a")
+    with pytest.raises(EngineStateError, match="another trainer holds the weight spare"):
+        buffers.lease(model, "b")
+    # meanwhile another route's update stages in fresh memory, never in the leased spare
+    name = model.mc.text_prefix + "layers.0.self_attn.q_proj.weight"
+    spare_ptr = buffers._spare_of(model, model.hf_view(name)).data_ptr()
+    assert buffers.dest(model, name).data_ptr() != spare_ptr
+    monkeypatch.setattr(wb, "LEASE_TTL_S", 0.0)  # "a" is taken to be gone: "b" takes the spare over
+    second = buffers.lease(model, "b")
+    with pytest.raises(InvalidRequestError, match="lease is not current"):
+        buffers.leased(model, {"kind": "spare", "lease": first["lease"], "tensors": [name]})
+    with pytest.raises(InvalidRequestError, match="lease is not current"):  # the refusal ended b's lease too
+        buffers.leased(model, {"kind": "spare", "lease": second["lease"], "tensors": [name]})
+    third = buffers.lease(model, "b")
+    with pytest.raises(InvalidRequestError, match="no tensor"):
+        buffers.leased(model, {"kind": "spare", "lease": third["lease"], "tensors": ["model.nope.weight"]})
+    buffers.release()
+
+
+def test_the_writer_writes_nothing_a_lease_has_no_place_for(tmp_path):
+    from weight_sync import SpareWriter
+
+    build_model("qwen2", tmp_path)  # tied embeddings
+    model, buffers = _model(str(tmp_path)), WeightBuffers()
+    lease, writer = buffers.lease(model, "t"), SpareWriter()
+    new = _new_values(model, 3)
+    embed, q = model.embed_name, model.mc.text_prefix + "layers.0.self_attn.q_proj.weight"
+    assert writer.write(lease, {**new, "lm_head.weight": new[embed] + 1}.items()) is None  # a differing tied head
+    assert writer.write(lease, {**new, "model.nope.weight": new[q]}.items()) is None
+    assert writer.write(lease, {**new, q: new[q][:-1]}.items()) is None  # a wrong shape
+    assert writer.write(lease, new.items(), dtype=torch.bfloat16) is None  # another dtype than the engine's
+    assert writer.write(lease, [*new.items(), (q, new[q])]) is None  # a name twice
+    assert writer.write(lease, {**new, q: new[q].long()}.items()) is None  # not floating point
+    handles = writer.write(lease, {**new, "lm_head.weight": new[embed]}.items())  # the equal tied copy is dropped
+    writer.close()
+    assert "lm_head.weight" not in handles["tensors"]
+    assert buffers.commit(model, buffers.leased(model, handles)) == 0
+    _assert_live(model, new)
+    assert model.lm_head.weight is model.embed
+    buffers.release()
+
+
+def test_a_dead_workers_segments_are_removed(folder):
+    import os
+    import subprocess
+
+    from engine.worker.weight_buffers import SEGMENT_PREFIX, SHM_DIR
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{dead.pid}-feed-0")
+    open(stale, "wb").close()
+    model, buffers = _model(folder), WeightBuffers()
+    buffers.lease(model, "t")
+    assert not os.path.exists(stale)
+    buffers.release()
+
+
+def test_a_stopped_engine_core_leaves_no_segment(tmp_path):
+    """The engine-core process exits by os._exit when the frontend stops it (no finalizer runs):
+    its segments' names must still go, or tmpfs keeps their memory."""
+    import os
+
+    from engine import LLM
+    from engine.default_model import default_model_path
+    from engine.worker.weight_buffers import SHM_DIR
+
+    build_model("llama3", tmp_path)
+    llm = LLM(model=str(tmp_path), tokenizer=str(default_model_path()), dtype="float32",
+              kv_cache_memory=16 << 20)
+    try:
+        names = llm.lease_weight_spare("t")["segments"]
+        assert all(os.path.exists(os.path.join(SHM_DIR, n)) for n in names)
+    finally:
+        llm.shutdown()
+    assert not any(os.path.exists(os.path.join(SHM_DIR, n)) for n in names)

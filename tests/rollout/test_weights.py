@@ -159,7 +159,8 @@ def test_push_weights_shared_from_this_machine(client, original):
     assert client.weights_checksum() == good and not client.is_paused()
     changed = {"model.norm.weight": original["model.norm.weight"] * 0.5}
     version = client.weight_version() + 1
-    assert client.push_weights_shared(changed.items(), version=version)["weight_version"] == version
+    result = client.push_weights_shared(changed.items(), version=version)
+    assert result["weight_version"] == version and result["shared_via"] == "spare"  # written into the server's spare
     assert client.weights_checksum() == weights_checksum({**original, **changed}.items(), torch.float32)
     assert set(client.generate(PROMPT, GREEDY)[0].weight_versions) == {version}
     client.push_weights_shared([("model.norm.weight", original["model.norm.weight"])])
@@ -176,14 +177,64 @@ def test_concurrent_shared_pushes_on_one_client_do_not_share_a_segment(client, o
 
     def push(state: dict) -> int:
         go.wait(60)
-        return client.push_weights_shared(state.items())["weight_version"]
+        return client.push_weights_shared(state.items())
 
     with ThreadPoolExecutor(2) as pool:
-        versions = list(pool.map(push, states, timeout=300))
+        results = list(pool.map(push, states, timeout=300))
+    versions = [r["weight_version"] for r in results]
+    assert "spare" in {r["shared_via"] for r in results}
     last = states[versions.index(max(versions))]
     assert client.weights_checksum() == weights_checksum({**original, **last}.items(), torch.float32)
     client.push_weights_shared([("model.norm.weight", original["model.norm.weight"])])
     assert client.weights_checksum() == good
+
+
+def test_two_trainers_pushing_at_once_both_land(server, client, original):
+    """Two clients (two lease holders) push through shared memory at the same moment: whichever
+    holds the spare writes into it, the other is refused it and shares a segment of its own (or
+    leases it once the first update took it); neither push is lost or mixed with the other."""
+    good = client.weights_checksum()
+    states = [{"model.norm.weight": original["model.norm.weight"] * s} for s in (0.25, 4.0)]
+    go = threading.Barrier(2)
+
+    def push(state: dict) -> dict:
+        with RolloutClient(server.url, api_key=API_KEY, admin_api_key=ADMIN_KEY, timeout=120) as c:
+            go.wait(60)
+            return c.push_weights_shared(state.items())
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(push, states, timeout=300))
+    versions = [r["weight_version"] for r in results]
+    assert len(set(versions)) == 2 and "spare" in {r["shared_via"] for r in results}
+    last = states[versions.index(max(versions))]
+    assert client.weights_checksum() == weights_checksum({**original, **last}.items(), torch.float32)
+    client.push_weights_shared([("model.norm.weight", original["model.norm.weight"])])
+    assert client.weights_checksum() == good
+
+
+def test_the_spare_is_lent_to_one_trainer_at_a_time(client, original):
+    """POST /weights/spare: a second trainer is refused (409) while the first holds the lease,
+    and its push_weights_shared goes through a segment of its own instead; the first trainer's
+    retry leases again. A lease nobody used changes nothing."""
+    good = client.weights_checksum()
+    lease = client.lease_weight_spare("another-trainer")
+    assert lease["segments"] and {"name", "dtype", "shape", "stride", "segment", "offset"} <= set(lease["tensors"][0])
+    assert lease["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    with pytest.raises(RolloutAPIError) as e:
+        client.lease_weight_spare(client.weights.holder)
+    assert e.value.status == 409 and "another trainer" in e.value.message
+    again = client.lease_weight_spare("another-trainer")
+    assert again["lease"] != lease["lease"]
+    result = client.push_weights_shared([("model.norm.weight", original["model.norm.weight"] * 3)])
+    assert result["shared_via"] == "segment"
+    assert client.weights_checksum() == weights_checksum(
+        {**original, "model.norm.weight": original["model.norm.weight"] * 3}.items(), torch.float32)
+    client.push_weights_shared([("model.norm.weight", original["model.norm.weight"])])
+    assert client.weights_checksum() == good
+    with pytest.raises(RolloutAPIError) as e:  # an update of nothing: refused, and it ends the lease
+        client.update_weights_from_ipc({"kind": "spare", "lease": again["lease"], "tensors": []})
+    assert e.value.status == 400 and client.weights_checksum() == good
+    assert client.push_weights_shared([("model.norm.weight", original["model.norm.weight"])])["shared_via"] == "spare"
 
 
 def test_push_weights_shared_casts_to_the_served_dtype(server, original):
