@@ -88,6 +88,8 @@ def test_weight_update_is_atomic_across_replicas(tiny_folder, backend):
         assert [s["weight_version"] for s in replica_stats(llm)] == [1, 1]  # one bump, everywhere
         outs = llm.generate(prompts(4), GREEDY, use_tqdm=False)
         assert all(o.outputs[0].weight_versions == [1] * 8 for o in outs)
+        with pytest.raises(ValueError, match="one rank and one replica"):  # a trainer would write each replica's
+            llm.lease_weight_spare("trainer")
     finally:
         llm.shutdown()
 
@@ -244,11 +246,14 @@ def test_scale_up_copies_live_weights_and_scale_down_drains(tiny_folder):
         assert await llm.scale(2) == {"data_parallel_size": 2, "added": [1], "removed": []}
         assert await llm.weights_checksum() == pushed  # the replicas agree (or this raises)
         assert [s["weight_version"] for s in (await llm.get_stats())["replicas"]] == [3, 3]
+        with pytest.raises(ValueError, match="replica"):  # one replica lends its spare, two do not
+            await llm.lease_weight_spare("trainer")
         second = [asyncio.ensure_future(collect(i, 40)) for i in range(4, 8)]
         await _until(lambda: len(outs) == 8)
         placed = {i: llm.client.owner[f"s{i}"].index for i in range(4, 8) if f"s{i}" in llm.client.owner}
         assert 1 in placed.values(), placed  # the new replica takes requests
         assert await llm.scale(1, drain_timeout_s=120) == {"data_parallel_size": 1, "added": [], "removed": [1]}
+        assert (await llm.lease_weight_spare("trainer"))["segments"]  # one again
         await asyncio.gather(*first, *second)
         assert all(o.finished and o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 40
                    for o in outs.values())

@@ -130,6 +130,8 @@ def test_tp2_push_lands_on_every_shard_and_a_bad_one_on_none(tiny_tp2):
         reference.tie_weights()
     refs = [hf_greedy(reference, p) for p in prompts[:3]]
     compare(name, prompts[:3], refs, llm.generate(prompts[:3], PARAMS, use_tqdm=False))
+    with pytest.raises(InvalidRequestError, match="one rank"):  # a trainer would write each rank's slices
+        llm.lease_weight_spare("trainer")
     with SharedWeights() as shared:  # back, for the module's other tests, through shared memory
         llm.update_weights_from_ipc(shared.share(state.items()), version=2)
     assert llm.weights_checksum() == before
