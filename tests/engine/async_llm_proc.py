@@ -8,7 +8,11 @@ keeps generating until it is killed.
 """
 import asyncio
 import os
+import signal
 
+# A shell starts a background job with SIGINT ignored, and the ignore is inherited: this script
+# stands for a program in a terminal's foreground, where Ctrl-C raises KeyboardInterrupt.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
