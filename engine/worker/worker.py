@@ -359,6 +359,8 @@ class Worker:
         del staged
         if self.model_runner.device.type != "cpu":  # staged in fresh memory (on a CPU: in the kept spare)
             _release_memory(self.model_runner.device)
+        else:  # what an update freed (a receive's temporaries) glibc keeps, and RSS crept ~6 MB a push
+            _trim_heap()
         return True
 
     def discard_staged(self) -> bool:
@@ -508,6 +510,14 @@ def _lora_tensor_check(name: str, accepted: dict[str, tuple]) -> Callable:
     return check
 
 
+def _trim_heap() -> None:
+    """Hand the glibc heap's free pages back to the OS (a few ms; no collection)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _release_memory(device: torch.device) -> None:
     """Hand freed memory back: CUDA caching allocator -> driver; glibc heap -> the OS."""
     frozen = gc.get_freeze_count() > 0  # (the engine-core process freezes what start-up made,
@@ -519,10 +529,7 @@ def _release_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     else:
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
+        _trim_heap()
 
 
 def worker_class(extension: str | None) -> type:
