@@ -93,6 +93,7 @@ class MultiprocExecutor:
         self.procs: dict[int, subprocess.Popen] = {}
         self.tp = None  # rank 0's end of the replica's group
         self._reader: threading.Thread | None = None
+        self._monitor_thread: threading.Thread | None = None
         try:
             self._start(base)
         except BaseException:
@@ -100,7 +101,8 @@ class MultiprocExecutor:
             raise
         self._reader = threading.Thread(target=self._read_results, daemon=True, name="tp-results")
         self._reader.start()
-        threading.Thread(target=self._monitor, daemon=True, name="tp-monitor").start()
+        self._monitor_thread = threading.Thread(target=self._monitor, daemon=True, name="tp-monitor")
+        self._monitor_thread.start()
 
     # ---- start-up -------------------------------------------------------------------------
     def _start(self, base: str) -> None:
@@ -284,9 +286,13 @@ class MultiprocExecutor:
                 proc.kill()
                 proc.wait()
         # Close every socket now: a context garbage-collected with open sockets blocks forever in
-        # zmq_term. The reader thread leaves its poll within MONITOR_POLL_S.
-        if self._reader is not None and self._reader is not threading.current_thread():
-            self._reader.join(timeout=2 * MONITOR_POLL_S + 1.0)
+        # zmq_term. The reader thread leaves its poll within MONITOR_POLL_S. Both threads are
+        # joined: a daemon thread that ends after the interpreter began to exit drops the last
+        # reference to this executor (its target's `self`), and freeing the model's tensors there
+        # aborted the process ("terminate called without an active exception").
+        for thread in (self._reader, self._monitor_thread):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=2 * MONITOR_POLL_S + 1.0)
         with self._lock:
             self.ctx.destroy(linger=0)
         if self.tp is not None:
