@@ -108,6 +108,8 @@ class WeightBuffers:
         if self._lease is not None and self._lease.holder != holder and now - self._lease.since < LEASE_TTL_S:
             raise EngineStateError(f"another trainer holds the weight spare (leased {now - self._lease.since:.0f} s "
                                    f"ago): push through a segment of your own", "spare")
+        from weight_sync.protocol import dtype_name  # (the trainer's SpareWriter reads the same names)
+
         self._use(model)
         roots = model.weight_storages()
         if self._segments is None:
@@ -115,12 +117,13 @@ class WeightBuffers:
         segments, tensors = self._segments, []
         for root, names, _ in roots:
             spare, live_in = self._spare.get(id(root)), segments.index_of(root)
-            if spare is None or segments.index_of(spare) in (None, live_in):
-                self._spare[id(root)] = spare = segments.slot(1 if live_in == 0 else 0, root)
-            where = segments.index_of(spare)
+            where = None if spare is None else segments.index_of(spare)
+            if where is None or where == live_in:
+                where = 1 if live_in == 0 else 0
+                self._spare[id(root)] = segments.slot(where, root)
             for name in names:
                 view = self._spare_of(model, model.hf_view(name))
-                tensors.append({"name": name, "dtype": str(view.dtype).removeprefix("torch."),
+                tensors.append({"name": name, "dtype": dtype_name(view.dtype),
                                 "shape": list(view.shape), "stride": list(view.stride()), "segment": where,
                                 "offset": view.data_ptr() - segments.base(where)})
         self._lease = Lease(secrets.token_hex(8), holder, now)
