@@ -181,11 +181,15 @@ def test_a_killed_rank_ends_the_replica_and_leaves_no_process(tmp_path):
     outcome = {}
 
     def run():
+        # Generate until the engine fails: a fast machine finishes one batch before the kill.
         try:
-            llm.generate([make_prompts()[0]] * 4, long, use_tqdm=False)
+            while time.monotonic() < deadline:
+                llm.generate([make_prompts()[0]] * 4, long, use_tqdm=False)
             outcome["error"] = None
         except Exception as e:  # noqa: BLE001 - the test inspects it
             outcome["error"], outcome["at"] = e, time.monotonic()
+
+    deadline = time.monotonic() + 30
 
     t = threading.Thread(target=run)
     t.start()
