@@ -52,7 +52,7 @@ def soak(client: RolloutClient, pid: int, kind: str, cycles: int, every: int) ->
         from safetensors.torch import load_file
 
         weights = load_file(str(Path(client.model_info()[0]["root"]) / "model.safetensors"))
-        client.init_weight_transfer(backend="gloo", timeout_s=60)
+        client.init_weight_transfer(backend="gloo", shared_memory_when_local=False, timeout_s=60)
     samples, baseline, t0 = [], None, time.perf_counter()
     try:
         for i in range(1, cycles + 1):

@@ -60,7 +60,7 @@ def main():
         path = client.server_info()["model_path"]
         state = [(n, t.to(getattr(torch, args.dtype))) for n, t in load_safetensors_folder(path)]
         gb = sum(t.numel() * t.element_size() for _, t in state) / 1e9
-        client.init_weight_transfer(backend="gloo", timeout_s=120)
+        client.init_weight_transfer(backend="gloo", shared_memory_when_local=False, timeout_s=120)
         stop = threading.Event()
         streamer = threading.Thread(target=_stream_forever, args=(server.url, stop), daemon=True)
         streamer.start()

@@ -7,10 +7,10 @@
 Every step: PROMPTS problems x GROUP answers sampled through the client (token ids, logprobs and
 weight versions back), rewarded, the logprobs recomputed by the trainer's own float32 copy of the
 model (their gap to the rollout's is logged: the rollout and the trainer must agree), one GRPO
-update, then the new weights pushed over gloo (client.push_weights: pause in keep mode, broadcast,
-atomic swap, resume), version = the step. The run folder (runs/grpo_arithmetic-<time>/) gets
-history.jsonl, curves.png and the trainer's and the server's offline W&B runs;
-`rollout dashboard <run folder>` draws both.
+update, then the new weights pushed (client.push_weights: pause in keep mode, send through shared
+memory to a server on this machine or over the gloo group, atomic swap, resume), version = the
+step. The run folder (runs/grpo_arithmetic-<time>/) gets history.jsonl, curves.png and the
+trainer's and the server's offline W&B runs; `rollout dashboard <run folder>` draws both.
 
 --batch-invariant serves in batch-invariant mode and recomputes every step's rollout logprobs with
 engine.model.batch_invariant.InvariantScorer on the trainer's weights: `exact/mismatch_max` must be 0.0

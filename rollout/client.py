@@ -495,9 +495,12 @@ class _Endpoints:
     # ---- the trainer's side of weight pushes (rollout/client_weights.py, `self.weights`) --------
     def init_weight_transfer(self, backend: str = "gloo", master_address: str = "127.0.0.1",
                              master_port: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                             bucket_bytes: int | None = None):
-        """Form the transfer group: this process is rank 0, the server's workers join."""
-        return self.weights.init(backend, master_address, master_port, timeout_s, bucket_bytes)
+                             bucket_bytes: int | None = None, shared_memory_when_local: bool = True):
+        """Form the transfer group: this process is rank 0, the server's workers join.
+        `shared_memory_when_local`: push_weights to a CPU server on this machine goes through
+        shared memory instead (see WeightTransfer.init)."""
+        return self.weights.init(backend, master_address, master_port, timeout_s, bucket_bytes,
+                                 shared_memory_when_local)
 
     def push_weights(self, named_tensors, version: int | None = None, pause_mode: str = "keep", dtype=None,
                      recompute_kv: bool = False, lora_name: str | None = None, idempotency_key: str | None = None,

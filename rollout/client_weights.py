@@ -2,7 +2,8 @@
 once for RolloutClient and AsyncRolloutClient.
 
     push_weights:        [POST /weights/update {source: gloo|nccl} || WeightSender.send]
-                         (the server pauses, receives, swaps, clears caches and resumes in that call)
+                         (the server pauses, receives, swaps, clears caches and resumes in that call);
+                         to a CPU server on this machine: push_weights_shared's route instead
     push_weights_shared: POST /weights/spare -> SpareWriter.write -> POST /weights/update {source: ipc}
                          (the tensors written straight into the server's staging memory while it
                          generates; where it lends none: SharedWeights.share, a segment of ours)
@@ -212,6 +213,7 @@ class WeightTransfer:
         self.group = None  # weight_sync.WeightTransferGroup, rank 0
         self.dtype = None  # the engine's dtype: pushed floating-point tensors are cast to it
         self.bucket_bytes: int | None = None
+        self.local = False  # push() goes through shared memory: the server is a CPU one on this machine
         self.shared = None  # weight_sync.SharedWeights of push_shared: its segment is reused push after push
         self._sharing = threading.Lock()  # held while a push reads self.shared or writes self.spare
         self.spare = None  # weight_sync.SpareWriter: the server's staging memory, mapped
@@ -233,13 +235,23 @@ class WeightTransfer:
 
     # ---- the group ----------------------------------------------------------------------------
     def init(self, backend: str = "gloo", master_address: str = "127.0.0.1", master_port: int | None = None,
-             timeout_s: float = DEFAULT_TIMEOUT_S, bucket_bytes: int | None = None):
+             timeout_s: float = DEFAULT_TIMEOUT_S, bucket_bytes: int | None = None,
+             shared_memory_when_local: bool = True):
         """Form the transfer group: this process is rank 0 (it hosts the rendezvous on
-        master_address:master_port, a free port by default), the server's workers join."""
-        return self.run(self._init_plan(backend, master_address, master_port, timeout_s, bucket_bytes))
+        master_address:master_port, a free port by default), the server's workers join.
 
-    def _init_plan(self, backend, master_address, master_port, timeout_s, bucket_bytes) -> Plan:
-        from weight_sync import WeightTransferGroup, find_free_port
+        `shared_memory_when_local`: when the server runs on the CPU of this machine (its
+        /server_info `shm_host` is this process's `weight_sync.host_key()`: one kernel, one
+        /dev/shm), push() of CPU tensors takes push_shared's route (the server's leased spare, or
+        a segment) instead of the group: loopback TCP moves a few GB/s where shared memory moves
+        tens. Its result's `transport` says which ("spare", "segment" or "group"). The group is
+        formed either way (update() in chunks uses it); False keeps every push on it."""
+        return self.run(self._init_plan(backend, master_address, master_port, timeout_s, bucket_bytes,
+                                        shared_memory_when_local))
+
+    def _init_plan(self, backend, master_address, master_port, timeout_s, bucket_bytes,
+                   shared_memory_when_local: bool = True) -> Plan:
+        from weight_sync import WeightTransferGroup, find_free_port, host_key
 
         yield from self._close_plan()
         world_size = (yield lambda c: c.get_world_size()) + 1
@@ -260,6 +272,9 @@ class WeightTransfer:
 
         self.group, self.bucket_bytes = both.work_result, bucket_bytes
         self.dtype = getattr(torch, info["dtype"]) if info.get("dtype") else None
+        here = host_key()
+        self.local = (shared_memory_when_local and info.get("device") == "cpu" and here is not None
+                      and info.get("shm_host") == here)
         return both.result
 
     def close(self):
@@ -271,7 +286,7 @@ class WeightTransfer:
             self.shared.close()
         if self.spare is not None:
             self.spare.close()
-        group, self.group, self._sender_cache = self.group, None, None
+        group, self.group, self._sender_cache, self.local = self.group, None, None, False
         if group is None:
             return
         try:
@@ -306,7 +321,10 @@ class WeightTransfer:
 
         `idempotency_key`: a retry with the same key (after a dropped connection) gets the first
         push's result without sending again. `deadline_s`: the whole push, pause to resume, or
-        it fails (504, phase named) and the group is broken: init_weight_transfer() again."""
+        it fails (504, phase named) and the group is broken: init_weight_transfer() again.
+
+        To a CPU server on this machine the tensors go through shared memory, not the group
+        (init's `shared_memory_when_local`); the result's `transport` says which way they went."""
         return self.run(self._push_plan(named_tensors, version, pause_mode, recompute_kv, dtype, lora_name,
                                         idempotency_key, deadline_s))
 
@@ -326,6 +344,10 @@ class WeightTransfer:
             from engine.worker.lora import peft_key
 
             named = [(peft_key(n), t) for n, t in named]
+        if self.local and all(t.device.type == "cpu" for _, t in named):
+            answer = yield from self._shared_plan(named, version, pause_mode, recompute_kv, lora_name, dtype,
+                                                  idempotency_key, deadline_s)
+            return dict(_push_result(answer, None, t0), transport=answer["shared_via"])
         info = _update_info(named, dtype, None)
         del info["weight_version"]  # /weights/update takes it as `version`
         fields = dict(update_info=info, version=version, lora_name=lora_name, pause_mode=pause_mode,
@@ -337,7 +359,7 @@ class WeightTransfer:
         if idempotency_key is not None:  # a retry of a push the server made or is making: no byte moves
             replayed = yield from self._replay_plan(idempotency_key, post)
             if replayed is not None:
-                return _push_result(replayed, None, t0)
+                return dict(_push_result(replayed, None, t0), transport="group")
         yield from self._refuse_early_plan(version, lora_name)
         sender = self._sender(group)
 
@@ -350,7 +372,7 @@ class WeightTransfer:
             raise both.error
         if both.work_error is not None:
             raise both.work_error
-        result = _push_result(both.result, both.work_result, t0)
+        result = dict(_push_result(both.result, both.work_result, t0), transport="group")
         log_push(self.client.wandb_run, "broadcast", result["seconds"], both.work_result["num_bytes"],
                  result["weight_version"] if lora_name is None else None)
         return result
@@ -524,7 +546,8 @@ def _check_increases(version: int, live: int) -> None:
 
 def _push_result(answer: dict, send: dict | None, t0: float) -> dict:
     """push_weights' result: the server's /weights/update answer ("update": its phases, stats),
-    the sender's stats ("send"; None when the server replayed an earlier push with this key)."""
+    the sender's stats ("send"; None when nothing crossed the group: shared memory, or the
+    server replayed an earlier push with this key)."""
     return {"weight_version": answer["weight_version"], "seconds": time.perf_counter() - t0, "send": send,
             "update": answer, "num_sends": 0 if send is None else 1, "aborted": answer.get("aborted", 0),
             "kept": answer.get("kept", 0), "paused_seconds": answer.get("paused_seconds"),

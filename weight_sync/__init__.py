@@ -26,7 +26,7 @@ from weight_sync.checkpoint import load_safetensors_folder
 from weight_sync.checksum import weights_checksum
 from weight_sync.group import (WeightDeadlineError, WeightGroupError, WeightPushRefused, WeightTransferError,
                                WeightTransferGroup, find_free_port)
-from weight_sync.ipc import SharedWeights, SpareWriter, read_shared
+from weight_sync.ipc import SharedWeights, SpareWriter, host_key, read_shared
 from weight_sync.names import checkpoint_named
 from weight_sync.protocol import DEFAULT_BUCKET_BYTES, WeightReceiver, WeightSender
 
@@ -43,6 +43,7 @@ __all__ = [
     "WeightTransferError",
     "WeightTransferGroup",
     "find_free_port",
+    "host_key",
     "load_safetensors_folder",
     "read_shared",
     "weights_checksum",

@@ -75,6 +75,19 @@ def _load_cuda(handle: str) -> torch.Tensor:
     return t
 
 
+def host_key() -> str | None:
+    """Names this machine's shared memory: processes with the same key open each other's
+    /dev/shm segments (one boot of one kernel, one tmpfs mount: containers with a /dev/shm of
+    their own differ). None where there is no /dev/shm."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        st = os.stat("/dev/shm")
+    except OSError:
+        return None
+    return f"{boot}:{st.st_dev}:{st.st_ino}"
+
+
 class SharedWeights:
     """The trainer's side: `handles = shared.share(named_tensors)`; keep `shared` open until the
     engine's update returned, then share the next push through the same object (its segment is

@@ -34,7 +34,10 @@
          (and vLLM's POST /scale_elastic_ep {"new_data_parallel_size", "drain_timeout"})
     GET  /get_world_size?include_dp=                     -> {"world_size": worker ranks, of all replicas or one}
     GET  /server_info?config_format=json                 -> model, dtype, device, limits, state, and vLLM's
-                                                            `vllm_config` (the parts TRL reads)
+                                                            `vllm_config` (the parts TRL reads); `shm_host`:
+                                                            weight_sync.host_key() when every engine process
+                                                            runs on this machine (a trainer with the same
+                                                            key pushes through shared memory), else null
 
 Like vLLM's /sleep, a sleep while generating first pauses with `mode`; the wake-up that
 leaves nothing asleep resumes what that sleep paused. The engine core owns the pause and sleep
@@ -53,6 +56,7 @@ from rollout.api.protocol import (AbortRequestsBody, ApplyModelBody, CollectiveR
                                   ResetPrefixCacheBody, ScaleBody, ScaleElasticEPBody, UnloadLoRARequest)
 from rollout.api.state import get_state
 from rollout.log import log
+from weight_sync import host_key
 
 router = APIRouter(tags=["admin"])
 info_router = APIRouter(tags=["info"])
@@ -293,4 +297,6 @@ async def server_info(request: Request, config_format: Literal["json"] = Query("
             "tensor_parallel_size": cfg.tensor_parallel_size,
             "api_server": state.config.api_server_index, "api_server_count": state.config.api_server_count,
             "supported_tasks": list(state.engine.get_supported_tasks()),
-            "tracing": await state.engine.is_tracing_enabled()}
+            "tracing": await state.engine.is_tracing_enabled(),
+            # Ray may place replicas on other nodes: their shared memory is not this machine's
+            "shm_host": host_key() if cfg.data_parallel_backend == "mp" else None}

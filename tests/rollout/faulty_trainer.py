@@ -33,7 +33,8 @@ STOP_BEFORE = {"first": lambda n: 0, "middle": lambda n: n // 2, "last": lambda 
 
 def main(url: str, key: str, how: str, where: str, model_dir: str, route: str = "phases") -> None:
     client = RolloutClient(url, admin_api_key=key, api_key=key, timeout=120)
-    client.init_weight_transfer(backend="gloo", timeout_s=8 if route == "phases" else 60, bucket_bytes=BUCKET_BYTES)
+    client.init_weight_transfer(backend="gloo", shared_memory_when_local=False, timeout_s=8 if route == "phases" else 60,
+                                bucket_bytes=BUCKET_BYTES)
     named = sorted(perturbed_state(model_dir, seed=7).items())
     if route == "phases":
         client.pause(mode="keep")

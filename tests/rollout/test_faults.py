@@ -54,7 +54,7 @@ def check_whole_and_serving(client: RolloutClient, checksum: str, tokens: list[i
     model = Path(client.model_info()[0]["root"])
     original = load_file(str(model / "model.safetensors"))
     version = client.weight_version()
-    client.init_weight_transfer(backend="gloo", timeout_s=30)
+    client.init_weight_transfer(backend="gloo", shared_memory_when_local=False, timeout_s=30)
     try:
         client.push_weights([("model.norm.weight", original["model.norm.weight"])], version=version + 1)
     finally:
@@ -87,7 +87,7 @@ def clean_push_serves_the_pushed_weights(client: RolloutClient) -> None:
     state = perturbed_state(model, seed=3)
     prompts = [[1, 2, 3, 4], [5, 6, 7]]
     expected = [r[0] for r in hf_greedy(hf_model_with(model, state), prompts, GREEDY["max_tokens"])]
-    client.init_weight_transfer(backend="gloo", timeout_s=30)
+    client.init_weight_transfer(backend="gloo", shared_memory_when_local=False, timeout_s=30)
     try:
         version = client.push_weights(state.items(), deadline_s=120)["weight_version"]
         outs = client.generate(prompts, GREEDY)

@@ -76,7 +76,7 @@ def test_a_lora_push_over_gloo_changes_only_that_adapter(setup):
     assert before["pushed"].lora_versions == [0] * 12 and before[None].lora_versions == []
     trained = perturbed(adapters[2][1], 3)
     assert reference(trained, PROMPT) != before["pushed"].token_ids
-    client.init_weight_transfer(backend="gloo")
+    client.init_weight_transfer(backend="gloo", shared_memory_when_local=False)
     try:
         with pytest.raises(RolloutAPIError) as e:  # a wrong shape: refused by the engine, nothing changes
             client.push_weights([(n, t[:, :1]) for n, t in lora_tensors(trained)[:1]], lora_name="pushed")

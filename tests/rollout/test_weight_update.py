@@ -61,7 +61,7 @@ def http_count(client: RolloutClient, route: str) -> float:
 def test_one_call_pauses_pushes_swaps_and_resumes(client, original):
     """push_weights is one POST /weights/update beside the broadcast (no /pause, /resume or vLLM
     phase call); a request in flight is kept and continues on the new weights."""
-    client.init_weight_transfer(backend="gloo", timeout_s=60)
+    client.init_weight_transfer(backend="gloo", shared_memory_when_local=False, timeout_s=60)
     try:
         routes = ("/pause", "/resume", "/start_weight_update", "/update_weights", "/finish_weight_update",
                   "/weights/update")
@@ -117,7 +117,7 @@ def test_a_failure_rolls_back_and_names_its_phase(client, original, model_path, 
     the weights and the version are as before, generation is resumed, the group still carries the
     next push. A pause the trainer made stays through a failed update and a successful one."""
     version, checksum = client.weight_version(), client.weights_checksum()
-    client.init_weight_transfer(backend="gloo", timeout_s=60)
+    client.init_weight_transfer(backend="gloo", shared_memory_when_local=False, timeout_s=60)
     try:
         with pytest.raises(RolloutAPIError) as e:
             client.push_weights([("model.norm.weight", torch.zeros(3))])
@@ -198,7 +198,7 @@ def test_idempotency_keys(client, original, model_path):
     assert [r["weight_version"] for r in both] == [version + 3] * 2 and client.weight_version() == version + 3
     assert sorted(r["replayed"] for r in both) == [False, True]
     # over the group: a retry moves no byte (the sender would block on nobody) and the group stays usable
-    client.init_weight_transfer(backend="gloo", timeout_s=60)
+    client.init_weight_transfer(backend="gloo", shared_memory_when_local=False, timeout_s=60)
     try:
         key3, named = f"group-{uuid.uuid4()}", [("model.norm.weight", original["model.norm.weight"])]
         first = client.push_weights(named, idempotency_key=key3)

@@ -27,7 +27,7 @@ def original(model_path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def transfer(client):
-    client.init_weight_transfer(backend="gloo", timeout_s=60)
+    client.init_weight_transfer(backend="gloo", shared_memory_when_local=False, timeout_s=60)
     yield client
     client.close_weight_transfer()
 
@@ -135,7 +135,7 @@ def test_async_client_push(server, original):
 
     async def main():
         async with AsyncRolloutClient(server.url, api_key=API_KEY, admin_api_key=ADMIN_KEY, timeout=120) as c:
-            await c.init_weight_transfer(backend="gloo", timeout_s=60)
+            await c.init_weight_transfer(backend="gloo", shared_memory_when_local=False, timeout_s=60)
             version = await c.weight_version() + 1
             result = await c.push_weights([("model.norm.weight", original["model.norm.weight"])])
             assert result["weight_version"] == version
@@ -235,6 +235,53 @@ def test_the_spare_is_lent_to_one_trainer_at_a_time(client, original):
         client.update_weights_from_ipc({"kind": "spare", "lease": again["lease"], "tensors": []})
     assert e.value.status == 400 and client.weights_checksum() == good
     assert client.push_weights_shared([("model.norm.weight", original["model.norm.weight"])])["shared_via"] == "spare"
+
+
+def test_push_weights_to_a_server_on_this_machine_goes_through_shared_memory(server, client, original, monkeypatch):
+    """push_weights after init_weight_transfer: the server says its engine runs on this
+    machine's CPU (`shm_host` is our host key), so the push takes the shared-memory route (the
+    server's spare) instead of loopback TCP; a group push from another trainer at the same
+    moment lands too. A server whose key differs (another machine, another container's
+    /dev/shm) gets the group; so does a trainer that asks for it."""
+    import weight_sync
+
+    good = client.weights_checksum()
+    assert client.server_info()["shm_host"] == weight_sync.host_key() is not None
+    with RolloutClient(server.url, api_key=API_KEY, admin_api_key=ADMIN_KEY, timeout=120) as local, \
+            RolloutClient(server.url, api_key=API_KEY, admin_api_key=ADMIN_KEY, timeout=120) as grouped:
+        local.init_weight_transfer(backend="gloo", timeout_s=60)
+        grouped.init_weight_transfer(backend="gloo", timeout_s=60, shared_memory_when_local=False)
+        changed = {"model.norm.weight": original["model.norm.weight"] * 0.5,
+                   "model.layers.3.self_attn.o_proj.weight": original["model.layers.3.self_attn.o_proj.weight"] * 2}
+        version = local.weight_version() + 1
+        result = local.push_weights(changed.items(), version=version)
+        assert result["transport"] == "spare" and result["send"] is None and result["weight_version"] == version
+        assert client.weights_checksum() == weights_checksum({**original, **changed}.items(), torch.float32)
+        assert set(client.generate(PROMPT, GREEDY)[0].weight_versions) == {version}
+
+        states = [{"model.norm.weight": original["model.norm.weight"] * s} for s in (0.25, 4.0)]
+        go = threading.Barrier(2)
+
+        def push(c, state):
+            go.wait(60)
+            return c.push_weights(state.items())
+
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(push, (local, grouped), states, timeout=300))
+        assert [r["transport"] for r in results] == ["spare", "group"]
+        versions = [r["weight_version"] for r in results]
+        assert len(set(versions)) == 2
+        last = states[versions.index(max(versions))]
+        assert client.weights_checksum() == weights_checksum(
+            {**original, **changed, **last}.items(), torch.float32)
+        grouped.close_weight_transfer()
+
+        monkeypatch.setattr(weight_sync, "host_key", lambda: "another-machine")
+        local.init_weight_transfer(backend="gloo", timeout_s=60)
+        result = local.push_weights([(n, original[n]) for n in changed])
+        assert result["transport"] == "group" and result["send"]["num_tensors"] == 2
+        local.close_weight_transfer()
+    assert client.weights_checksum() == good
 
 
 def test_push_weights_shared_casts_to_the_served_dtype(server, original):

@@ -32,7 +32,7 @@ def with_client(url, api_key, admin_key, prompts, state) -> dict:
     run = wandb.init(project="rollout-trainer-test", mode="offline")
     with RolloutClient(url, api_key=api_key, admin_api_key=admin_key, timeout=300, wandb_run=run) as client:
         before = client.generate(prompts, GREEDY)
-        client.init_weight_transfer(backend="gloo")
+        client.init_weight_transfer(backend="gloo", shared_memory_when_local=False)
         client.push_weights(state.items(), version=1)
         run.log({"train/step": 1})  # the trainer's own step commits the push's values with it
         after = client.generate(prompts, GREEDY)
