@@ -22,6 +22,7 @@ import base64
 import binascii
 import io
 import math
+import mmap
 import os
 import pickle
 import threading
@@ -33,6 +34,7 @@ import torch
 from weight_sync.protocol import dtype_name, parse_dtype
 
 ALIGN = 64
+SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux
 
 # The globals a CUDA IPC handle may name: torch's rebuild function for a (detached) CUDA tensor
 # and the types its arguments carry (the dtype is checked in find_class).
@@ -45,7 +47,6 @@ _ALLOWED = {
 }
 
 
-_CREATED_HERE: set[str] = set()  # segments this process created (its resource tracker owns them)
 
 
 class _HandleUnpickler(pickle.Unpickler):
@@ -124,7 +125,6 @@ class SharedWeights:
         if metas != self._metas:
             self.close()
             self._shm = shared_memory.SharedMemory(create=True, size=max(offset, 1))
-            _CREATED_HERE.add(self._shm.name)
             self._metas = metas
         for (_, t), m in zip(named, metas):
             dst = torch.frombuffer(self._shm.buf, dtype=parse_dtype(m["dtype"]), count=t.numel(),
@@ -140,7 +140,6 @@ class SharedWeights:
             shm, self._shm = self._shm, None
             shm.close()
             shm.unlink()
-            _CREATED_HERE.discard(shm.name)
 
     def __enter__(self) -> SharedWeights:
         return self
@@ -166,7 +165,7 @@ class SpareWriter:
     engine's segments mapped between pushes; `close()` unmaps them."""
 
     def __init__(self):
-        self._mapped: dict[str, shared_memory.SharedMemory] = {}
+        self._mapped: dict[str, _Attached] = {}
 
     def write(self, lease: dict, named_tensors: Iterable[tuple[str, torch.Tensor]],
               dtype: torch.dtype | None = None) -> dict | None:
@@ -206,9 +205,9 @@ class SpareWriter:
             written.append(name)
         return {"kind": "spare", "lease": lease["lease"], "tensors": written}
 
-    def _map(self, name: str) -> shared_memory.SharedMemory:
+    def _map(self, name: str) -> _Attached:
         if name not in self._mapped:
-            self._mapped[name] = _attach(name)
+            self._mapped[name] = _Attached(name)
         return self._mapped[name]
 
     def close(self) -> None:
@@ -250,24 +249,24 @@ def read_shared(handles: dict, device: torch.device, check: Callable | None = No
 # push (SharedWeights does) is then read through page tables already in place, where attaching
 # anew costs about as much as a copy of it. At most one is kept; it is dropped as soon as a read
 # names another segment or finds its name gone (the trainer closed it), and by forget_shared().
-_kept: shared_memory.SharedMemory | None = None
+_kept: _Attached | None = None
 _kept_lock = threading.Lock()
 
 
-def _mapped(name: str) -> shared_memory.SharedMemory:
+def _mapped(name: str) -> _Attached:
     global _kept
     if _kept is not None and (_kept.name != name.lstrip("/") or not _still_named(_kept.name)):
         _forget()
     if _kept is not None:
         return _kept
-    shm = _attach(name)
+    shm = _Attached(name)
     if _still_named(shm.name):  # (where /dev/shm cannot be checked, nothing is kept)
         _kept = shm
     return shm
 
 
 def _still_named(name: str) -> bool:
-    return os.path.exists(f"/dev/shm/{name}")
+    return os.path.exists(f"{SHM_DIR}/{name}")
 
 
 def _forget() -> None:
@@ -300,22 +299,35 @@ def _checked_copies(named, device, check, select=None, into=None) -> dict[str, t
     return out
 
 
-def _attach(name: str) -> shared_memory.SharedMemory:
-    try:
-        shm = shared_memory.SharedMemory(name=name, create=False)
-    except FileNotFoundError:
-        raise ValueError(f"no shared-memory segment {name!r}: the trainer closed it too early") from None
-    if name not in _CREATED_HERE:  # the trainer's segment: do not unlink it at exit (Python < 3.13)
+class _Attached:
+    """A segment mapped by name, as SharedMemory(name, create=False) maps it but without
+    multiprocessing's resource tracker: attaching through it starts a tracker process in this
+    one (a trainer that only writes an engine's spare would carry a helper process for its
+    life) and, before Python 3.13, unlinks the other process's segment at exit."""
+
+    def __init__(self, name: str):
+        self.name = name.lstrip("/")
+        if not self.name or "/" in self.name or "\0" in self.name or self.name in (".", ".."):
+            raise ValueError(f"{name!r} is not a shared-memory segment name")
         try:
-            from multiprocessing import resource_tracker
+            fd = os.open(f"{SHM_DIR}/{self.name}", os.O_RDWR)
+        except FileNotFoundError:
+            raise ValueError(f"no shared-memory segment {name!r}: the trainer closed it too early") from None
+        try:
+            self.size = os.fstat(fd).st_size
+            self._mmap = mmap.mmap(fd, self.size) if self.size else None
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap) if self._mmap is not None else memoryview(b"")
 
-            resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-        except Exception:  # noqa: BLE001 - best effort
-            pass
-    return shm
+    def close(self) -> None:
+        """Unmap (BufferError while a tensor still views it: the mapping then goes with the last one)."""
+        self.buf.release()
+        if self._mmap is not None:
+            self._mmap.close()
 
 
-def _views(shm: shared_memory.SharedMemory, metas) -> Iterator[tuple[str, torch.Tensor]]:
+def _views(shm: _Attached, metas) -> Iterator[tuple[str, torch.Tensor]]:
     for m in metas:
         dtype = parse_dtype(str(m.get("dtype")))
         if dtype is None:

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from multiprocessing import shared_memory
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,6 +190,35 @@ def test_shared_weights_reuse_their_segment_and_cast_in_the_copy():
         assert all(got[n] is staging[n] and torch.equal(got[n], model[n].to(staging[n].dtype)) for n in model)
     with pytest.raises(ValueError, match="closed it too early"):
         read_shared(cast, torch.device("cpu"))
+    for bad in ("../../etc/passwd", "a/b", "..", ""):  # a name is a segment's, never a path
+        with pytest.raises(ValueError, match="not a shared-memory segment name"):
+            read_shared(dict(cast, shm=bad), torch.device("cpu"))
+
+
+def test_attaching_a_segment_starts_no_helper_process():
+    """The engine reading a trainer's segment, and a trainer writing an engine's spare, map a
+    segment another process made: that must not start multiprocessing's resource tracker (a
+    helper process for the reader's life) nor register the segment for unlinking at exit."""
+    code = """
+import os, sys, torch
+from weight_sync import read_shared
+name = sys.argv[1]
+got = read_shared({"kind": "shm", "shm": name, "tensors": [{"name": "w", "dtype": "float32", "shape": [4],
+                                                         "offset": 0}]}, torch.device("cpu"))
+assert got["w"].tolist() == [1.0, 2.0, 3.0, 4.0], got
+from multiprocessing import resource_tracker
+assert resource_tracker._resource_tracker._pid is None, "a resource tracker was started"
+assert os.path.exists("/dev/shm/" + name)
+"""
+    shm = shared_memory.SharedMemory(create=True, size=64)
+    try:
+        torch.frombuffer(shm.buf, dtype=torch.float32, count=4).copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        subprocess.run([sys.executable, "-c", code, shm.name], check=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[2])
+        assert os.path.exists(f"/dev/shm/{shm.name}")  # the reader's exit left it named
+    finally:
+        shm.close()
+        shm.unlink()
 
 
 def test_the_reader_keeps_the_last_segment_mapped_while_it_is_named():
