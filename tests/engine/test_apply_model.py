@@ -115,7 +115,9 @@ def test_function_paths():
 
 
 def test_wait_for_requests_to_drain(loop, allm):
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    # near the tiny model's context (256): the pause after the first output finds them all running, on
+    # a fast machine too
+    params = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
 
     async def scenario():
         first = asyncio.Event()
@@ -137,6 +139,7 @@ def test_wait_for_requests_to_drain(loop, allm):
         await allm.wait_for_requests_to_drain(drain_timeout=60)
         assert not any(allm.has_request(f"drain-{i}") for i in range(4))
         await asyncio.gather(*tasks)
-        assert all(finals[i].finished and len(finals[i].outputs[0].token_ids) == 48 for i in range(4))
+        assert all(finals[i].finished and len(finals[i].outputs[0].token_ids) == params.max_tokens
+                   for i in range(4))
 
     run(loop, scenario())

@@ -12,6 +12,7 @@
 """
 import asyncio
 import gc
+import itertools
 import json
 import os
 import signal
@@ -149,10 +150,13 @@ def test_a_dead_replicas_calls_leave_no_unretrieved_future(tiny_folder):
         assert not llm.client._pending
         await generate(llm)  # the survivor serves on
         os.kill(pids[0], signal.SIGKILL)  # the last one: every call fails with EngineDeadError
-        for _ in range(20):
+        deadline = time.monotonic() + 10  # (calls keep coming while the death is noticed, however long that takes)
+        for i in itertools.count():
             results = await asyncio.gather(llm.get_stats(), llm.is_paused(), return_exceptions=True)
+            if i >= 19 and all(isinstance(r, EngineDeadError) for r in results):
+                break
+            assert time.monotonic() < deadline, results
             await asyncio.sleep(0.05)
-        assert all(isinstance(r, EngineDeadError) for r in results)
 
     llm = tiny(tiny_folder, data_parallel_size=2)
     try:

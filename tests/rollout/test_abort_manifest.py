@@ -67,15 +67,23 @@ def same(entry: GenerateOutput, got: GenerateOutput) -> None:
     assert entry.text == got.text
 
 
+def wait_in_flight(client, n: int) -> None:
+    """Until the server holds `n` requests (an abort finds only those that arrived)."""
+    deadline = time.monotonic() + 120
+    while client.server_info()["requests_in_flight"] < n:
+        assert time.monotonic() < deadline, f"not {n} requests in flight"
+        time.sleep(0.05)
+
+
 def test_abort_all_wait_returns_what_every_caller_got(client):
-    box, started = {}, threading.Event()
+    box, started = {}, [threading.Event() for _ in range(2)]
     threads = [generate_in_thread(client, PROMPT, dict(LONG, seed=i), f"plain{i}", box, f"plain{i}")
                for i in range(2)]
     threads.append(generate_in_thread(client, PROMPT, dict(LONG, n=2), "multi", box, "multi"))
-    threads += [stream_in_thread(client, dict(LONG, seed=10 + i), f"streamed{i}", box, f"streamed{i}", started)
+    threads += [stream_in_thread(client, dict(LONG, seed=10 + i), f"streamed{i}", box, f"streamed{i}", started[i])
                 for i in range(2)]
-    assert started.wait(120), "no token within 120 s"
-    time.sleep(0.5)
+    assert all(e.wait(120) for e in started), "no token within 120 s"
+    wait_in_flight(client, 5)  # both streams have tokens and every request is there
     manifest = client.abort_requests(wait=True, return_prompt_token_ids=True)
     for t in threads:
         t.join(60)
@@ -122,16 +130,18 @@ def test_abort_while_requests_finish_by_themselves(client):
     """Short requests end on their own while the abort lands (started concurrently with it): each
     one in the manifest has its real finish reason and exactly its caller's tokens; long ones
     are all in it, aborted."""
-    box, started = {}, threading.Event()
-    longs = [stream_in_thread(client, dict(LONG, seed=i), f"long{i}", box, f"long{i}", started) for i in range(2)]
-    assert started.wait(120)
-    shorts, manifests = [], []
+    box, started = {}, [threading.Event() for _ in range(2)]
+    shorts, manifests, longs = [], [], []
     aborter = threading.Thread(target=lambda: manifests.append(client.abort_requests(wait=True)), daemon=True)
     for i in range(12):  # staggered: some end before the abort, some while it lands, some come after it
         shorts.append(generate_in_thread(client, PROMPT, dict(LONG, max_tokens=1 + i % 3, seed=i), f"short{i}", box,
                                          f"short{i}"))
         time.sleep(0.5)
         if i == 7:
+            # the longs start just before the abort: still running when it lands, on any machine
+            longs = [stream_in_thread(client, dict(LONG, seed=j), f"long{j}", box, f"long{j}", started[j])
+                     for j in range(2)]
+            assert all(e.wait(120) for e in started)
             aborter.start()
     for t in [aborter, *longs, *shorts]:
         t.join(120)
@@ -160,7 +170,7 @@ def test_abort_with_wait_during_a_keep_pause(client):
     client.pause(mode="keep")
     try:
         held = generate_in_thread(client, PROMPT, LONG, "held", box, "held")
-        time.sleep(1.0)
+        wait_in_flight(client, 2)  # the held one arrived
         t0 = time.monotonic()
         manifest = client.abort_requests(wait=True, timeout_s=30)
         assert time.monotonic() - t0 < 10, "the abort waited for the pause"

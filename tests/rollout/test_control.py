@@ -69,6 +69,10 @@ def test_pause_abort_returns_partial_outputs(client):
     gone = threading.Thread(target=lambda: box.update(gone=client.generate(PROMPT, SHORT, request_id="gone")[0]),
                             daemon=True)
     gone.start()
+    deadline = time.monotonic() + 60
+    while client.server_info()["requests_in_flight"] < 2:  # both arrived (abort finds only what arrived)
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     late.join(1.0)
     assert late.is_alive(), "a request finished while generation was paused"
     assert client.abort_requests(["gone"]) == 1
@@ -81,8 +85,9 @@ def test_pause_abort_returns_partial_outputs(client):
 
 
 def test_pause_keep_freezes_and_continues(client):
-    want = client.generate(PROMPT, dict(LONG, max_tokens=16))[0].token_ids
-    deltas, t = start_stream(client, dict(LONG, max_tokens=16))
+    # long, so that the pause lands mid-request on any machine (16 tokens may all be out first)
+    want = client.generate(PROMPT, LONG)[0].token_ids
+    deltas, t = start_stream(client, LONG)
     client.pause(mode="keep")
     n = len(tokens(deltas))
     time.sleep(1.0)

@@ -22,12 +22,19 @@ def test_health_is_503_while_the_engine_is_stuck(tmp_path, default_model_path):
         stuck = threading.Thread(target=httpx.post, args=(url + "/collective_rpc",),
                                  kwargs={"json": {"method": "sleep_for", "args": [5.0]}, "timeout": 60})
         stuck.start()
-        time.sleep(3.5)
+        # polled, not read at fixed times: the stall shows 2 s into the call (seen by a heartbeat, every 1 s)
+        # and clears at the first heartbeat after it
         r = httpx.get(url + "/health", timeout=10)
+        while r.status_code == 200 and stuck.is_alive():
+            time.sleep(0.1)
+            r = httpx.get(url + "/health", timeout=10)
         assert r.status_code == 503 and "stalled" in r.text and "collective_rpc" in r.text, r.text
         stuck.join()
-        time.sleep(1.5)
-        assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok"}
+        deadline = time.monotonic() + 10
+        while (r := httpx.get(url + "/health", timeout=10)).status_code != 200:
+            assert time.monotonic() < deadline, r.text
+            time.sleep(0.1)
+        assert r.json() == {"status": "ok"}
         out = httpx.post(url + "/generate", json={"prompt_token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}},
                          timeout=60).json()
         assert len(out["results"][0]["outputs"][0]["token_ids"]) == 2

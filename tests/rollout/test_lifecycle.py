@@ -31,7 +31,8 @@ def test_sigint_gives_in_flight_requests_a_final_response_and_leaves_no_child(tm
     events, done = [], threading.Event()
 
     def stream():
-        body = {"prompt": "Tell me a long story", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+        # to the context's end (512): it must still run after the fixed second below, on a fast machine too
+        body = {"prompt": "Tell me a long story", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=USER, timeout=120) as r:
             for line in r.iter_lines():
@@ -54,7 +55,10 @@ def test_sigint_gives_in_flight_requests_a_final_response_and_leaves_no_child(tm
 
     late_thread = threading.Thread(target=late, daemon=True)
     late_thread.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 60
+    while httpx.get(server.url + "/server_info", headers=ADMIN, timeout=30).json()["requests_in_flight"] < 2:
+        assert time.monotonic() < deadline, "the late request did not arrive"  # (after SIGINT: a 503)
+        time.sleep(0.05)
     server.proc.send_signal(signal.SIGINT)
     assert done.wait(60), "the stream got no final response"
     late_thread.join(60)

@@ -114,7 +114,12 @@ def test_a_push_while_requests_run_ends_or_restarts_the_stale_ones(own_server, o
         completion = pool.submit(post, url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 48,
                                                                 "temperature": 0, "ignore_eos": True,
                                                                 "max_weight_staleness": 0, "return_token_ids": True})
-        time.sleep(0.5)  # (the streamed one goes last: once it has tokens, so have the others)
+        # the streamed one goes last, once the others are there: when it has tokens, so have they (and a
+        # fixed head start could let a fast machine finish their 48 tokens before the push)
+        deadline = time.monotonic() + 120
+        while client.server_info()["requests_in_flight"] < 5:  # "finish" is two
+            assert time.monotonic() < deadline, "the requests did not arrive"
+            time.sleep(0.05)
         watcher = pool.submit(stream_until, url, {"prompt": PROMPTS[2], "sampling_params": stale0}, 4, reached,
                               streamed)
         assert reached.wait(120), "the streamed request never got its tokens"

@@ -153,10 +153,12 @@ def test_a_deadline_in_the_pause_resumes_generation(client, model_path):
     """pause_mode "wait" drains a long request: past deadline_s the update fails in phase "pause"
     (504), the request goes on and completes under the old version."""
     version = client.weight_version()
-    deltas, stream = start_stream(client, dict(GREEDY, max_tokens=300))
+    # the shortest deadline the server takes and a request to the context's end (512): the drain outlasts
+    # it on a fast machine too (300 tokens drain within 2 s at 150 tokens/s)
+    deltas, stream = start_stream(client, dict(GREEDY, max_tokens=500))
     t0 = time.monotonic()
     with pytest.raises(RolloutAPIError) as e:
-        client.weights_update("disk", deadline_s=2.0, path=model_path, pause_mode="wait")
+        client.weights_update("disk", deadline_s=1.0, path=model_path, pause_mode="wait")
     assert (e.value.status, e.value.phase, e.value.weight_version) == (504, "pause", version), e.value
     assert time.monotonic() - t0 < 10
     assert not client.is_paused()
