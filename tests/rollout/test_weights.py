@@ -127,7 +127,8 @@ def test_chunked_update_is_one_version(transfer, original):
     assert not client.is_paused() and client.weights_checksum() == good
 
 
-def test_async_client_push(server, original):
+@pytest.mark.parametrize("local", [False, True])
+def test_async_client_push(server, original, local):
     import asyncio
 
     from rollout.client import AsyncRolloutClient
@@ -135,10 +136,10 @@ def test_async_client_push(server, original):
 
     async def main():
         async with AsyncRolloutClient(server.url, api_key=API_KEY, admin_api_key=ADMIN_KEY, timeout=120) as c:
-            await c.init_weight_transfer(backend="gloo", shared_memory_when_local=False, timeout_s=60)
+            await c.init_weight_transfer(backend="gloo", shared_memory_when_local=local, timeout_s=60)
             version = await c.weight_version() + 1
             result = await c.push_weights([("model.norm.weight", original["model.norm.weight"])])
-            assert result["weight_version"] == version
+            assert result["weight_version"] == version and result["transport"] == ("spare" if local else "group")
             [out] = await c.generate(PROMPT, GREEDY)
             assert set(out.weight_versions) == {version}
             assert await c.weights_checksum() == weights_checksum(original.items(), torch.float32)
