@@ -3,7 +3,9 @@ default model) with this process as the trainer: what `client.push_weights` and 
 cost end to end (pause -> push -> swap -> cache reset -> resume, HTTP included), best of --reps
 rounds (the routes take turns in every round; one round of warm-up first).
 
-    push_weights         one POST /weights/update beside WeightSender.send (gloo, rank 0)
+    push_weights         one POST /weights/update beside WeightSender.send (gloo, rank 0; asked
+                         for: to a server on this machine push_weights takes push_weights_shared's
+                         route by itself)
     vllm phases          the same push in vLLM's calls: /pause, /start_weight_update,
                          /update_weights beside the send, /finish_weight_update, /resume
                          (`with client.weight_update() as u: u.send(...)`)
