@@ -86,8 +86,9 @@ def run(dtype: str, reps: int) -> dict:
     return best
 
 
-def copy_bandwidth(nbytes: int, reps: int = 3) -> float:
-    """GB/s of one Tensor.copy_ of `nbytes` between touched buffers, counting bytes read + written."""
+def copy_bandwidth(nbytes: int, reps: int = 10) -> float:
+    """GB/s of one Tensor.copy_ of `nbytes` between touched buffers, counting bytes read + written
+    (the best of `reps`: with 3 it swung 26-50 GB/s between two calls of one run on a shared host)."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
     best = float("inf")
