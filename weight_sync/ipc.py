@@ -47,8 +47,6 @@ _ALLOWED = {
 }
 
 
-
-
 class _HandleUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in _ALLOWED:
@@ -83,7 +81,7 @@ def host_key() -> str | None:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
-        st = os.stat("/dev/shm")
+        st = os.stat(SHM_DIR)
     except OSError:
         return None
     return f"{boot}:{st.st_dev}:{st.st_ino}"
