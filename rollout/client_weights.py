@@ -250,7 +250,7 @@ class WeightTransfer:
                                         shared_memory_when_local))
 
     def _init_plan(self, backend, master_address, master_port, timeout_s, bucket_bytes,
-                   shared_memory_when_local: bool = True) -> Plan:
+                   shared_memory_when_local: bool) -> Plan:
         from weight_sync import WeightTransferGroup, find_free_port, host_key
 
         yield from self._close_plan()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import math
 import mmap
@@ -74,10 +75,11 @@ def _load_cuda(handle: str) -> torch.Tensor:
     return t
 
 
+@functools.cache
 def host_key() -> str | None:
     """Names this machine's shared memory: processes with the same key open each other's
     /dev/shm segments (one boot of one kernel, one tmpfs mount: containers with a /dev/shm of
-    their own differ). None where there is no /dev/shm."""
+    their own differ). None where there is no /dev/shm. Fixed for a process's life: read once."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()

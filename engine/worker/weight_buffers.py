@@ -36,8 +36,7 @@ import torch
 
 from engine.errors import EngineStateError, InvalidRequestError
 from engine.model.decoder import LlamaModel
-
-SHM_DIR = "/dev/shm"
+from weight_sync.ipc import SHM_DIR
 SEGMENT_PREFIX = "rollout-spare-"  # + "<pid>-<random>-<0|1>": a dead pid's segments are removed
 ALIGN = 64
 # A lease not used for this long is taken to be abandoned (its trainer died mid-push): another
