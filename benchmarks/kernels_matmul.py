@@ -5,7 +5,9 @@ ms per step, through
   oneDNN       torch.ops.mkldnn on weights prepacked once (the engine's bf16 path before
                kernels/csrc/vnni_linear.cpp, and still its path on CPUs without AVX-512 BF16),
   ours         bf16_vnni_linear on weights packed by bf16_vnni_pack (the engine's bf16 path on
-               CPUs with AVX-512 BF16; with AMX only for steps of <= 16 rows).
+               CPUs with AVX-512 BF16),
+  AMX          bf16_amx_linear on the same packed weights (CPUs with AMX: Xeons from Sapphire
+               Rapids on; the engine takes it for steps of more rows than vnni_linear wins at).
 Run from the repo root:  .venv/bin/python benchmarks/kernels_matmul.py [--rows 1 4 16 32 128]
 The weights (~270 MB per copy, three copies) do not fit in cache: each step streams them from
 memory, as a decode step does. Compare the columns of one run; the host's speed moves between runs.
@@ -50,7 +52,8 @@ def main():
     weights = [(torch.randn(n, k, generator=g) * 0.05).bfloat16() for n, k in SHAPES]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
     ours = [ext.bf16_vnni_pack(w) for w in weights] if vnni else None
-    print(f"{'rows':>5} | {'F.linear ms':>11} | {'oneDNN ms':>9} | {'ours ms':>7} | ours vs oneDNN")
+    amx = vnni and ext.bf16_amx_supported()
+    print(f"{'rows':>5} | {'F.linear ms':>11} | {'oneDNN ms':>9} | {'ours ms':>7} | {'AMX ms':>6} | best of ours vs oneDNN")
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=g).bfloat16() for k in (H, INTER)}
         t_lin = ms_per_step(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], args.reps)
@@ -58,7 +61,10 @@ def main():
                                      for w, p in zip(weights, onednn)], args.reps)
         t_ours = ms_per_step(lambda: [ext.bf16_vnni_linear(xs[w.shape[1]], p, w.shape[0])
                                       for w, p in zip(weights, ours)], args.reps) if vnni else float("nan")
-        print(f"{m:>5} | {t_lin:>11.1f} | {t_dnn:>9.1f} | {t_ours:>7.1f} | {t_dnn / t_ours:.2f}x")
+        t_amx = ms_per_step(lambda: [ext.bf16_amx_linear(xs[w.shape[1]], p, w.shape[0])
+                                     for w, p in zip(weights, ours)], args.reps) if amx else float("nan")
+        best = min(t_ours, t_amx) if amx else t_ours
+        print(f"{m:>5} | {t_lin:>11.1f} | {t_dnn:>9.1f} | {t_ours:>7.1f} | {t_amx:>6.1f} | {t_dnn / best:.2f}x")
     if not vnni:
         print("(no AVX-512 BF16 on this CPU: the engine uses oneDNN for bf16 here)")
 

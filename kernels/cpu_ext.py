@@ -37,7 +37,8 @@ logger = logging.getLogger("kernels")
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "invariant_ops.cpp",
-            _CSRC / "vnni_linear.cpp", _CSRC / "moe.cpp", _CSRC / "shm_comm.cpp", _CSRC / "bindings.cpp"]
+            _CSRC / "vnni_linear.cpp", _CSRC / "amx_linear.cpp", _CSRC / "moe.cpp", _CSRC / "shm_comm.cpp",
+            _CSRC / "bindings.cpp"]
 _HEADERS = [_CSRC / "ops.h", _CSRC / "vec.h"]  # included by the sources: part of the hash
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]

@@ -38,15 +38,19 @@ from weight_sync.names import expert_names, router_name, split_experts
 # 26.7 at 12; README).
 FP32_ROWS_KERNEL_MAX_ROWS = 9
 # bf16 on a CPU with AVX-512 BF16 runs kernels/csrc/vnni_linear.cpp at every row count (measured
-# on the EPYC: 2x oneDNN at 1-8 rows, 1.3x at 16, even at 512); where AMX exists oneDNN's AMX
-# GEMM should win for many rows, so the kernel takes steps of at most this many (not measured).
-BF16_VNNI_MAX_ROWS_WITH_AMX = 16
+# on the EPYC: 2x oneDNN at 1-8 rows, 1.3x at 16, even at 512). With AMX the same packed weight
+# goes to kernels/csrc/amx_linear.cpp at every row count (on a 2-core Xeon: as fast as
+# vnni_linear at 1-2 rows, 1.5-4x it from 8 rows on, and 1.0-1.5x oneDNN's AMX GEMM from 16 rows
+# to prefill). Only where the AMX kernel cannot run (K not a multiple of 32; an OS that refuses
+# the tile state) does oneDNN's AMX GEMM take steps of more than this many rows: vnni_linear's dot
+# products run at ~75 GFLOP/s on that Xeon, and oneDNN matched it at 8 rows.
+BF16_VNNI_MAX_ROWS_WITH_AMX = 8
 
 
 class Linear:
-    """y = x @ weight.T (+ bias) through, in this order of preference: the bf16 dot-product
-    kernel on its packed weight (`vnni`, steps of <= vnni_max rows); a oneDNN-prepacked copy of
-    the weight (float32 steps of few rows take `rows_kernel`); the fixed-order kernel whose every
+    """y = x @ weight.T (+ bias) through, in this order of preference: the bf16 kernel on its
+    packed weight (`vnni`: AMX tiles or dot products, steps of <= vnni_max rows); a
+    oneDNN-prepacked copy of the weight (float32 steps of few rows take `rows_kernel`); the fixed-order kernel whose every
     output is one dot product (batch-invariant mode); F.linear. `weight` stays the plain tensor
     that loads, pushes and checksums read and write (`pack()` after a write)."""
 
@@ -85,8 +89,10 @@ class Linear:
         bf16 = self.weight.dtype == torch.bfloat16
         if bf16 and ext is not None and ext.bf16_vnni_supported():
             reuse = old is not None and old.shape == _vnni_shape(self.weight)
-            self.vnni, self.vnni_linear = ext.bf16_vnni_pack(self.weight, old if reuse else None), ext.bf16_vnni_linear
-            if not cpu_ext.cpu_has("amx_bf16"):
+            self.vnni = ext.bf16_vnni_pack(self.weight, old if reuse else None)
+            amx = ext.bf16_amx_supported() and self.weight.shape[1] % 32 == 0
+            self.vnni_linear = ext.bf16_amx_linear if amx else ext.bf16_vnni_linear
+            if amx or not cpu_ext.cpu_has("amx_bf16"):
                 self.vnni_max = 1 << 62  # every step
                 return
             self.vnni_max = BF16_VNNI_MAX_ROWS_WITH_AMX

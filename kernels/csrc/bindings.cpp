@@ -58,6 +58,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_vnni_linear", &rollout_vnni::bf16_vnni_linear,
         "x (M, K) @ weight.T + bias in bfloat16 (float32 sums) from bf16_vnni_pack(weight): for "
         "decode steps", py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("bf16_amx_supported", &rollout_amx::bf16_amx_supported,
+        "whether bf16_amx_linear is built for this CPU (AMX) and this process may use AMX tiles");
+  m.def("bf16_amx_linear", &rollout_amx::bf16_amx_linear,
+        "x (M, K) @ weight.T + bias in bfloat16 (float32 sums) on AMX tiles, from bf16_vnni_pack(weight); "
+        "K % 32 == 0", py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("fused_experts", &rollout_moe::fused_experts,
         "x (T, H), w13 (E, 2I, H), w2 (E, H, I), topk_ids (T, k), topk_weights (T, k) -> (T, H): each "
         "token's experts' SwiGLU MLPs, weighted and summed in ascending expert id (ids outside [0, E) "
