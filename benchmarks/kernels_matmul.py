@@ -1,16 +1,27 @@
 """The decode step's matmuls on CPU: one model-sized step of SmolLM2-135M's 121 projections (30
-layers x qkv, o, gate_up, down, and the LM head; random bf16 weights) at a given number of rows,
-ms per step, through
+layers x qkv, o, gate_up, down, and the LM head; random weights) at a given number of rows, ms
+per step, through
+
+bfloat16 (default):
   F.linear     torch's bf16 matmul (throughput.py's "floor"),
-  oneDNN       torch.ops.mkldnn on weights prepacked once (the engine's bf16 path before
-               kernels/csrc/vnni_linear.cpp, and still its path on CPUs without AVX-512 BF16),
-  ours         bf16_vnni_linear on weights packed by bf16_vnni_pack (the engine's bf16 path on
-               CPUs with AVX-512 BF16),
-  AMX          bf16_amx_linear on the same packed weights (CPUs with AMX: Xeons from Sapphire
-               Rapids on; the engine takes it for steps of more rows than vnni_linear wins at).
-Run from the repo root:  .venv/bin/python benchmarks/kernels_matmul.py [--rows 1 4 16 32 128]
-The weights (~270 MB per copy, three copies) do not fit in cache: each step streams them from
-memory, as a decode step does. Compare the columns of one run; the host's speed moves between runs.
+  oneDNN       torch.ops.mkldnn on weights prepacked once (the engine's bf16 path on CPUs without
+               AVX-512 BF16),
+  dot          bf16_vnni_linear on weights packed by bf16_vnni_pack (the engine's bf16 path on
+               CPUs with AVX-512 BF16 and no AMX),
+  AMX          bf16_amx_linear on the same packed weights (the engine's path with AMX: Xeons from
+               Sapphire Rapids on);
+float32 (--dtype float32):
+  F.linear, oneDNN as above (oneDNN: the engine's path for steps of > 9 rows on CPUs without
+               AVX-512),
+  rows         invariant_linear on the plain weight (steps of <= 9 rows there; batch-invariant mode),
+  panels       f32_panel_linear on weights packed by f32_panel_pack (the engine's float32 path on
+               CPUs with AVX-512).
+Each run also times packing the 121 weights: oneDNN's reorder (fresh memory each time) against
+ours rewriting the memory it packed before, as a weight update does.
+
+Run from the repo root:  .venv/bin/python benchmarks/kernels_matmul.py [--dtype float32] [--rows 1 4 16 32 128]
+The weights (~270 MB per bf16 copy) do not fit in cache: each step streams them from memory, as a
+decode step does. Compare the columns of one run; the host's speed moves between runs.
 """
 import argparse
 import sys
@@ -29,44 +40,73 @@ H, INTER, V, LAYERS = 576, 1536, 49152, 30
 SHAPES = [(3 * 576, H), (H, H), (2 * INTER, H), (H, INTER)] * LAYERS + [(V, H)]  # (N, K) of each projection
 
 
-def ms_per_step(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
+def ms_per_step(fns, reps: int) -> list[float]:
+    """The best time of each of `fns` over `reps` rounds, the fns interleaved within a round (the
+    host's speed drifts: side by side, the columns see the same drift)."""
+    best = [float("inf")] * len(fns)
+    for r in range(reps + 1):  # (round 0 warms up)
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            if r:
+                best[i] = min(best[i], time.perf_counter() - t)
+    return [b * 1e3 for b in best]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--reps", type=int, default=8)
     args = ap.parse_args()
-    print(machine_line(), f"torch threads {torch.get_num_threads()}")
+    dtype = getattr(torch, args.dtype)
+    print(machine_line(), f"torch threads {torch.get_num_threads()}, {args.dtype}")
     ext = cpu_ext.load()
-    vnni = ext is not None and ext.bf16_vnni_supported()
     g = torch.Generator().manual_seed(0)
     print("packing 121 weights ...", file=sys.stderr, flush=True)
-    weights = [(torch.randn(n, k, generator=g) * 0.05).bfloat16() for n, k in SHAPES]
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
-    ours = [ext.bf16_vnni_pack(w) for w in weights] if vnni else None
-    amx = vnni and ext.bf16_amx_supported()
-    print(f"{'rows':>5} | {'F.linear ms':>11} | {'oneDNN ms':>9} | {'ours ms':>7} | {'AMX ms':>6} | best of ours vs oneDNN")
+    weights = [(torch.randn(n, k, generator=g) * 0.05).to(dtype) for n, k in SHAPES]
+
+    def timed_pack(fn):
+        t = time.perf_counter()
+        out = fn()
+        return out, (time.perf_counter() - t) * 1e3
+
+    onednn, _ = timed_pack(lambda: [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights])
+    onednn, onednn_ms = timed_pack(lambda: [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights])
+    # ours: (column name, packed weights or None for the plain ones, kernel) where this CPU has them
+    ours, pack_ms = [], float("nan")
+    if ext is not None and dtype == torch.bfloat16 and ext.bf16_vnni_supported():
+        packed = [ext.bf16_vnni_pack(w) for w in weights]
+        packed, pack_ms = timed_pack(lambda: [ext.bf16_vnni_pack(w, p) for w, p in zip(weights, packed)])
+        ours.append(("dot", packed, ext.bf16_vnni_linear))
+        if ext.bf16_amx_supported():
+            ours.append(("AMX", packed, ext.bf16_amx_linear))
+    if ext is not None and dtype == torch.float32:
+        ours.append(("rows", None, lambda x, w, n: ext.invariant_linear(x, w, None)))
+        if ext.f32_panel_supported():
+            packed = [ext.f32_panel_pack(w) for w in weights]
+            packed, pack_ms = timed_pack(lambda: [ext.f32_panel_pack(w, p) for w, p in zip(weights, packed)])
+            ours.append(("panels", packed, ext.f32_panel_linear))
+    print(f"pack 121 weights: oneDNN reorder {onednn_ms:.0f} ms, ours in place {pack_ms:.0f} ms")
+    names = [name for name, _, _ in ours]
+    print(f"{'rows':>5} | {'F.linear ms':>11} | {'oneDNN ms':>9} | " + " | ".join(f"{n + ' ms':>9}" for n in names)
+          + " | best of ours vs oneDNN")
     for m in args.rows:
-        xs = {k: torch.randn(m, k, generator=g).bfloat16() for k in (H, INTER)}
-        t_lin = ms_per_step(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], args.reps)
-        t_dnn = ms_per_step(lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                                     for w, p in zip(weights, onednn)], args.reps)
-        t_ours = ms_per_step(lambda: [ext.bf16_vnni_linear(xs[w.shape[1]], p, w.shape[0])
-                                      for w, p in zip(weights, ours)], args.reps) if vnni else float("nan")
-        t_amx = ms_per_step(lambda: [ext.bf16_amx_linear(xs[w.shape[1]], p, w.shape[0])
-                                     for w, p in zip(weights, ours)], args.reps) if amx else float("nan")
-        best = min(t_ours, t_amx) if amx else t_ours
-        print(f"{m:>5} | {t_lin:>11.1f} | {t_dnn:>9.1f} | {t_ours:>7.1f} | {t_amx:>6.1f} | {t_dnn / best:.2f}x")
-    if not vnni:
-        print("(no AVX-512 BF16 on this CPU: the engine uses oneDNN for bf16 here)")
+        xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in (H, INTER)}
+        def step_of(fn, packed):
+            return lambda: [fn(xs[w.shape[1]], w if p is None else p, w.shape[0])
+                            for w, p in zip(weights, packed or [None] * len(weights))]
+
+        t_lin, t_dnn, *times = ms_per_step(
+            [lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
+             lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                      for w, p in zip(weights, onednn)],
+             *(step_of(fn, packed) for _, packed, fn in ours)], args.reps)
+        cols = " | ".join(f"{t:>9.1f}" for t in times)
+        ratio = f"{t_dnn / min(times):.2f}x" if times else "-"
+        print(f"{m:>5} | {t_lin:>11.1f} | {t_dnn:>9.1f} | {cols} | {ratio}")
+    if not ours:
+        print("(no kernel of ours for this dtype on this CPU: the engine uses oneDNN here)")
 
 
 if __name__ == "__main__":

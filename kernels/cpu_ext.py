@@ -2,7 +2,8 @@
 they apply.
 
 `load()` compiles `csrc/paged_attention.cpp`, `csrc/fused_ops.cpp`, `csrc/invariant_ops.cpp`,
-`csrc/vnni_linear.cpp`, `csrc/moe.cpp` (kernels/moe.py's experts), `csrc/shm_comm.cpp`
+`csrc/vnni_linear.cpp`, `csrc/amx_linear.cpp` (the bf16 matmuls, packed once for both),
+`csrc/moe.cpp` (kernels/moe.py's experts), `csrc/shm_comm.cpp`
 (kernels/shm_comm.py's collectives) and their bindings (`csrc/bindings.cpp`, the one
 PYBIND11_MODULE; `csrc/ops.h` declares every op) into one extension module on first use
 (~10-60 s, once per source version) into
@@ -37,8 +38,8 @@ logger = logging.getLogger("kernels")
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "invariant_ops.cpp",
-            _CSRC / "vnni_linear.cpp", _CSRC / "amx_linear.cpp", _CSRC / "moe.cpp", _CSRC / "shm_comm.cpp",
-            _CSRC / "bindings.cpp"]
+            _CSRC / "vnni_linear.cpp", _CSRC / "amx_linear.cpp", _CSRC / "f32_linear.cpp", _CSRC / "moe.cpp",
+            _CSRC / "shm_comm.cpp", _CSRC / "bindings.cpp"]
 _HEADERS = [_CSRC / "ops.h", _CSRC / "vec.h"]  # included by the sources: part of the hash
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]

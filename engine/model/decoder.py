@@ -32,44 +32,48 @@ from kernels.rotary import rope_and_cache, rope_cos_sin_cache, rope_inv_freq
 from weight_sync.checkpoint import load_safetensors_folder
 from weight_sync.names import expert_names, router_name, split_experts
 
-# float32 steps of at most this many rows run the fixed-order C++ kernel that streams the weights
-# once (kernels/csrc/invariant_ops.cpp) rather than oneDNN's prepacked GEMM, which wins from there
-# on (the model's 121 matmuls on an AVX-512 EPYC: 20.7 vs 24.3 ms at 8 rows, even at 10, 28.3 vs
-# 26.7 at 12; README).
+# Where our own packed copy of a weight serves every step (`Linear.panels`): float32 on CPUs with
+# AVX-512 (kernels/csrc/f32_linear.cpp: on a 2-core Xeon as fast as the row kernel below at 1-4
+# rows, 1.2-1.5x oneDNN's prepacked GEMM from 8 rows to 512), bf16 on CPUs with AVX-512 BF16
+# (kernels/csrc/vnni_linear.cpp: on an EPYC 2x oneDNN at 1-8 rows, 1.3x at 16, even at 512) and,
+# where AMX exists, the same bf16 panels through kernels/csrc/amx_linear.cpp (on a 2-core Xeon as
+# fast as vnni_linear at 1-2 rows, 1.5-4x it from 8 rows on, 1.0-1.5x oneDNN's AMX GEMM from 16
+# rows to prefill). Ours are packed in place by a weight update; oneDNN's copy can only be made
+# in fresh memory, whose page faults made its reorder most of a float32 update (~0.25 s).
+#
+# Elsewhere oneDNN's prepacked GEMM takes the larger steps. float32 steps of at most this many
+# rows then run the fixed-order C++ kernel that streams the plain weight once
+# (kernels/csrc/invariant_ops.cpp; on an AVX-512 EPYC 20.7 vs 24.3 ms at 8 rows, even at 10).
 FP32_ROWS_KERNEL_MAX_ROWS = 9
-# bf16 on a CPU with AVX-512 BF16 runs kernels/csrc/vnni_linear.cpp at every row count (measured
-# on the EPYC: 2x oneDNN at 1-8 rows, 1.3x at 16, even at 512). With AMX the same packed weight
-# goes to kernels/csrc/amx_linear.cpp at every row count (on a 2-core Xeon: as fast as
-# vnni_linear at 1-2 rows, 1.5-4x it from 8 rows on, and 1.0-1.5x oneDNN's AMX GEMM from 16 rows
-# to prefill). Only where the AMX kernel cannot run (K not a multiple of 32; an OS that refuses
-# the tile state) does oneDNN's AMX GEMM take steps of more than this many rows: vnni_linear's dot
-# products run at ~75 GFLOP/s on that Xeon, and oneDNN matched it at 8 rows.
+# bf16 with AMX but without the AMX kernel (K not a multiple of 32; an OS that refuses the tile
+# state): vnni_linear's dot products ran at ~75 GFLOP/s on that Xeon and oneDNN's AMX GEMM matched
+# them at 8 rows, so it takes the steps of more rows.
 BF16_VNNI_MAX_ROWS_WITH_AMX = 8
 
 
 class Linear:
-    """y = x @ weight.T (+ bias) through, in this order of preference: the bf16 kernel on its
-    packed weight (`vnni`: AMX tiles or dot products, steps of <= vnni_max rows); a
-    oneDNN-prepacked copy of the weight (float32 steps of few rows take `rows_kernel`); the fixed-order kernel whose every
+    """y = x @ weight.T (+ bias) through, in this order of preference: our kernel on our packed
+    copy (`panels`, steps of <= panel_max rows); a oneDNN-prepacked copy (`packed`; float32
+    steps of few rows take `rows_kernel` on the plain weight); the fixed-order kernel whose every
     output is one dot product (batch-invariant mode); F.linear. `weight` stays the plain tensor
     that loads, pushes and checksums read and write (`pack()` after a write)."""
 
-    __slots__ = ("weight", "bias", "vnni", "vnni_linear", "vnni_max", "packed", "rows_kernel", "rows_max",
+    __slots__ = ("weight", "bias", "panels", "panel_linear", "panel_max", "packed", "rows_kernel", "rows_max",
                  "invariant")
 
     def __init__(self, out_features: int, in_features: int, bias: bool, dtype, device):
         self.weight = torch.zeros(out_features, in_features, dtype=dtype, device=device)
         self.bias = torch.zeros(out_features, dtype=dtype, device=device) if bias else None
-        self.vnni = self.vnni_linear = None  # (ceil(N/32), ceil(K/2), 32, 2) bf16 and the kernel reading it
-        self.vnni_max = 0
+        self.panels = self.panel_linear = None  # our packed copy and the kernel reading it: (x, panels, N, bias)
+        self.panel_max = 0
         self.packed = None
         self.rows_kernel = None  # (x, weight, bias) for steps of <= rows_max rows (packed weights otherwise)
         self.rows_max = 0
         self.invariant = None  # kernels' invariant_linear(x, weight, bias) in batch-invariant mode
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.vnni is not None and x.shape[0] <= self.vnni_max:
-            return self.vnni_linear(x, self.vnni, self.weight.shape[0], self.bias)
+        if self.panels is not None and x.shape[0] <= self.panel_max:
+            return self.panel_linear(x, self.panels, self.weight.shape[0], self.bias)
         if self.packed is not None:
             if x.shape[0] <= self.rows_max:
                 return self.rows_kernel(x, self.weight, self.bias)
@@ -83,29 +87,26 @@ class Linear:
         oneDNN's prepacked linear works here in this dtype). Packs nothing when neither applies.
         Our own packed copy is rewritten in place when its shape holds (a weight update runs with
         no step in flight): fresh memory would cost page faults worth several copies."""
-        old, self.vnni = self.vnni, None
-        self.vnni_linear = self.packed = self.rows_kernel = None
-        self.vnni_max = self.rows_max = 0
-        bf16 = self.weight.dtype == torch.bfloat16
-        if bf16 and ext is not None and ext.bf16_vnni_supported():
-            reuse = old is not None and old.shape == _vnni_shape(self.weight)
-            self.vnni = ext.bf16_vnni_pack(self.weight, old if reuse else None)
-            amx = ext.bf16_amx_supported() and self.weight.shape[1] % 32 == 0
-            self.vnni_linear = ext.bf16_amx_linear if amx else ext.bf16_vnni_linear
-            if amx or not cpu_ext.cpu_has("amx_bf16"):
-                self.vnni_max = 1 << 62  # every step
-                return
-            self.vnni_max = BF16_VNNI_MAX_ROWS_WITH_AMX
+        old, self.panels = self.panels, None
+        self.panel_linear = self.packed = self.rows_kernel = None
+        self.panel_max = self.rows_max = 0
+        dtype, (n, k) = self.weight.dtype, self.weight.shape
+        if ext is not None and dtype == torch.bfloat16 and ext.bf16_vnni_supported():
+            shape = ((n + 31) // 32, (k + 1) // 2, 32, 2)  # panels of 32 columns, k in pairs
+            self.panels = ext.bf16_vnni_pack(self.weight, old if old is not None and old.shape == shape else None)
+            amx = ext.bf16_amx_supported() and k % 32 == 0
+            self.panel_linear = ext.bf16_amx_linear if amx else ext.bf16_vnni_linear
+            self.panel_max = 1 << 62 if amx or not cpu_ext.cpu_has("amx_bf16") else BF16_VNNI_MAX_ROWS_WITH_AMX
+        elif ext is not None and dtype == torch.float32 and ext.f32_panel_supported():
+            shape = ((n + 31) // 32, k, 32)  # panels of 32 columns, k-major
+            self.panels = ext.f32_panel_pack(self.weight, old if old is not None and old.shape == shape else None)
+            self.panel_linear, self.panel_max = ext.f32_panel_linear, 1 << 62
+        if self.panel_max == 1 << 62:  # every step
+            return
         if onednn:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
-            if not bf16 and ext is not None:
+            if dtype == torch.float32 and ext is not None:
                 self.rows_kernel, self.rows_max = ext.invariant_linear, FP32_ROWS_KERNEL_MAX_ROWS
-
-
-def _vnni_shape(weight: torch.Tensor) -> tuple[int, int, int, int]:
-    """bf16_vnni_pack's layout for a (N, K) weight: panels of 32 columns, k in pairs."""
-    n, k = weight.shape
-    return ((n + 31) // 32, (k + 1) // 2, 32, 2)
 
 
 class Layer:

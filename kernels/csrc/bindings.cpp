@@ -63,6 +63,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_amx_linear", &rollout_amx::bf16_amx_linear,
         "x (M, K) @ weight.T + bias in bfloat16 (float32 sums) on AMX tiles, from bf16_vnni_pack(weight); "
         "K % 32 == 0", py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("f32_panel_supported", &rollout_f32::f32_panel_supported,
+        "whether f32_panel_linear is built for this CPU (AVX-512)");
+  m.def("f32_panel_pack", &rollout_f32::f32_panel_pack,
+        "weight (N, K) float32 -> (ceil(N/32), K, 32): the layout f32_panel_linear reads (written into `out` "
+        "when given)", py::arg("weight"), py::arg("out") = py::none());
+  m.def("f32_panel_linear", &rollout_f32::f32_panel_linear,
+        "x (M, K) @ weight.T + bias in float32 from f32_panel_pack(weight); each output one FMA chain in k "
+        "order", py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("fused_experts", &rollout_moe::fused_experts,
         "x (T, H), w13 (E, 2I, H), w2 (E, H, I), topk_ids (T, k), topk_weights (T, k) -> (T, H): each "
         "token's experts' SwiGLU MLPs, weighted and summed in ascending expert id (ids outside [0, E) "

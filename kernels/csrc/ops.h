@@ -1,5 +1,5 @@
 // The C++ CPU ops of the extension module, declared once: defined in paged_attention.cpp,
-// fused_ops.cpp, invariant_ops.cpp, vnni_linear.cpp, amx_linear.cpp, moe.cpp and shm_comm.cpp, bound to Python in
+// fused_ops.cpp, invariant_ops.cpp, vnni_linear.cpp, amx_linear.cpp, f32_linear.cpp, moe.cpp and shm_comm.cpp, bound to Python in
 // bindings.cpp (the module's only PYBIND11_MODULE).
 #pragma once
 
@@ -64,6 +64,14 @@ bool bf16_amx_supported();
 at::Tensor bf16_amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                            const std::optional<at::Tensor>& bias);
 }  // namespace rollout_amx
+
+// f32_linear.cpp
+namespace rollout_f32 {
+bool f32_panel_supported();
+at::Tensor f32_panel_pack(const at::Tensor& weight, const std::optional<at::Tensor>& out);
+at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                            const std::optional<at::Tensor>& bias);
+}  // namespace rollout_f32
 
 // moe.cpp
 namespace rollout_moe {

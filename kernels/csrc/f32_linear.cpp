@@ -1,0 +1,225 @@
+// A float32 matmul for every step size on CPUs with AVX-512, on a weight packed once into memory
+// the engine keeps (a weight update repacks in place):
+//
+//   f32_panel_pack(weight (N, K), out=None) -> packed (ceil(N/32), K, 32) float32
+//   f32_panel_linear(x (M, K), packed, N, bias (N,) | None) -> x @ weight.T + bias  (M, N)
+//
+// Why: oneDNN's prepacked GEMM took steps of more than a few rows, and its packed copy can only
+// be made in fresh memory (torch.ops.mkldnn._reorder_linear_weight has no output argument):
+// page faults made that reorder most of a float32 weight update (~0.2-0.3 s for the default
+// model's 0.54 GB on a 2-core Xeon). Here the packed copy is rewritten where it is.
+//
+// The layout is the outer-product one: a panel holds 32 output columns, k-major, so one k step
+// is 128 contiguous bytes (two vectors) and a register tile of up to MR rows x 32 columns takes
+// two weight loads and 2 * MR FMAs with x[k] broadcast, no horizontal sums. Each thread streams
+// a contiguous run of panels; every MR-row pass over a panel after the first finds it in L2, and
+// prefetches a slice of the next panel (vnni_linear.cpp's schedule). Each output is one chain
+// of FMAs in k order (then + bias): the same bits whatever else is in the batch.
+#include <ATen/EmptyTensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <utility>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define ROLLOUT_F32_PANEL 1
+#endif
+
+#include "ops.h"
+
+namespace rollout_f32 {
+
+constexpr int64_t kPanel = 32;
+
+bool f32_panel_supported() {
+#if ROLLOUT_F32_PANEL
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if ROLLOUT_F32_PANEL
+namespace {
+
+// A 16 x 16 block of floats transposed in registers: rows in r, columns out.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  for (int m = 0; m < 4; ++m) {
+    const __m512 ab02 = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x88), ab13 = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xdd);
+    const __m512 cd02 = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x88),
+                 cd13 = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xdd);
+    t[m] = _mm512_shuffle_f32x4(ab02, cd02, 0x88);
+    t[4 + m] = _mm512_shuffle_f32x4(ab13, cd13, 0x88);
+    t[8 + m] = _mm512_shuffle_f32x4(ab02, cd02, 0xdd);
+    t[12 + m] = _mm512_shuffle_f32x4(ab13, cd13, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+}  // namespace
+#endif
+
+at::Tensor f32_panel_pack(const at::Tensor& weight, const std::optional<at::Tensor>& out) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
+              "f32_panel_pack: a float32 (N, K) CPU tensor");
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), NP = (N + kPanel - 1) / kPanel;
+  at::Tensor packed;
+  if (out.has_value()) {
+    packed = *out;
+    TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                    packed.sizes() == at::IntArrayRef({NP, K, kPanel}),
+                "f32_panel_pack: out must be a contiguous float32 (", NP, ", ", K, ", ", kPanel, ") CPU tensor");
+  } else {
+    packed = at::empty({NP, K, kPanel}, w.options());
+  }
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t cols = std::min(kPanel, N - p * kPanel);
+      const float* rows = src + p * kPanel * K;
+      float* d = dst + p * K * kPanel;
+      int64_t k = 0;
+#if ROLLOUT_F32_PANEL
+      // Full panels go as 16 x 16 register transposes with streamed stores (the packed copy is
+      // not read again soon, and a store that skips the cache skips reading the line first).
+      if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+        __m512 r[16];
+        for (; k + 16 <= K; k += 16) {
+          for (int64_t h = 0; h < 2; ++h) {
+            for (int64_t i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(rows + (h * 16 + i) * K + k);
+            transpose16(r);
+            for (int64_t j = 0; j < 16; ++j) _mm512_stream_ps(d + (k + j) * kPanel + h * 16, r[j]);
+          }
+        }
+        _mm_sfence();
+      }
+#endif
+      for (; k < K; ++k) {  // (the rest: scalar; columns past N are zeros)
+        for (int64_t c = 0; c < cols; ++c) d[k * kPanel + c] = rows[c * K + k];
+        for (int64_t c = cols; c < kPanel; ++c) d[k * kPanel + c] = 0.0f;
+      }
+    }
+  });
+  return packed;
+}
+
+#if ROLLOUT_F32_PANEL
+namespace {
+
+constexpr int64_t MR = 12;  // rows of x per register tile (x 32 columns: 24 accumulators)
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of itself a lone pass over a panel prefetches
+
+// out[i, 0:cols] for i < R rows of x (row stride sx) from one panel (K x 32 floats, 128 bytes
+// per k); each k also prefetches pf + k * pf_step (and the next line when the step is 128).
+template <int64_t R, bool kL2>
+void tile(const float* x, int64_t sx, int64_t K, const float* w, const float* bias, int64_t cols, float* out,
+          int64_t so, const char* pf, int64_t pf_step) {
+  __m512 acc[R][2];
+  for (int64_t i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(w + k * kPanel), w1 = _mm512_loadu_ps(w + k * kPanel + 16);
+    if constexpr (kL2) {
+      __builtin_prefetch(pf + k * pf_step, 0, 1);
+      if (pf_step > 64) __builtin_prefetch(pf + k * pf_step + 64, 0, 1);
+    } else {
+      __builtin_prefetch(pf + k * pf_step);
+      if (pf_step > 64) __builtin_prefetch(pf + k * pf_step + 64);
+    }
+    for (int64_t i = 0; i < R; ++i) {
+      const __m512 xv = _mm512_set1_ps(x[i * sx + k]);
+      acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
+    }
+  }
+  for (int64_t half = 0; half < 2; ++half) {
+    const int64_t c = std::min<int64_t>(16, cols - 16 * half);
+    if (c <= 0) break;
+    const __mmask16 mask = c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << c) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * half) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < R; ++i) _mm512_mask_storeu_ps(out + i * so + 16 * half, mask, _mm512_add_ps(acc[i][half], b));
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, int64_t, float*, int64_t,
+                        const char*, int64_t);
+template <bool kL2, int64_t... Rs>
+constexpr std::array<TileFn, MR> make_tiles(std::integer_sequence<int64_t, Rs...>) {
+  return {&tile<Rs + 1, kL2>...};
+}
+constexpr std::array<TileFn, MR> kTiles[2] = {make_tiles<false>(std::make_integer_sequence<int64_t, MR>{}),
+                                              make_tiles<true>(std::make_integer_sequence<int64_t, MR>{})};
+
+}  // namespace
+#endif
+
+at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                            const std::optional<at::Tensor>& bias) {
+#if ROLLOUT_F32_PANEL
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  (x.size(1) <= 1 || x.stride(1) == 1),
+              "f32_panel_linear: x must be a float32 (M, K) CPU tensor with a contiguous last dim");
+  const int64_t M = x.size(0), K = x.size(1), sx = x.stride(0), NP = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                  packed.sizes() == at::IntArrayRef({NP, K, kPanel}),
+              "f32_panel_linear: packed must come from f32_panel_pack of an (", N, ", ", K, ") weight");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N && bias->stride(0) == 1,
+                "f32_panel_linear: bias must be a contiguous float32 (N,) tensor");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::Tensor(at::detail::empty_cpu({M, N}, at::kFloat));
+  if (M == 0 || N == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t panel = K * kPanel, panel_bytes = panel * 4;
+  // The prefetch schedule of vnni_linear.cpp: one pass (<= MR rows, a pure weight stream)
+  // prefetches kPrefetchBytes ahead of itself; with several, pass j prefetches the j-th slice
+  // of the thread's next panel while this one's arithmetic runs.
+  const int64_t passes = (M + MR - 1) / MR, slice_step = 128 / passes;
+  auto run = [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
+      const char* here = reinterpret_cast<const char*>(wp + p * panel);
+      for (int64_t m = 0, j = 0; m < M; m += MR, ++j) {
+        const int64_t R = std::min(MR, M - m);
+        const bool ahead = passes == 1 || (j == 0 && p == p0);
+        const char* pf = ahead ? here + kPrefetchBytes
+                         : p + 1 < p1 ? here + panel_bytes + j * panel_bytes / passes
+                         : here;
+        kTiles[passes <= 2][R - 1](xp + m * sx, sx, K, wp + p * panel, bp ? bp + p * kPanel : nullptr, cols,
+                                   op + m * N + p * kPanel, N, pf, ahead ? 128 : slice_step);
+      }
+    }
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, NP * panel_bytes / (1 << 16)));
+  if (threads <= 1) run(0, NP);
+  else at::parallel_for(0, NP, (NP + threads - 1) / threads, run);
+  return out;
+#else
+  TORCH_CHECK(false, "f32_panel_linear: this CPU has no AVX-512 (see f32_panel_supported)");
+#endif
+}
+
+}  // namespace rollout_f32
