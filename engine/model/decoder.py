@@ -34,12 +34,13 @@ from weight_sync.names import expert_names, router_name, split_experts
 
 # Where our own packed copy of a weight serves every step (`Linear.panels`): float32 on CPUs with
 # AVX-512 (kernels/csrc/f32_linear.cpp: on a 2-core Xeon as fast as the row kernel below at 1-4
-# rows, 1.2-1.5x oneDNN's prepacked GEMM from 8 rows to 512), bf16 on CPUs with AVX-512 BF16
-# (kernels/csrc/vnni_linear.cpp: on an EPYC 2x oneDNN at 1-8 rows, 1.3x at 16, even at 512) and,
-# where AMX exists, the same bf16 panels through kernels/csrc/amx_linear.cpp (on a 2-core Xeon as
-# fast as vnni_linear at 1-2 rows, 1.5-4x it from 8 rows on, 1.0-1.5x oneDNN's AMX GEMM from 16
-# rows to prefill). Ours are packed in place by a weight update; oneDNN's copy can only be made
-# in fresh memory, whose page faults made its reorder most of a float32 update (~0.25 s).
+# rows, 1.4-1.5x oneDNN's prepacked GEMM at 8-32 rows, even with it at 128-512), bf16 on CPUs with
+# AVX-512 BF16 (kernels/csrc/vnni_linear.cpp: on an EPYC 2x oneDNN at 1-8 rows, 1.3x at 16, even
+# at 512) and, where AMX exists, the same bf16 panels through kernels/csrc/amx_linear.cpp (on a
+# 2-core Xeon as fast as vnni_linear at 1-2 rows, 1.5-4x it from 8 rows on; 1.5-2x oneDNN's AMX
+# GEMM up to 32 rows, even with it at 64-256, 0.9x at prefill's 1024-4096). Ours are packed in
+# place by a weight update; oneDNN's copy can only be made in fresh memory, whose page faults
+# made its reorder most of a float32 update (~0.25 s of the default model's).
 #
 # Elsewhere oneDNN's prepacked GEMM takes the larger steps. float32 steps of at most this many
 # rows then run the fixed-order C++ kernel that streams the plain weight once
@@ -49,6 +50,7 @@ FP32_ROWS_KERNEL_MAX_ROWS = 9
 # state): vnni_linear's dot products ran at ~75 GFLOP/s on that Xeon and oneDNN's AMX GEMM matched
 # them at 8 rows, so it takes the steps of more rows.
 BF16_VNNI_MAX_ROWS_WITH_AMX = 8
+EVERY_STEP = 1 << 62  # a panel_max that no step reaches
 
 
 class Linear:
@@ -96,12 +98,12 @@ class Linear:
             self.panels = ext.bf16_vnni_pack(self.weight, old if old is not None and old.shape == shape else None)
             amx = ext.bf16_amx_supported() and k % 32 == 0
             self.panel_linear = ext.bf16_amx_linear if amx else ext.bf16_vnni_linear
-            self.panel_max = 1 << 62 if amx or not cpu_ext.cpu_has("amx_bf16") else BF16_VNNI_MAX_ROWS_WITH_AMX
+            self.panel_max = EVERY_STEP if amx or not cpu_ext.cpu_has("amx_bf16") else BF16_VNNI_MAX_ROWS_WITH_AMX
         elif ext is not None and dtype == torch.float32 and ext.f32_panel_supported():
             shape = ((n + 31) // 32, k, 32)  # panels of 32 columns, k-major
             self.panels = ext.f32_panel_pack(self.weight, old if old is not None and old.shape == shape else None)
-            self.panel_linear, self.panel_max = ext.f32_panel_linear, 1 << 62
-        if self.panel_max == 1 << 62:  # every step
+            self.panel_linear, self.panel_max = ext.f32_panel_linear, EVERY_STEP
+        if self.panel_max == EVERY_STEP:
             return
         if onednn:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
