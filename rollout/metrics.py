@@ -116,12 +116,12 @@ class ServerMetrics:
         self._last["weight_update_s"] = seconds
 
     def engine_died(self) -> None:
-        """No replica lives: engine_healthy 0, and no gauge keeps claiming running work."""
+        """No replica lives: engine_healthy 0, and no gauge keeps claiming running work (they are
+        set even if no poll had reported them yet: an engine can die before the first one)."""
         self.healthy = False
         self.throughput = 0.0
         for k in ("num_running", "num_waiting", "kv_usage", "is_paused", "paused_seconds"):
-            if k in self.engine_stats:
-                self.engine_stats[k] = 0
+            self.engine_stats[k] = 0
 
     # ---- engine polling ---------------------------------------------------------------------------
     def update_engine_stats(self, stats: dict) -> None:
