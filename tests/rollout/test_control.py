@@ -181,3 +181,17 @@ def test_start_and_stop_profile(client):
         client.stop_profile()
     assert e.value.status == 409
     assert len(client.generate(PROMPT, SHORT)[0].token_ids) == 6
+
+
+def test_an_engine_dead_before_its_first_stats_poll_shows_zeroed_gauges():
+    """A race tests/rollout/test_lifecycle.py hit on a fast machine: the core died before the
+    server polled its stats once, and the dead state must still read as zeros, not as missing
+    series."""
+    from rollout.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    metrics.engine_died()
+    text = metrics.prometheus_text().decode()
+    for line in ("rollout_engine_healthy 0.0", "rollout_num_requests_running 0.0",
+                 "rollout_num_requests_waiting 0.0", "rollout_kv_cache_usage_ratio 0.0", "rollout_is_paused 0.0"):
+        assert line in text, line
