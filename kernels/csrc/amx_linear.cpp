@@ -38,11 +38,12 @@
 namespace rollout_amx {
 
 constexpr int64_t kPanel = 32;  // bf16_vnni_pack's panel width
-// Each block of 16 k pairs prefetches (into L2) the 2 KB of the weight stream this far ahead of
-// it: a decode step is a stream of weights from memory, and without it the tiles waited (1-16
-// rows of the default model's 121 matmuls: 16-18 -> 12-13 ms, the pace of vnni_linear's own
-// prefetch schedule; 4-16 KB ahead all alike). Past the end of a run it fetches lines nobody
-// reads, which costs nothing.
+// In a group's first pass over its panels, each block of 16 k pairs prefetches (into L2) the 2 KB
+// of the weight stream this far ahead of it: a decode step is a stream of weights from memory,
+// and without it the tiles waited (1-16 rows of the default model's 121 matmuls: 16-18 -> 12-13
+// ms, the pace of vnni_linear's own prefetch schedule; 4-16 KB ahead all alike). Later passes
+// find the group in L2 and prefetch nothing (at 128 rows 3-15% faster than prefetching in every
+// pass, interleaved). Past the end of a run it fetches lines nobody reads, which costs nothing.
 constexpr int64_t kPrefetchAhead = 8192;
 
 bool bf16_amx_supported() {
@@ -80,7 +81,7 @@ void configure(int64_t r0, int64_t r1) {
 }
 
 // c[i, 0:32] (row stride 32 floats) = x rows [0, r0 + r1) . panel, for K / 32 blocks of 16 k pairs.
-template <bool kTwo>
+template <bool kTwo, bool kPrefetch>
 inline void block(const uint16_t* x, int64_t sx_bytes, int64_t K, const uint16_t* w, float* c) {
   _tile_zero(0);
   _tile_zero(1);
@@ -91,8 +92,10 @@ inline void block(const uint16_t* x, int64_t sx_bytes, int64_t K, const uint16_t
   const uint16_t* x1 = reinterpret_cast<const uint16_t*>(reinterpret_cast<const char*>(x) + 16 * sx_bytes);
   for (int64_t kb = 0; kb < K / 32; ++kb) {
     const uint16_t* wk = w + kb * 16 * 2 * kPanel;  // 16 k pairs x 32 columns x 2
-    const char* pf = reinterpret_cast<const char*>(wk) + kPrefetchAhead;
-    for (int64_t i = 0; i < 2048; i += 64) _mm_prefetch(pf + i, _MM_HINT_T1);
+    if constexpr (kPrefetch) {
+      const char* pf = reinterpret_cast<const char*>(wk) + kPrefetchAhead;
+      for (int64_t i = 0; i < 2048; i += 64) _mm_prefetch(pf + i, _MM_HINT_T1);
+    }
     _tile_loadd(6, wk, 128);
     _tile_loadd(7, wk + 32, 128);
     _tile_loadd(4, x + kb * 32, sx_bytes);
@@ -173,8 +176,14 @@ at::Tensor bf16_amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_
         use(rows);
         const uint16_t* xb = xp + b * 32 * sx;
         for (int64_t p = g; p < g1; ++p) {
-          if (rows > 16) block<true>(xb, sx_bytes, K, wp + p * panel, c);
-          else block<false>(xb, sx_bytes, K, wp + p * panel, c);
+          const uint16_t* w = wp + p * panel;
+          if (b == 0) {
+            if (rows > 16) block<true, true>(xb, sx_bytes, K, w, c);
+            else block<false, true>(xb, sx_bytes, K, w, c);
+          } else {
+            if (rows > 16) block<true, false>(xb, sx_bytes, K, w, c);
+            else block<false, false>(xb, sx_bytes, K, w, c);
+          }
           finish(c, rows, std::min<int64_t>(kPanel, N - p * kPanel), bp ? bp + p * kPanel : nullptr,
                  op + b * 32 * N + p * kPanel, N);
         }
