@@ -453,13 +453,14 @@ class LlamaModel:
         """Every tensor that holds weights (the base of the HF views: the fused qkv, the
         embedding, ...), the HF names that live in it, and whether they fill it whole (by
         construction they do; a storage they did not fill could never be swapped in)."""
-        roots: dict[int, tuple[torch.Tensor, list[str]]] = {}
-        for name, view in self.hf_views():
-            root = view._base if view._base is not None else view
+        roots: dict[int, tuple[torch.Tensor, list[str], list[int]]] = {}
+        for name, (tensor, _, rows, _) in self._hf.items():  # (from the map: no view is made)
+            root = tensor._base if tensor._base is not None else tensor
             if root.numel():
-                roots.setdefault(id(root), (root, []))[1].append(name)
-        return [(root, names, sum(self.hf_view(n).numel() for n in names) == root.numel())
-                for root, names in roots.values()]
+                _, names, numel = roots.setdefault(id(root), (root, [], [0]))
+                names.append(name)
+                numel[0] += rows * (tensor.numel() // tensor.shape[0])
+        return [(root, names, numel[0] == root.numel()) for root, names, numel in roots.values()]
 
     def weights_moved(self, storages: set[int]) -> None:
         """The storages with these ids (see weight_storages) hold new values, some of them
