@@ -142,11 +142,13 @@ def sample(logits: torch.Tensor, md: SamplingMetadata, generator: torch.Generato
 
 
 def _uniforms(md: SamplingMetadata, generator: torch.Generator | None, device) -> torch.Tensor:
-    """One uniform number per row; a seeded row's from its own generator."""
-    u = torch.rand(md.num_rows, generator=generator, device=device)
+    """One uniform number per row; a seeded row's from its own generator. A generator draws on its
+    own device (a request's seeded one lives on the host, so a seed gives the same draws on a CPU
+    and a GPU engine); the numbers then move to the logits' device."""
+    u = torch.rand(md.num_rows, generator=generator, device=generator.device if generator is not None else device)
     for row, g in md.generators.items():
-        u[row] = torch.rand(1, generator=g, device=device)[0]
-    return u
+        u[row] = torch.rand(1, generator=g, device=g.device)[0]
+    return u.to(device)
 
 
 def _triton_sampler_fits(logits: torch.Tensor, md: SamplingMetadata) -> bool:

@@ -169,18 +169,19 @@ def test_engine_sampler_takes_the_same_tokens_through_triton():
     V = 1000
     logits = torch.randn(5, V, generator=torch.Generator().manual_seed(7)) * 3
 
-    def metadata():
+    def metadata(device="cpu"):  # (the engine builds it on the logits' device; seeded generators stay on the host)
         return SamplingMetadata(
-            num_rows=5, all_greedy=False, temperature=torch.tensor([1.0, 0.7, 1.1, 0.9, 1.0]),
-            greedy=torch.tensor([True, False, False, False, False]),
-            top_k=torch.tensor([0, 20, 0, 0, 50]), top_p=torch.tensor([1.0, 1.0, 0.8, 1.0, 0.9]),
-            min_p=torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0]),
+            num_rows=5, all_greedy=False, temperature=torch.tensor([1.0, 0.7, 1.1, 0.9, 1.0], device=device),
+            greedy=torch.tensor([True, False, False, False, False], device=device),
+            top_k=torch.tensor([0, 20, 0, 0, 50], device=device),
+            top_p=torch.tensor([1.0, 1.0, 0.8, 1.0, 0.9], device=device),
+            min_p=torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0], device=device),
             generators={3: torch.Generator().manual_seed(11)}, max_num_logprobs=0,
             banned_tokens={2: list(range(0, V, 3))})
 
     for seed in range(4):
         want = sample(logits.clone(), metadata(), torch.Generator().manual_seed(seed))
-        got = _sample_triton(logits.clone().to(DEVICE), metadata(), torch.Generator().manual_seed(seed))
+        got = _sample_triton(logits.clone().to(DEVICE), metadata(DEVICE), torch.Generator().manual_seed(seed))
         assert torch.equal(got.token_ids.cpu(), want.token_ids)
         torch.testing.assert_close(got.logprobs.cpu(), want.logprobs, rtol=1e-5, atol=1e-5)
         assert int(want.token_ids[0]) == int(logits[0].argmax()) and int(want.token_ids[2]) % 3 != 0
