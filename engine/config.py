@@ -170,6 +170,8 @@ class EngineConfig:
     batch_invariant: a token's logits and logprobs do not depend on the rest of the batch (fixed
         reduction orders; float32 on CPU; see engine/model/batch_invariant.py for the guarantee and
         the recompute a trainer runs to get the same bits). dtype "auto" becomes float32.
+    enforce_eager: on CUDA, run every step eagerly; by default all-decode steps of a dense model on
+        one GPU replay CUDA graphs captured per padded batch size (engine/worker/cuda_graphs.py).
     enable_lora: LoRA adapters (engine/worker/lora.py: add_lora, per-request lora_request); at most
         max_loras resident (the least recently used unpinned one is evicted), ranks <= max_lora_rank.
         max_loras also bounds the adapters of the running requests, pinned ones counted: a request
@@ -215,6 +217,7 @@ class EngineConfig:
     data_parallel_rank: int = 0  # set per replica by the process / actor manager
     max_data_parallel_size: int | None = None
     batch_invariant: bool = False
+    enforce_eager: bool = False
     profiler_dir: str | None = None
     log_stats_interval_s: float | None = None
     otlp_traces_endpoint: str | None = None

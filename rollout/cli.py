@@ -117,6 +117,8 @@ def _add_model_args(group) -> None:
     group.add_argument("--batch-invariant", action="store_true",
                        help="a token's logprobs do not depend on the batch, bit for bit (float32 on CPU; a trainer "
                             "recomputes the same bits with engine.model.batch_invariant.InvariantScorer)")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="CUDA: no CUDA graphs for decode steps (each step's kernels launched one by one)")
     group.add_argument("--worker-extension-cls", default=None,
                        help="module.Class mixed into the engine's workers (default: none)")
 
@@ -277,7 +279,7 @@ def _serve(args) -> int:
                          data_parallel_size=args.data_parallel_size, tensor_parallel_size=args.tensor_parallel_size,
                          max_data_parallel_size=args.max_data_parallel_size,
                          data_parallel_backend=args.data_parallel_backend, batch_invariant=args.batch_invariant,
-                         profiler_dir=args.profiler_dir, log_stats_interval_s=args.log_stats_interval_s,
+                         enforce_eager=args.enforce_eager, profiler_dir=args.profiler_dir, log_stats_interval_s=args.log_stats_interval_s,
                          enable_lora=args.enable_lora or bool(args.lora_modules), max_loras=args.max_loras,
                          max_lora_rank=args.max_lora_rank, engine_stall_timeout_s=args.engine_stall_timeout_s,
                          encoder_cache_size=args.encoder_cache_size, otlp_traces_endpoint=args.otlp_traces_endpoint,

@@ -31,6 +31,7 @@ from engine.protocol import MMFeature, SamplingMask
 from engine.routed_experts import DTYPE as ROUTING_DTYPE
 from engine.sampling_params import MAX_SAMPLING_MASK_IDS, SamplingParams
 from engine.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.expert_parallel import expert_parallel_group
 from engine.worker.lora import Adapter, LoRABatch, LoRARequest, load_adapter
 from engine.worker.profiler import phase
@@ -108,6 +109,22 @@ class ModelRunner:
         self.encoder_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.encoder_cache_rows = 0
         self.encoder_cache_hits = self.encoder_cache_queries = 0
+        self.cuda_graphs = self._decode_graphs()
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for all-decode steps (engine/worker/cuda_graphs.py), where the step's forward
+        is launch-bound and captures cleanly: one dense model on one GPU. Tensor-parallel ranks
+        all-reduce by NCCL between kernels, and the experts' kernels size their grids on the host."""
+        c, m = self.config, self.model
+        if (self.device.type != "cuda" or c.enforce_eager or m.tp is not None or m.ep is not None
+                or c.model_config.moe is not None or c.batch_invariant):
+            return None
+        return DecodeGraphs(c.max_num_seqs, -(-c.max_model_len // self.block_size), self.device)
+
+    def drop_cuda_graphs(self) -> None:
+        """Forget the captured graphs: the weights or the KV cache they read are about to move."""
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.clear()
 
     def new_model(self) -> LlamaModel:
         """The model's tensors, zero (load_weights or a weight push fills them)."""
@@ -137,6 +154,7 @@ class ModelRunner:
         """Allocate the cache (`num_blocks`, or as many as kv_cache_blocks() the first time);
         returns the number of blocks. Pages are touched only as used (CPU)."""
         mc, bs = self.config.model_config, self.block_size
+        self.drop_cuda_graphs()
         if num_blocks is not None:
             self.num_blocks = num_blocks
         if not self.num_blocks:
@@ -150,6 +168,7 @@ class ModelRunner:
         return self.num_blocks
 
     def free_kv_cache(self) -> None:
+        self.drop_cuda_graphs()  # (sleep frees the cache first, then moves or drops the weights)
         self.kv_cache, self.kv_caches, self.routing = None, [], None
         if self.model is not None:
             self.model.routing = None
@@ -167,8 +186,7 @@ class ModelRunner:
         with phase("prepare_inputs"):
             inputs = self.prepare_inputs(so)
         with phase("forward"):
-            hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, inputs.lora,
-                                        inputs.mm)
+            hidden = self._forward(inputs)
         if self.routing is not None:
             self.routed_experts(so, out)
         if inputs.pool_rows:
@@ -190,6 +208,13 @@ class ModelRunner:
                     logits = logits[torch.tensor(inputs.sample_rows, dtype=torch.int64)]
                 self.sample(logits, inputs.samplers, out)
         return out
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        graphs, md, n = self.cuda_graphs, inputs.attn, inputs.input_ids.shape[0]
+        if (graphs is not None and md.num_decodes == n and inputs.lora is None and inputs.mm is None
+                and self.routing is None and graphs.size_for(n) is not None):
+            return graphs.run(self.model, inputs.input_ids, inputs.positions, md, self.kv_caches)
+        return self.model.forward(inputs.input_ids, inputs.positions, md, self.kv_caches, inputs.lora, inputs.mm)
 
     @torch.inference_mode()
     def idle_step(self) -> None:

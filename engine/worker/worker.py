@@ -358,7 +358,7 @@ class Worker:
         self._buffers.commit(self.model, staged)
         del staged
         if self.model_runner.device.type != "cpu":  # staged in fresh memory (on a CPU: in the kept spare)
-            _release_memory(self.model_runner.device)
+            torch.cuda.empty_cache()  # (no gc pass: a full one over the frozen heap costs ~0.3 s a push)
         else:  # what an update freed (a receive's temporaries) glibc keeps, and RSS crept ~6 MB a push
             _trim_heap()
         return True
@@ -366,7 +366,7 @@ class Worker:
     def discard_staged(self) -> bool:
         self._staged = self._staged_lora = None
         if self.model_runner.device.type != "cpu":
-            _release_memory(self.model_runner.device)
+            torch.cuda.empty_cache()
         return True
 
     def weights_checksum(self) -> str:
@@ -419,6 +419,7 @@ class Worker:
         WorkerBase.apply_model; `fn` is an import path (engine/worker/functions.py), never code."""
         if self.model is None:
             raise EngineStateError("the weights were dropped (sleep level 2): wake_up(['weights']) first")
+        self.model_runner.drop_cuda_graphs()  # fn may rebind tensors the graphs read
         return import_function(fn)(self.model)
 
     # ---- sleep / wake -----------------------------------------------------------------------
@@ -528,6 +529,8 @@ def _release_memory(device: torch.device) -> None:
         gc.freeze()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):  # cuBLAS's per-stream workspaces, which
+            torch._C._cuda_clearCublasWorkspaces()             # empty_cache() leaves in place
     else:
         _trim_heap()
 

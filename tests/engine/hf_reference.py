@@ -58,12 +58,12 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int):
     """Per prompt: (greedy token ids, logprob of each, top-2 logit gap at each step)."""
     results = []
     for ids in prompts:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=model.device)
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
                              min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
                              output_logits=True, return_dict_in_generate=True)
         tokens = out.sequences[0, len(ids):].tolist()
-        logits = torch.stack(out.logits, 0)[:, 0].float()  # (steps, V)
+        logits = torch.stack(out.logits, 0)[:, 0].float().cpu()  # (steps, V)
         lps = logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
         top2 = logits.topk(2, dim=-1).values
         results.append((tokens, lps, (top2[:, 0] - top2[:, 1]).tolist()))
@@ -72,5 +72,5 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int):
 
 @torch.inference_mode()
 def hf_prompt_logprobs(model, ids: list[int]) -> list[float]:
-    logits = model(torch.tensor([ids])).logits[0].float()
+    logits = model(torch.tensor([ids], device=model.device)).logits[0].float().cpu()
     return logits[:-1].log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist()

@@ -24,9 +24,23 @@ class MemoryProbe:
             return int(f.read().split("VmRSS:")[1].split()[0]) * 1024
 
     def cuda_bytes(self) -> dict:
-        """Device memory as torch's allocator and as the driver see it."""
+        """Device memory as torch's allocator and as the driver see it: `used` on the whole card,
+        `process` this process's own (NVML; None where it cannot tell), which other processes on
+        the card do not move."""
+        import os
+
         import torch
 
         free, total = torch.cuda.mem_get_info()
+        process = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            process = next((p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                            if p.pid == os.getpid()), None)
+        except Exception:  # no NVML (nvidia-ml-py) here, or no per-process accounting
+            pass
         return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
-                "used": total - free}
+                "used": total - free, "process": process}

@@ -84,7 +84,7 @@ def build_model(name, folder):
 
 def hf_greedy(model, prompt):
     """HF greedy generation, EOS ignored: (token ids, raw logits of each generated position)."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     with torch.no_grad():
@@ -92,7 +92,7 @@ def hf_greedy(model, prompt):
                              min_new_tokens=MAX_TOKENS, output_logits=True, return_dict_in_generate=True,
                              temperature=None, top_p=None, top_k=None)
     tokens = out.sequences[0, len(prompt):].tolist()
-    logits = torch.stack([step[0] for step in out.logits]).float()  # (MAX_TOKENS, V)
+    logits = torch.stack([step[0] for step in out.logits]).float().cpu()  # (MAX_TOKENS, V)
     return tokens, logits
 
 
