@@ -5,6 +5,12 @@ KV write, SiLU), the rest of the forward pass (embedding, views, Python), sampli
 preparation, and scheduling + output assembly.
 
     python benchmarks/step_profile.py [--dtype bfloat16] [--batch 32] [--tokens 128] [--temperature 0]
+    python benchmarks/step_profile.py --device cuda --model FOLDER --batch 1 --cprofile 30
+
+On CUDA the forward pass of a decode step is one CUDA-graph replay, so the split is the host's:
+the kernels run asynchronously and the host waits for them where sampling reads the tokens back
+("sampling" holds that wait). --cprofile N adds the N functions with the most own time over the
+timed run (Python's profiler: it slows Python code several-fold, so read it for shares).
 
 The functions are wrapped with perf_counter accumulators in this script only (~0.3 us a call,
 ~100 us a step); the decode matmul floor for comparison is measured by benchmarks in
@@ -37,6 +43,9 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled (no filters)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", help="a local model folder (default: the default model)")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="also print the N functions with most own time")
     args = ap.parse_args()
 
     import engine.core.engine_core as core_mod
@@ -44,11 +53,12 @@ def main():
     import engine.worker.model_runner as runner_mod
     from engine import LLM, SamplingParams
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "peers"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
     from workload import QUESTIONS, prompt_texts
 
-    llm = LLM(dtype=args.dtype, multiprocess=False, enable_prefix_caching=False, max_num_seqs=256,
-              max_num_batched_tokens=8192)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, multiprocess=False, enable_prefix_caching=False,
+              max_num_seqs=256, max_num_batched_tokens=8192,
+              **(dict(kv_cache_memory=4 << 30) if args.device == "cuda" else {}))
     prompts = prompt_texts(llm.tokenizer, (QUESTIONS * 8)[:args.batch])
     params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
@@ -68,7 +78,7 @@ def main():
     core_mod.EngineCore.step = step
     runner_mod.ModelRunner.execute_model = timed("execute", runner_mod.ModelRunner.execute_model)
     runner_mod.ModelRunner.sample = timed("sampling", runner_mod.ModelRunner.sample)
-    model_mod.LlamaModel.forward = timed("forward", model_mod.LlamaModel.forward)
+    runner_mod.ModelRunner._forward = timed("forward", runner_mod.ModelRunner._forward)  # (a graph replay on CUDA)
     model_mod.LlamaModel.compute_logits = timed("lm_head", model_mod.LlamaModel.compute_logits)
     model_mod.Linear.__call__ = timed("projections", model_mod.Linear.__call__)
     ops = llm.client.core.executor.worker.model.ops  # the per-layer ops the forward pass calls
@@ -78,8 +88,16 @@ def main():
         ops.decode_attention = timed("attention", ops.decode_attention)
     model_mod.attention = timed("attention", model_mod.attention)  # steps with prefill chunks
 
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - decode_start[0]
+    if args.cprofile:
+        profiler.disable()
     steps = args.tokens - 1  # decode steps: the first token comes from the prefill step
     lm_head_in_projections = TOTALS["lm_head"]  # compute_logits calls Linear too
     rows = [
@@ -99,6 +117,8 @@ def main():
     print(f"{'part':50s} {'ms/step':>8s} {'share':>6s}")
     for name, secs in rows:
         print(f"{name:50s} {secs / steps * 1e3:8.2f} {secs / wall * 100:5.1f}%")
+    if args.cprofile:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
     llm.shutdown()
 
 
