@@ -1,11 +1,13 @@
 """What the recipes share: the rollout server they start, the task and its verifiable reward, the
 trainer's logprob recompute, the GRPO loss, and the run log (W&B offline + history.jsonl + one
-PNG of the curves). Everything here uses the public client only; nothing reaches into engine/.
+PNG of the curves; without the wandb package, W&B is left out). Everything here uses the public
+client only; nothing reaches into engine/.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import random
@@ -50,12 +52,17 @@ def rollout_server(url: str | None, run_dir: Path, *extra: str):
     if url:
         yield url
         return
-    args = ["--dtype", "float32", "--wandb-project", "rollout-recipes", "--wandb-run-name", f"{run_dir.name}-server",
-            "--wandb-interval-s", "2", *extra]
+    wandb = ["--wandb-project", "rollout-recipes", "--wandb-run-name", f"{run_dir.name}-server",
+             "--wandb-interval-s", "2"] if wandb_installed() else []
+    args = ["--dtype", "float32", *wandb, *extra]
     with served(*args, log_path=run_dir / "server.log", cwd=REPO_ROOT,
                 env={"WANDB_DIR": str(run_dir), "WANDB_SILENT": "true"}) as server:
         print(f"[recipe] rollout server at {server.url} (log: {server.log_path})", flush=True)
         yield server.url
+
+
+def wandb_installed() -> bool:
+    return importlib.util.find_spec("wandb") is not None
 
 
 def new_run_dir(recipe: str, root: str | None) -> Path:
@@ -88,22 +95,24 @@ def arithmetic_reward(text: str, answer: int) -> float:
 
 
 # ---- the trainer's side ----------------------------------------------------------------------------
-def load_policy(path: str) -> torch.nn.Module:
-    """The model the server serves, in float32 on the CPU (the trainer's copy)."""
+def load_policy(path: str, device: str = "cpu") -> torch.nn.Module:
+    """The model the server serves, in float32 on `device` (the trainer's copy)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
 
 
-def start_trainer(client, lr: float, kl_coef: float = 0.0):
-    """The trainer's side of a recipe: its float32 copy of the served model, a frozen reference
-    copy when a KL term needs one, AdamW, and the weight-transfer group (this process is rank
-    0). Returns (model, ref, optimizer, the live weight version, the model folder)."""
+def start_trainer(client, lr: float, kl_coef: float = 0.0, device: str = "cpu"):
+    """The trainer's side of a recipe: its float32 copy of the served model on `device`, a frozen
+    reference copy when a KL term needs one, AdamW, and on the CPU the weight-transfer group
+    (this process is rank 0; on CUDA the pushes go by push_weights_shared, CUDA IPC, no group).
+    Returns (model, ref, optimizer, the live weight version, the model folder)."""
     model_path = client.model_info()[0]["root"]
-    model = load_policy(model_path)
-    ref = load_policy(model_path).eval() if kl_coef > 0 else None
+    model = load_policy(model_path, device)
+    ref = load_policy(model_path, device).eval() if kl_coef > 0 else None
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    client.init_weight_transfer(backend="gloo")
+    if device == "cpu":
+        client.init_weight_transfer(backend="gloo")
     return model, ref, opt, client.weight_version(), model_path
 
 
@@ -111,7 +120,7 @@ def token_logprobs(model, sequences: list[list[int]], scored: list[list[bool]]) 
     """The logprob of every scored token (flattened, in order) given everything before it.
     Sequences that share a prefix (a GRPO group: one prompt, several answers) are scored as
     one batch whose prefix runs once, its KV repeated for each (gradients flow through it);
-    only the positions that predict a scored token go through the LM head."""
+    only the positions that predict a scored token go through the LM head. On the model's device."""
     groups: list[list[int]] = []
     for i, seq in enumerate(sequences):  # consecutive sequences with the same first half-prompt
         if groups and _shared(sequences[groups[-1][0]], seq, scored[i]) >= 8:
@@ -132,9 +141,9 @@ def _group_logprobs(model, seqs: list[list[int]], scored: list[list[bool]]) -> t
     # the shared prefix stops before the first position that predicts a scored token
     first = min(m.index(True) for m in scored)
     prefix = min(min(_shared(seqs[0], s, m) for s, m in zip(seqs, scored)), first - 1)
-    cache = None
+    cache, device = None, model.lm_head.weight.device
     if prefix > 0:
-        cache = model.model(input_ids=torch.tensor([seqs[0][:prefix]]), use_cache=True).past_key_values
+        cache = model.model(input_ids=torch.tensor([seqs[0][:prefix]], device=device), use_cache=True).past_key_values
         cache.batch_repeat_interleave(len(seqs))
     rest = [s[prefix:] for s in seqs]
     width = max(map(len, rest))
@@ -147,6 +156,7 @@ def _group_logprobs(model, seqs: list[list[int]], scored: list[list[bool]]) -> t
         attn[i, :prefix + len(r)] = 1
         predicts[i, :len(r) - 1] = torch.tensor(m[prefix + 1:])
         targets[i, :len(r) - 1] = torch.tensor(r[1:])
+    ids, attn, predicts, targets = (t.to(device) for t in (ids, attn, predicts, targets))
     hidden = model.model(input_ids=ids, attention_mask=attn, past_key_values=cache, use_cache=cache is not None)
     logits = model.lm_head(hidden.last_hidden_state[predicts]).float()
     return torch.log_softmax(logits, -1).gather(1, targets[predicts][:, None])[:, 0]
@@ -210,19 +220,23 @@ PLOTS = [  # (title, series) drawn against the step
 
 
 class RunLog:
-    """W&B (offline without an API key) and history.jsonl in run_dir, and curves.png drawn from
-    the same rows (every `png_every` steps and at the end)."""
+    """W&B (offline without an API key; none without the wandb package) and history.jsonl in
+    run_dir, and curves.png drawn from the same rows (every `png_every` steps and at the end)."""
 
     def __init__(self, run_dir: Path, name: str, config: dict, png_every: int = 5):
-        import wandb
-
         from rollout.metrics import wandb_has_api_key
 
         self.run_dir, self.name, self.png_every = run_dir, name, png_every
-        mode = os.environ.get("WANDB_MODE") or ("online" if wandb_has_api_key() else "offline")
-        os.environ.setdefault("WANDB_SILENT", "true")
-        self.run = wandb.init(project="rollout-recipes", name=name, config=config, mode=mode, dir=str(run_dir),
-                              job_type="trainer")
+        self.run = None
+        if wandb_installed():
+            import wandb
+
+            mode = os.environ.get("WANDB_MODE") or ("online" if wandb_has_api_key() else "offline")
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self.run = wandb.init(project="rollout-recipes", name=name, config=config, mode=mode, dir=str(run_dir),
+                                  job_type="trainer")
+        else:
+            print("[recipe] no wandb package: no W&B runs (history.jsonl and curves.png only)", flush=True)
         self.rows: list[dict] = []
         self.history = open(run_dir / "history.jsonl", "a")
         (run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
@@ -232,7 +246,8 @@ class RunLog:
         self.rows.append(row)
         self.history.write(json.dumps(row) + "\n")
         self.history.flush()
-        self.run.log({k: v for k, v in row.items() if k not in ("step", "time")}, step=step)
+        if self.run is not None:
+            self.run.log({k: v for k, v in row.items() if k not in ("step", "time")}, step=step)
         if step % self.png_every == 0:
             self.plot()
 
@@ -244,10 +259,11 @@ class RunLog:
         return path
 
     def finish(self) -> Path:
-        import wandb
-
         path = self.plot()
         self.history.close()
-        self.run.finish()
-        wandb.teardown()  # stop wandb's background service process: a recipe leaves nothing running
+        if self.run is not None:
+            import wandb
+
+            self.run.finish()
+            wandb.teardown()  # stop wandb's background service process: a recipe leaves nothing running
         return path

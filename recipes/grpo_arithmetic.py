@@ -3,6 +3,7 @@
 
     .venv/bin/python recipes/grpo_arithmetic.py                 # starts `rollout serve` itself
     .venv/bin/python recipes/grpo_arithmetic.py --url http://127.0.0.1:8000 --steps 10
+    .venv/bin/python recipes/grpo_arithmetic.py --device cuda --model FOLDER --steps 3   # one GPU
 
 Every step: PROMPTS problems x GROUP answers sampled through the client (token ids, logprobs and
 weight versions back), rewarded, the logprobs recomputed by the trainer's own float32 copy of the
@@ -15,6 +16,11 @@ trainer's and the server's offline W&B runs; `rollout dashboard <run folder>` dr
 --batch-invariant serves in batch-invariant mode and recomputes every step's rollout logprobs with
 engine.model.batch_invariant.InvariantScorer on the trainer's weights: `exact/mismatch_max` must be 0.0
 (the sampler's logprobs are the trainer's pi_old bit for bit, whatever the batching).
+
+--device cuda: the server (started here, its KV cache 2 GiB) and the trainer share one GPU, and
+each push goes by CUDA IPC (client.push_weights_shared: the server reads the trainer's tensors in
+place); with --url the server must be on this machine's GPU. --device cpu (the default) starts
+the server on the CPU.
 """
 from __future__ import annotations
 
@@ -42,7 +48,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch-invariant", action="store_true",
                     help="serve batch-invariant and check the rollout logprobs bit for bit against the trainer's "
                          "InvariantScorer recompute (exact/mismatch_max)")
-    return ap.parse_args(argv)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the server started here and the trainer run; cuda: one GPU for both, pushes by "
+                         "CUDA IPC")
+    ap.add_argument("--model", default=None,
+                    help="a Hugging Face folder for the server started here (default: the default model; with "
+                         "--url the trainer loads what that server serves)")
+    args = ap.parse_args(argv)
+    if args.url and args.model:
+        ap.error("--model names the model of the server started here: not with --url")
+    if args.batch_invariant and args.device == "cuda":
+        ap.error("--batch-invariant is float32 on the CPU: not with --device cuda")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+    return args
 
 
 def rollout_batch(client: RolloutClient, rng: random.Random, args, seed: int, extra_params: dict | None = None
@@ -87,8 +106,9 @@ def train_step(model, opt, ref, batch: dict, args, prox_lp: torch.Tensor | None 
     """One GRPO update on a batch; returns (seconds, LossStats)."""
     t0 = time.perf_counter()
     adv_seq = group_advantages(batch["rewards"], args.group)
-    adv = torch.repeat_interleave(adv_seq, torch.tensor(batch["lengths"]))
-    rollout_lp = torch.tensor(batch["rollout_lp"])
+    device = next(model.parameters()).device
+    adv = torch.repeat_interleave(adv_seq, torch.tensor(batch["lengths"])).to(device)
+    rollout_lp = torch.tensor(batch["rollout_lp"], device=device)
     ref_lp = None
     if ref is not None:
         with torch.no_grad():
@@ -125,10 +145,18 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     run_dir = new_run_dir("grpo_arithmetic", args.run_root)
-    serve_args = ["--max-model-len", "512"] + (["--batch-invariant"] if args.batch_invariant else [])
+    serve_args = ["--max-model-len", "512", "--device", args.device]
+    if args.batch_invariant:
+        serve_args.append("--batch-invariant")
+    if args.device == "cuda":  # (not what --gpu-memory-utilization leaves: the trainer needs the GPU too)
+        serve_args += ["--kv-cache-memory", "2GiB"]
+    if args.model:
+        serve_args += ["--model", args.model]
     with rollout_server(args.url, run_dir, *serve_args) as url, RolloutClient(url, timeout=600) as client:
         client.wait_until_ready(300)
-        model, ref, opt, version, model_path = start_trainer(client, args.lr, args.kl_coef)
+        model, ref, opt, version, model_path = start_trainer(client, args.lr, args.kl_coef, args.device)
+        # CPU: gloo group (shared memory to a CPU server on this machine); CUDA: IPC on the shared GPU
+        push_weights = client.push_weights if args.device == "cpu" else client.push_weights_shared
         scorer = None
         if args.batch_invariant:
             from engine.model.batch_invariant import InvariantScorer
@@ -143,31 +171,38 @@ def main(argv=None) -> dict:
         t_start = time.perf_counter()
         rows = []
         for step in range(1, args.steps + 1):
+            t_step = time.perf_counter()
             batch = rollout_batch(client, rng, args, seed=args.seed * 100_003 + step)
             exact = exact_mismatch(scorer, model, batch) if scorer is not None else {}
             train_s, stats = train_step(model, opt, ref, batch, args)
-            push = client.push_weights(model.named_parameters(), version=version + step)
+            t_push = time.perf_counter()
+            push = push_weights(model.named_parameters(), version=version + step)
+            push_s = time.perf_counter() - t_push  # (the trainer's wait; push_weights_shared's "seconds": the server's)
             row = dict(reward_row(batch), **{
                 "mismatch/mean": stats.mismatch_mean, "mismatch/max": stats.mismatch_max,
                 "ratio/std": stats.ratio_std, "ratio/max": stats.ratio_max, "kl": stats.kl,
-                "clipped": stats.clipped, "train/seconds": train_s, "push/seconds": push["seconds"],
+                "clipped": stats.clipped, "train/seconds": train_s, "push/seconds": push_s,
                 "push/paused_seconds": push["paused_seconds"] or 0.0, "weight_version": push["weight_version"],
                 "staleness/mean": sum(push["weight_version"] - 1 - v for v in batch["versions"]) / len(
                     batch["versions"]),
                 "staleness/max": max(push["weight_version"] - 1 - v for v in batch["versions"]),
-                "wall_seconds": time.perf_counter() - t_start}, **exact)
+                "wall_seconds": time.perf_counter() - t_start, "step/seconds": time.perf_counter() - t_step}, **exact)
             if step % args.eval_every == 0 or step == args.steps:
                 row.update(evaluate(client, held_out))
             rows.append(row)
             log.log(step, row)
             print(f"[recipe] step {step:3d}  reward {row['reward/mean']:.3f} (solved {row['reward/solved']:.2f})  "
                   f"mismatch {stats.mismatch_mean:.1e}  rollout {batch['seconds']:.1f}s  train {train_s:.1f}s  "
-                  f"push {push['seconds']:.1f}s  v{push['weight_version']}"
+                  f"push {push_s:.2f}s  step {row['step/seconds']:.1f}s  v{push['weight_version']}"
                   + (f"  held-out {row['eval/reward']:.3f}" if "eval/reward" in row else "")
                   + (f"  exact mismatch {exact['exact/mismatch_max']:.1e}" if exact else ""), flush=True)
         client.close_weight_transfer()
         png = log.finish()
-    print(f"[recipe] done in {time.perf_counter() - t_start:.0f} s: {png}", flush=True)
+    print(f"[recipe] done in {time.perf_counter() - t_start:.0f} s ({args.device}): {png}", flush=True)
+    if rows:  # (rollout + train + push, the held-out evaluation left out)
+        later = [r["step/seconds"] for r in rows[1:]]  # (the first step warms up)
+        print(f"[recipe] seconds per step: first {rows[0]['step/seconds']:.2f}"
+              + (f", then {sum(later) / len(later):.2f} on average" if later else ""), flush=True)
     return {"run_dir": run_dir, "rows": rows, "start_version": version, "png": png, "first_eval": first_eval}
 
 
