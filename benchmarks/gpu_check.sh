@@ -7,16 +7,33 @@
 # the whole run a deadline (BUDGET_S); steps past it are reported skipped. Writes $OUT/gpu_check.log
 # (everything) and $OUT/summary.txt (a line or three per step), and prints the summary last.
 #
-#   bash benchmarks/gpu_check.sh                 # every step
+#   bash benchmarks/gpu_check.sh prepare         # here, first: .whl/ and .gpu/ to carry (git-ignored)
+#   bash benchmarks/gpu_check.sh                 # there: every step
 #   bash benchmarks/gpu_check.sh setup graphs    # some: setup triton tests ipc_test sleep graphs ipc throughput
 #                                                #       profile grpo
 #
 # The machine has torch, triton and transformers but not our serving dependencies: those travel as
-# wheels in .whl/ (carried; see docs/performance.md). The default model's weights (a 98 MB GGUF)
-# exceed what a call carries, so a random-weight model of its exact config, with its tokenizer
-# (.gpu/tokenizer/, carried), stands in for it under ROLLOUT_CACHE.
+# wheels in .whl/ (`prepare` downloads the versions .venv has, for the image's Python 3.12). The
+# default model's weights (a 98 MB GGUF) exceed what a call carries, so a random-weight model of
+# its exact config, with its tokenizer (.gpu/tokenizer/), stands in for it under ROLLOUT_CACHE.
 set -u
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = prepare ]; then
+  mkdir -p .git/info .whl .gpu/tokenizer
+  for p in /.whl/ /.gpu/; do grep -qx "$p" .git/info/exclude 2>/dev/null || echo "$p" >> .git/info/exclude; done
+  # fastapi imports opentelemetry's API; the image has none of these
+  for name in msgspec pyzmq fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection \
+      opentelemetry-api; do
+    version=$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('$name'))") || exit 1
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      --platform manylinux_2_26_x86_64 -d .whl "$name==$version" || exit 1
+  done
+  model=$(.venv/bin/python -c "from engine.default_model import default_model_path; print(default_model_path())")
+  cp "$model"/{tokenizer.json,tokenizer_config.json,chat_template.jinja,generation_config.json} .gpu/tokenizer/
+  echo "prepared .whl/ and .gpu/: run 'bash benchmarks/gpu_check.sh' there with carry [\".whl\", \".gpu\"]"
+  exit 0
+fi
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 LOG=$OUT/gpu_check.log
