@@ -110,7 +110,7 @@ if want throughput; then
     --dtypes bfloat16 --batches 1,32,128,256 --reps 1 --json "$OUT/throughput_1b.json"
 fi
 if want profile; then TAIL=45 run profile 120 $PY benchmarks/step_profile.py --device cuda --model "$BIG" --batch 1 \
-  --tokens 256 --cprofile 25; fi
+  --tokens 256 --cprofile 25 --kernels 25; fi
 if want grpo; then TAIL=8 run grpo 180 $PY recipes/grpo_arithmetic.py --device cuda --steps 3; fi
 
 cat "$SUMMARY"

@@ -10,7 +10,9 @@ preparation, and scheduling + output assembly.
 On CUDA the forward pass of a decode step is one CUDA-graph replay, so the split is the host's:
 the kernels run asynchronously and the host waits for them where sampling reads the tokens back
 ("sampling" holds that wait). --cprofile N adds the N functions with the most own time over the
-timed run (Python's profiler: it slows Python code several-fold, so read it for shares).
+timed run (Python's profiler: it slows Python code several-fold, so read it for shares). --kernels N
+adds, from torch's profiler over 8 more decode steps, the N kernels with the most device time and
+the number of kernel launches a step (on CUDA: what a graph replay runs, kernel by kernel).
 
 The functions are wrapped with perf_counter accumulators in this script only (~0.3 us a call,
 ~100 us a step); the decode matmul floor for comparison is measured by benchmarks in
@@ -46,7 +48,11 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", help="a local model folder (default: the default model)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="also print the N functions with most own time")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N", help="also print the N kernels with most device time")
+    ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
     args = ap.parse_args()
+    if args.kernels and args.device != "cuda":
+        ap.error("--kernels reads CUDA kernels (on a CPU our C++ kernels are no torch ops: the profiler misses them)")
 
     import engine.core.engine_core as core_mod
     import engine.model.decoder as model_mod
@@ -57,6 +63,7 @@ def main():
     from workload import QUESTIONS, prompt_texts
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, multiprocess=False, enable_prefix_caching=False,
+              enforce_eager=args.enforce_eager,
               max_num_seqs=256, max_num_batched_tokens=8192,
               **(dict(kv_cache_memory=4 << 30) if args.device == "cuda" else {}))
     prompts = prompt_texts(llm.tokenizer, (QUESTIONS * 8)[:args.batch])
@@ -119,7 +126,35 @@ def main():
         print(f"{name:50s} {secs / steps * 1e3:8.2f} {secs / wall * 100:5.1f}%")
     if args.cprofile:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
+    if args.kernels:
+        kernel_table(llm, prompts, args)
     llm.shutdown()
+
+
+def kernel_table(llm, prompts, args):
+    """torch.profiler over the decode steps of a short run (its prefill step included, then
+    subtracted by running the prefill alone): the kernels by device time, and launches a step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import SamplingParams
+
+    def kernels(max_tokens):
+        params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+        return {e.key: e for e in prof.key_averages() if e.device_type.name == "CUDA"}
+
+    steps = 8
+    one, many = kernels(1), kernels(1 + steps)  # the prefill step alone, then with `steps` decode steps
+    rows = [(key, e.device_time_total - (one[key].device_time_total if key in one else 0),
+             e.count - (one[key].count if key in one else 0)) for key, e in many.items()]
+    rows = sorted((r for r in rows if r[2] > 0), key=lambda r: -r[1])
+    print(f"device time of {steps} decode steps by kernel: {sum(r[1] for r in rows) / steps:.0f} us a step, "
+          f"{sum(r[2] for r in rows) / steps:.0f} launches a step")
+    for key, us, count in rows[:args.kernels]:
+        print(f"  {us / steps:8.1f} us/step {count / steps:6.1f}/step  {key[:90]}")
 
 
 if __name__ == "__main__":
