@@ -47,8 +47,10 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled (no filters)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", help="a local model folder (default: the default model)")
-    ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="also print the N functions with most own time")
-    ap.add_argument("--kernels", type=int, default=0, metavar="N", help="also print the N kernels with most device time")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="also print the N functions with most own time")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="also print the N kernels with most device time (CUDA)")
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
     args = ap.parse_args()
     if args.kernels and args.device != "cuda":
