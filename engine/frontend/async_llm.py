@@ -230,7 +230,16 @@ class AsyncLLM:
         """Forget the request here and tell the core, without awaiting (safe in finally blocks)."""
         children = self.output_processor.abort(request_id)
         if children and self.dead_error is None:
-            asyncio.ensure_future(self.client.abort_requests_async(children))
+            asyncio.ensure_future(self._abort_quietly(children))
+
+    async def _abort_quietly(self, request_ids: list[str]) -> None:
+        """An abort nobody awaits: a core that died meanwhile took the requests with it (its death
+        is reported once, by the output handler), so its EngineDeadError is expected here, not a
+        "Future exception was never retrieved" in the log."""
+        try:
+            await self.client.abort_requests_async(request_ids)
+        except EngineDeadError:
+            pass
 
     def has_request(self, request_id: str) -> bool:
         """Whether the request is still live here (not finished, aborted or failed)."""
