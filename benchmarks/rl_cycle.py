@@ -61,15 +61,6 @@ def run(dtype: str, reps: int, model: str | None = None) -> dict:
         receiver.join()
         return stats["seconds"]
 
-    def shm_push_of(tensors, shared: SharedWeights):
-        def push() -> float:  # share (one copy into shared memory), then the engine copies it in
-            t = time.perf_counter()
-            handles = shared.share(tensors)
-            share_s = time.perf_counter() - t
-            llm.update_weights_from_ipc(handles)
-            return share_s
-        return push
-
     writer = SpareWriter()
 
     def spare_write_of(tensors):
@@ -81,8 +72,8 @@ def run(dtype: str, reps: int, model: str | None = None) -> dict:
     # a partial push (3 of the 30 layers: ~8% of the bytes) costs in proportion to what it moves
     some = [(n, t) for n, t in state if any(f".layers.{i}." in n for i in (0, 1, 2))]
     shared, some_shared = SharedWeights(), SharedWeights()
-    best = {"gloo": cycle(llm, gloo_push, reps), "shm": cycle(llm, shm_push_of(state, shared), reps),
-            "shm, 3 layers": cycle(llm, shm_push_of(some, some_shared), reps),
+    best = {"gloo": cycle(llm, gloo_push, reps), "shm": cycle(llm, shared_push(llm, state, shared), reps),
+            "shm, 3 layers": cycle(llm, shared_push(llm, some, some_shared), reps),
             "spare": cycle(llm, None, reps, spare_write_of(state)),
             "spare, 3 layers": cycle(llm, None, reps, spare_write_of(some))}
     copy_gbps = copy_bandwidth(sum(t.numel() * t.element_size() for _, t in state))
@@ -106,18 +97,9 @@ def run_cuda(dtype: str, reps: int, model: str | None = None) -> dict:
     state = [(n, t.to("cuda", tdtype)) for n, t in load_safetensors_folder(llm.config.model)]
     some = [(n, t) for n, t in state if any(f".layers.{i}." in n for i in (0, 1, 2))]
 
-    def ipc_push_of(tensors, shared: SharedWeights):
-        def push() -> float:  # share (IPC handles, no copy), then the engine copies on the device
-            t = time.perf_counter()
-            handles = shared.share(tensors)
-            share_s = time.perf_counter() - t
-            llm.update_weights_from_ipc(handles)
-            return share_s
-        return push
-
     shared, some_shared = SharedWeights(), SharedWeights()
-    best = {"cuda ipc": cycle(llm, ipc_push_of(state, shared), reps),
-            "cuda ipc, 3 layers": cycle(llm, ipc_push_of(some, some_shared), reps)}
+    best = {"cuda ipc": cycle(llm, shared_push(llm, state, shared), reps),
+            "cuda ipc, 3 layers": cycle(llm, shared_push(llm, some, some_shared), reps)}
     for route, row in best.items():
         pushed = some if route.endswith("3 layers") else state
         row["gb"] = sum(t.numel() * t.element_size() for _, t in pushed) / 1e9
@@ -145,6 +127,18 @@ def run_cuda(dtype: str, reps: int, model: str | None = None) -> dict:
     del state, some, changed, kept
     llm.shutdown()
     return best
+
+
+def shared_push(llm, tensors, shared: SharedWeights):
+    """A push through `shared`: share (CPU tensors: one copy into shared memory; CUDA ones: IPC
+    handles, no copy), then the engine copies them in. The push returns the share's seconds."""
+    def push() -> float:
+        t = time.perf_counter()
+        handles = shared.share(tensors)
+        share_s = time.perf_counter() - t
+        llm.update_weights_from_ipc(handles)
+        return share_s
+    return push
 
 
 def device_copy_seconds(tensors, reps: int = 10) -> float:
