@@ -3,7 +3,8 @@
 Two processes on this machine, a gloo group over TCP on 127.0.0.1: the trainer (this process,
 rank 0) pushes random tensors shaped like SmolLM2-135M (30 layers + tied embedding, ~134.5M
 params) with `WeightSender.send`, in float32 and bfloat16 (and float32 tensors cast to bfloat16
-in flight, `send(dtype=)`: "float32>bfloat16"), sweeping the bucket cap; the engine (a spawned
+in flight, `send(dtype=)`: "float32>bfloat16"), sweeping the bucket cap (over gloo a cap above
+16 MiB bounds only the staging memory: "broadcasts" shows the buckets sent); the engine (a spawned
 process, rank 1) receives with `WeightReceiver.receive` into staging tensors kept from push to
 push, as the engine does (engine/worker/weight_buffers.py). Each row is the best of --reps
 pushes, timed on the sender from the header to the final confirmation (so the receiver holds

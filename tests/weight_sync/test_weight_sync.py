@@ -31,7 +31,7 @@ from weight_sync import (
     read_shared,
     weights_checksum,
 )
-from weight_sync.protocol import ALIGN, PushHeader, TensorMeta, check_header, plan_buckets
+from weight_sync.protocol import ALIGN, GLOO_MAX_BUCKET_BYTES, PushHeader, TensorMeta, check_header, plan_buckets
 
 CTX = mp.get_context("spawn")
 BUCKET = 300_000  # forces many buckets, and cuts lm_head (4 MiB) into pieces
@@ -266,13 +266,19 @@ def test_refusals_raise_on_both_sides_and_keep_the_group_in_step():
         assert r["ok"] and r["equal"] and r["checksum"] == weights_checksum(model.items()), r
 
 
-def test_subset_push_is_legal():
+def test_subset_push_is_legal_and_gloo_buckets_stay_small():
     model = make_tensors()
     subset = {n: t for n, t in model.items() if "layers.2" in n or n == "lm_head.weight"}
-    with engine_workers([{}]) as (group, results):
+    with engine_workers([{}, {}]) as (group, results):
         WeightSender(group, bucket_bytes=BUCKET).send(subset.items())
         (r,) = next_results(results)
         assert r["ok"] and r["equal"] and r["names"] == sorted(subset), r
+        # a larger cap bounds only the staging memory: gloo buckets stay pipelined in 16 MiB
+        sender = WeightSender(group, bucket_bytes=1 << 30)
+        assert sender.bucket_bytes == GLOO_MAX_BUCKET_BYTES == 16 << 20
+        stats = sender.send(model.items())
+        (r,) = next_results(results)
+        assert r["ok"] and r["equal"] and r["stats"]["num_buckets"] == stats["num_buckets"], r
 
 
 def test_sender_side_error_reaches_the_receivers():
