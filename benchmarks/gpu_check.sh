@@ -9,8 +9,8 @@
 #
 #   bash benchmarks/gpu_check.sh prepare         # here, first: .whl/ and .gpu/ to carry (git-ignored)
 #   bash benchmarks/gpu_check.sh                 # there: every step
-#   bash benchmarks/gpu_check.sh setup graphs    # some: setup triton tests ipc_test sleep graphs ipc throughput
-#                                                #       profile grpo
+#   bash benchmarks/gpu_check.sh setup graphs    # some: setup triton tests ipc_test sleep graphs overlap ipc
+#                                                #       throughput profile grpo
 #
 # The machine has torch, triton and transformers but not our serving dependencies: those travel as
 # wheels in .whl/ (`prepare` downloads the versions .venv has, for the image's Python 3.12). The
@@ -39,7 +39,7 @@ mkdir -p "$OUT"
 LOG=$OUT/gpu_check.log
 SUMMARY=$OUT/summary.txt
 DEADLINE=$(( $(date +%s) + ${BUDGET_S:-540} ))
-STEPS=${*:-setup triton tests ipc_test sleep graphs ipc throughput profile grpo}
+STEPS=${*:-setup triton tests ipc_test sleep graphs overlap ipc throughput profile grpo}
 # TRITON_INTERPRET=0: compiled kernels even where tests/conftest.py finds no /dev/nvidiactl
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false TRITON_INTERPRET=0
 export ROLLOUT_CACHE=/tmp/rollout-cache
@@ -102,6 +102,10 @@ if want sleep; then GREP="^(sleep|FAILED|ERROR)" TAIL=2 run sleep 120 $PY -m pyt
 # timed, one at a time
 if want graphs; then TAIL=12 run graphs 150 $PY benchmarks/throughput.py --device cuda --engines ours,ours_eager \
   --dtypes bfloat16 --batches 1,64 --reps 2 --json "$OUT/graphs.json"; fi
+# async scheduling: the step-time change at batch 1 and 32, in process and through the core process
+if want overlap; then
+  TAIL=14 run overlap 200 $PY benchmarks/throughput.py --device cuda --engines ours,ours_async,ours_mp,ours_mp_async \
+    --dtypes bfloat16 --batches 1,32 --reps 2 --json "$OUT/overlap.json"; fi
 if want ipc; then TAIL=12 run ipc 120 $PY benchmarks/rl_cycle.py --device cuda --dtypes bfloat16 --reps 3; fi
 if want throughput; then
   TAIL=14 run throughput_135m 200 $PY benchmarks/throughput.py --device cuda --engines hf,ours --dtypes bfloat16 \

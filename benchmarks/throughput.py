@@ -11,7 +11,8 @@ cache.
 Engines: hf = transformers generate (left-padded batch); ours = LLM with the engine core in
 process; ours_mp = LLM through the engine-core process (the default); ours_dp2 = LLM with two
 engine-core replicas (data parallelism; the cores split between them); ours_eager = ours without
-CUDA graphs (on a CPU the same as ours); ours_bi = ours in
+CUDA graphs (on a CPU the same as ours); ours_async, ours_mp_async = ours, ours_mp with
+async_scheduling (step N+1 scheduled while step N runs, in a thread of its own); ours_bi = ours in
 batch-invariant mode (float32 only: fixed-order matmuls and per-token attention); async = AsyncLLM, one
 concurrent generate() per prompt, DELTA outputs, which also reports the frontend's median
 per-token latency (engine core queued the token -> the caller's async-for received it);
@@ -65,13 +66,14 @@ def engine_kw(device, model):
 
 
 def run_ours(dtype, batches, reps, device, model, multiprocess=False, data_parallel_size=1, batch_invariant=False,
-             enforce_eager=False):
+             enforce_eager=False, async_scheduling=False):
     from engine import LLM, SamplingParams
 
     w = workload()
     t = time.perf_counter()
     llm = LLM(dtype=dtype, multiprocess=multiprocess, data_parallel_size=data_parallel_size,
-              batch_invariant=batch_invariant, enforce_eager=enforce_eager, **engine_kw(device, model))
+              batch_invariant=batch_invariant, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+              **engine_kw(device, model))
     load_s = time.perf_counter() - t
 
     # No CUDA synchronize around generate(): it returns once the last step's sampled tokens are on
@@ -107,6 +109,15 @@ def run_ours_dp2(dtype, batches, reps, device, model):
 def run_ours_eager(dtype, batches, reps, device, model):
     """CUDA: every step launched kernel by kernel, no CUDA graphs (what the graphs buy)."""
     return run_ours(dtype, batches, reps, device, model, enforce_eager=True)
+
+
+def run_ours_async(dtype, batches, reps, device, model):
+    """Async scheduling: what overlapping the host's share of a step with the forward saves."""
+    return run_ours(dtype, batches, reps, device, model, async_scheduling=True)
+
+
+def run_ours_mp_async(dtype, batches, reps, device, model):
+    return run_ours(dtype, batches, reps, device, model, multiprocess=True, async_scheduling=True)
 
 
 def run_ours_bi(dtype, batches, reps, device, model):
@@ -318,7 +329,8 @@ def _log(msg):
 
 
 ENGINES = {"floor": run_floor, "hf": run_hf, "ours": run_ours, "ours_mp": run_ours_mp, "ours_dp2": run_ours_dp2,
-           "ours_bi": run_ours_bi, "ours_eager": run_ours_eager, "async": run_async}
+           "ours_bi": run_ours_bi, "ours_eager": run_ours_eager, "ours_async": run_ours_async,
+           "ours_mp_async": run_ours_mp_async, "async": run_async}
 
 
 def main():

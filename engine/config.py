@@ -172,6 +172,12 @@ class EngineConfig:
         the recompute a trainer runs to get the same bits). dtype "auto" becomes float32.
     enforce_eager: on CUDA, run every step eagerly; by default all-decode steps of a dense model on
         one GPU replay CUDA graphs captured per padded batch size (engine/worker/cuda_graphs.py).
+    async_scheduling: schedule step N+1 while step N runs (a worker thread runs the steps): the
+        scheduler, output handling and the core's IO overlap the forward pass, which matters where
+        a step is short and the host's share of it large (a GPU). Step N+1's decodes take step N's
+        sampled tokens as their input inside the worker; a request that step N ends computes one
+        more row that is dropped. Greedy tokens are the same as without. One rank per replica,
+        no LoRA adapters, no expert parallelism.
     enable_lora: LoRA adapters (engine/worker/lora.py: add_lora, per-request lora_request); at most
         max_loras resident (the least recently used unpinned one is evicted), ranks <= max_lora_rank.
         max_loras also bounds the adapters of the running requests, pinned ones counted: a request
@@ -218,6 +224,7 @@ class EngineConfig:
     max_data_parallel_size: int | None = None
     batch_invariant: bool = False
     enforce_eager: bool = False
+    async_scheduling: bool = False
     profiler_dir: str | None = None
     log_stats_interval_s: float | None = None
     otlp_traces_endpoint: str | None = None
@@ -320,6 +327,12 @@ class EngineConfig:
         if (self.enable_expert_parallel or self.enable_return_routed_experts) and moe is None:
             flag = "enable_expert_parallel" if self.enable_expert_parallel else "enable_return_routed_experts"
             raise ValueError(f"{flag} needs a mixture-of-experts model ({self.model_config.architecture} is dense)")
+        if self.async_scheduling and (self.tensor_parallel_size > 1 or self.enable_lora
+                                      or self.enable_expert_parallel):
+            what = ("tensor_parallel_size > 1" if self.tensor_parallel_size > 1 else
+                    "enable_lora" if self.enable_lora else "enable_expert_parallel")
+            raise ValueError(f"async_scheduling does not combine with {what} yet (those steps reach the workers "
+                             "between steps: adapters to load, other ranks to feed the sampled tokens)")
         if self.enable_expert_parallel and self.data_parallel_backend != "mp":
             raise ValueError("expert parallelism runs on the mp backend (local replicas) for now")
         if self.max_data_parallel_size is not None and (not isinstance(self.max_data_parallel_size, int)

@@ -27,6 +27,11 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     mm_features: list[MMFeature] | None = None  # its prompt's images
 
 
+# A token the step before this one samples (async scheduling): the worker takes it from its own
+# last output. Only ever the single token of a decode.
+PLACEHOLDER_TOKEN = -1
+
+
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One request's share of a step: compute `token_ids` at positions start, start + 1, ...
     writing their K/V into the slots that `block_ids` (the request's whole block table) maps."""

@@ -119,6 +119,9 @@ def _add_model_args(group) -> None:
                             "recomputes the same bits with engine.model.batch_invariant.InvariantScorer)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: no CUDA graphs for decode steps (each step's kernels launched one by one)")
+    group.add_argument("--async-scheduling", action="store_true",
+                       help="schedule the next step while this one runs (the host's share of a step overlaps the "
+                            "forward pass: for short GPU steps; one rank per replica, no LoRA)")
     group.add_argument("--worker-extension-cls", default=None,
                        help="module.Class mixed into the engine's workers (default: none)")
 
@@ -279,7 +282,8 @@ def _serve(args) -> int:
                          data_parallel_size=args.data_parallel_size, tensor_parallel_size=args.tensor_parallel_size,
                          max_data_parallel_size=args.max_data_parallel_size,
                          data_parallel_backend=args.data_parallel_backend, batch_invariant=args.batch_invariant,
-                         enforce_eager=args.enforce_eager, profiler_dir=args.profiler_dir,
+                         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+                         profiler_dir=args.profiler_dir,
                          log_stats_interval_s=args.log_stats_interval_s,
                          enable_lora=args.enable_lora or bool(args.lora_modules), max_loras=args.max_loras,
                          max_lora_rank=args.max_lora_rank, engine_stall_timeout_s=args.engine_stall_timeout_s,

@@ -2,6 +2,13 @@
 
     schedule -> executor.execute_model (every worker) -> scheduler.update_from_output
 
+With async_scheduling the steps run in a thread of their own, one in flight while the next is
+scheduled (engine/core/scheduler.py: placeholders): step() schedules step N+1, waits for step N,
+starts N+1 and returns N's outputs, so scheduling and output handling overlap the forward pass.
+Every other public method but the request path (add_request, add_stream_input, abort_requests)
+and a few reads first finishes the step in flight (`_drains_first`; its outputs join the pending
+ones), and so does a Deferred's finish: no call ever runs beside a step.
+
 It speaks token ids only (EngineCoreRequest in, EngineCoreOutput out). `LLM(multiprocess=False)`
 drives it in process; normally it runs inside the engine-core process
 (engine/process/core_proc.py), whose busy loop calls the same methods. The methods named in
@@ -27,11 +34,14 @@ and are told what to keep.
                    offloads (1) or drops (2) the weights; the wake-up that leaves nothing asleep
                    resumes what the sleep paused (an explicit pause stays).
 """
+import functools
+import inspect
 import logging
 import os
 import resource
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -46,6 +56,7 @@ from engine.core.scheduler import Scheduler
 from engine.errors import EngineStateError, InvalidRequestError
 from engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, StreamInput
 from engine.routed_experts import check_routed_experts
+from engine.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.worker.executor import InprocExecutor
 from engine.worker.hf_export import DEFAULT_MAX_SHARD_BYTES
 from engine.worker.multiproc_executor import MultiprocExecutor
@@ -87,6 +98,14 @@ class Deferred:
             return box["result"]
 
         return cls(lambda: not thread.is_alive(), finish, needs_steps=False)
+
+
+def _step_thread_setup(num_threads: int, device: str) -> None:
+    """The step thread runs as this one would: torch's thread count and the current CUDA device
+    are per thread."""
+    torch.set_num_threads(num_threads)
+    if torch.device(device).type == "cuda" and torch.device(device).index is not None:
+        torch.cuda.set_device(torch.device(device))
 
 
 def stale_version(version: int, live: int) -> EngineStateError | None:
@@ -137,7 +156,14 @@ class EngineCore:
         # replica has nothing to run (set by the engine-core process: engine/process/waves.py)
         self.ep_group = self.executor.worker.model_runner.ep if isinstance(self.executor, InprocExecutor) else None
         self.lockstep = False
-        self.profiler = StepProfiler(config.profiler_dir, config.data_parallel_rank, config.device)
+        self.profiler = StepProfiler(config.profiler_dir, config.data_parallel_rank, config.device,
+                                     all_threads=config.async_scheduling)
+        # async scheduling: the thread that runs the steps, and the step it runs (its SchedulerOutput
+        # and the future of its ModelRunnerOutput)
+        self._stepper = (ThreadPoolExecutor(1, "engine-step", initializer=_step_thread_setup,
+                                            initargs=(torch.get_num_threads(), config.device))
+                         if config.async_scheduling else None)
+        self._in_flight: tuple[SchedulerOutput, Future] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -213,7 +239,8 @@ class EngineCore:
         """Whether step() would compute or hand out something."""
         self._expire_pause()
         self._apply_version_move()
-        return bool(self._pending_outputs) or (self._can_run() and self.scheduler.can_step())
+        return (bool(self._pending_outputs) or self._in_flight is not None
+                or (self._can_run() and self.scheduler.can_step()))
 
     def seconds_to_next_event(self) -> float | None:
         """How long the core may sit idle before something is due (a pause's deadline)."""
@@ -241,18 +268,36 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         self._apply_version_move()
         outputs = self.take_pending_outputs()
-        if not (self._can_run() and self.scheduler.can_step()):
-            if self.lockstep and self._can_run():  # the other replicas' tokens still need our experts
-                self.executor.collective_rpc("idle_step")
+        scheduler_output = None
+        if self._can_run() and self.scheduler.can_step():
+            with phase("schedule"):
+                scheduler_output = self.scheduler.schedule()
+                outputs += self._load_step_loras(scheduler_output)
+        elif self.lockstep and self._can_run():  # the other replicas' tokens still need our experts
+            self.executor.collective_rpc("idle_step")
+        if self._stepper is None:
+            if scheduler_output is not None:
+                outputs += self._apply(scheduler_output, self.executor.execute_model(scheduler_output))
             return outputs
-        with phase("schedule"):
-            scheduler_output = self.scheduler.schedule()
-            outputs += self._load_step_loras(scheduler_output)
-        result = self.executor.execute_model(scheduler_output)
+        last, self._in_flight = self._in_flight, None
+        result = last[1].result() if last is not None else None
+        if scheduler_output is not None:  # (started before the last step's outputs are applied)
+            self._in_flight = (scheduler_output, self._stepper.submit(self.executor.execute_model, scheduler_output))
+        if last is not None:
+            outputs += self._apply(last[0], result)
+        return outputs
+
+    def drain(self) -> list[EngineCoreOutput]:
+        """Finish the step in flight (async scheduling) and return its outputs: anything but a
+        step that reaches the workers (a utility call) first drains."""
+        last, self._in_flight = self._in_flight, None
+        return self._apply(last[0], last[1].result()) if last is not None else []
+
+    def _apply(self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         with phase("outputs"):
-            outputs += self.scheduler.update_from_output(scheduler_output, result, self.weight_version,
-                                                          self.loras.version)
-        self.num_generated_tokens += len(result.sampled)
+            outputs = self.scheduler.update_from_output(scheduler_output, result, self.weight_version,
+                                                        self.loras.version)
+        self.num_generated_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
 
     # ---- pause / resume -------------------------------------------------------------------
@@ -712,7 +757,38 @@ class EngineCore:
         return self.executor.collective_rpc("apply_model", [fn])
 
     def shutdown(self) -> None:
+        if self._stepper is not None:
+            self._stepper.shutdown()
         self.scheduler.abort(list(self.scheduler.requests))
         self.executor.shutdown()
         if self._cpus_before is not None:
             os.sched_setaffinity(0, self._cpus_before)
+
+
+def _drains_first(fn: Callable) -> Callable:
+    """`fn` after the step in flight finished (async scheduling; its outputs are kept for
+    take_pending_outputs); a Deferred it returns drains again before its finish."""
+    @functools.wraps(fn)
+    def call(self: EngineCore, *args, **kwargs):
+        self._pending_outputs += self.drain()
+        result = fn(self, *args, **kwargs)
+        if isinstance(result, Deferred):
+            finish = result.finish
+
+            def drained_finish():
+                self._pending_outputs += self.drain()
+                return finish()
+
+            result.finish = drained_finish
+        return result
+    return call
+
+
+# The calls that never drain: the request path (it only queues work for the scheduler), the loop's
+# own, and reads of the core's state. Everything else may reach the workers or change what a step
+# sees (a pause, a version, the KV cache), so it waits for the step in flight: new methods too.
+_UNDRAINED = {"add_request", "add_stream_input", "abort_requests", "has_work", "seconds_to_next_event",
+              "take_pending_outputs", "step", "drain", "shutdown", "is_paused", "is_sleeping", "get_weight_version"}
+for _name, _fn in list(vars(EngineCore).items()):
+    if not _name.startswith("_") and _name not in _UNDRAINED and inspect.isfunction(_fn):
+        setattr(EngineCore, _name, _drains_first(_fn))

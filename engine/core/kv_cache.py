@@ -156,8 +156,8 @@ class KVCacheManager:
                 b.block_hash = b.token_ids = None
             b.ref_cnt = 1
             blocks.append(b)
-        if self.enable_caching:
-            self._cache_full_blocks(req, total)
+        if self.enable_caching:  # (a token still being sampled, async scheduling, is hashed once known)
+            self._cache_full_blocks(req, min(total, req.num_tokens))
         return True
 
     def free(self, req: Request) -> None:

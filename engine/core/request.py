@@ -28,7 +28,11 @@ class Request:
         self.prompt_token_ids = list(req.prompt_token_ids)
         self.all_token_ids = list(req.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = 0  # tokens scheduled into the KV cache (counted when scheduled)
+        # tokens sampled by steps in flight, not appended yet (async scheduling: the next step already
+        # computes a row whose input is the first of them, engine/core/scheduler.py)
+        self.num_placeholders = 0
+        self.num_void_samples = 0  # samples in flight of a chunk that ended: dropped when they arrive
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache when first scheduled
         self.arrival_time = time.monotonic()  # in the core; scheduled_time: when first scheduled (0.0: not yet)
         self.scheduled_time = 0.0
@@ -56,7 +60,7 @@ class Request:
         """Forget every generated token (stale_action "restart"): it starts again from its prompt,
         holding no blocks (the scheduler freed them)."""
         del self.all_token_ids[self.num_prompt_tokens:]
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = self.num_placeholders = self.num_void_samples = 0
         self.block_hashes.clear()  # (a hash may cover generated tokens; the prompt's are recomputed lazily)
         self.finish_reason = self.stop_reason = None
         self.oldest_version = None
@@ -93,7 +97,7 @@ class Request:
     @property
     def banned_token_ids(self) -> list[int] | None:
         """The stop tokens the next sample must avoid (min_tokens not reached yet)."""
-        if self.num_chunk_output_tokens < self.params.min_tokens and self.stop_ids:
+        if self.num_chunk_output_tokens + self.num_placeholders < self.params.min_tokens and self.stop_ids:
             return sorted(self.stop_ids)
         return None
 

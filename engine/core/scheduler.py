@@ -13,6 +13,13 @@ versions.awaiting (requests whose min_weight_version the live weights have not r
 engine/core/staleness.py, which also says which requests a new weight version leaves stale).
 The pause is the engine core's (engine/core/pause.py): the scheduler reads it.
 
+A request's computed tokens are counted when they are scheduled, and a step that samples leaves a
+placeholder until its output arrives, so the next step can be scheduled while this one runs (async
+scheduling, engine/core/engine_core.py): a running request whose sample is still in flight gets a
+one-token decode of that placeholder (the worker fills it in), unless the sample may end it
+(max_tokens, the context). An output is applied only while it still extends its request: one that
+step N ended (a stop token, the end of a streaming chunk) drops step N+1's token.
+
 LoRA slots (vLLM's rule): the running requests use at most max_loras adapters, pinned ones
 counted (they keep their slot), so the worker can hold every adapter of a step. A waiting request
 whose adapter has no slot waits; so do the requests behind it that would keep an unpinned
@@ -30,7 +37,8 @@ from engine.core.request import Request, RequestStatus
 from engine.core.staleness import VersionRules
 from engine.core.streaming import StreamState
 from engine.protocol import EngineCoreOutput, FinishReason, StreamInput
-from engine.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from engine.step_io import (PLACEHOLDER_TOKEN, ModelRunnerOutput, NewRequestData, ScheduledRequest,
+                            SchedulerOutput)
 
 
 @dataclass
@@ -120,10 +128,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_placeholders and self._may_end(req):
+                i += 1  # its sample in flight may be its last: wait for it
+                continue
+            n = min(req.num_tokens + req.num_placeholders - req.num_computed_tokens, budget)
             assert n > 0, "a running request has nothing to compute"
             while not self.kv.allocate_slots(req, n):
-                if self._preempt_idle():
+                if self._preempt_idle() or self._preempt_waiting(None):
                     continue
                 victim = self.running.pop()  # latest admitted; not yet scheduled this step
                 self._preempt(victim)
@@ -153,7 +164,7 @@ class Scheduler:
                 computed, num_hit = [], req.num_computed_tokens
             n = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, n, computed):
-                if self._preempt_idle():
+                if self._preempt_idle() or not self.running and self._preempt_waiting(req):
                     continue
                 break
             self.waiting.popleft()
@@ -170,28 +181,43 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return out
 
+    def _may_end(self, req: Request) -> bool:
+        """Whether the sample in flight may end req's chunk (besides a stop token, which only its
+        output tells): a pooling request's one output, max_tokens, the context."""
+        max_tokens = req.params.max_tokens
+        pending = req.num_tokens + req.num_placeholders
+        return (req.params.pooling is not None or pending >= self.max_model_len
+                or max_tokens is not None and pending - req.chunk_start >= max_tokens)
+
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        """req's next n tokens, counted as computed from now on."""
         s = req.num_computed_tokens
-        sample = s + n == req.num_tokens
-        return ScheduledRequest(req.request_id, s, req.all_token_ids[s:s + n], self.kv.block_ids(req.request_id),
-                                sample, req.banned_token_ids if sample else None)
+        tokens = req.all_token_ids[s:s + n]
+        sample = s + n == req.num_tokens + req.num_placeholders
+        banned = req.banned_token_ids if sample else None
+        if len(tokens) < n:
+            assert n == 1, "only a decode reads a token still in flight"
+            tokens = [PLACEHOLDER_TOKEN]
+        req.num_computed_tokens = s + n
+        if sample:
+            req.num_placeholders += 1
+        return ScheduledRequest(req.request_id, s, tokens, self.kv.block_ids(req.request_id), sample, banned)
 
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput, weight_version: int,
                            lora_version: Callable[[int], int | None] | None = None) -> list[EngineCoreOutput]:
-        """Advance computed counts, append sampled tokens, end chunks and requests. Returns an
+        """Append sampled tokens, end chunks and requests. Returns an
         output for every request that received a token this step (finished ones included);
         `lora_version`: LoRA adapter id -> the version its tokens carry."""
         outputs = []
         for sr in out.scheduled:
             rid = sr.request_id
             req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:  # aborted while the step ran
+            if req is None:  # aborted while the step ran
                 continue
             n = len(sr.token_ids)
-            prefill = req.num_computed_tokens < req.chunk_start
+            prefill = sr.start < req.chunk_start
             if prefill:  # the prompt, or a streaming chunk's new input
-                self.num_prefill_tokens += min(n, req.chunk_start - req.num_computed_tokens)
-            req.num_computed_tokens += n
+                self.num_prefill_tokens += min(n, req.chunk_start - sr.start)
             if rid in result.prompt_logprobs:
                 lps, top = result.prompt_logprobs[rid]
                 req.prompt_logprobs.extend(lps)
@@ -207,6 +233,10 @@ class Scheduler:
             token = result.sampled.get(rid)
             if token is None:
                 continue  # a prefill chunk that did not reach the end
+            if req.num_void_samples:  # sampled after the chunk it belonged to ended
+                req.num_void_samples -= 1
+                continue
+            req.num_placeholders -= 1
             ended = req.append_token(token, self.max_model_len)
             o = self._output(req, [token], weight_version)
             if prefill:  # the prompt's first token: when the request arrived here and first ran (tracing)
@@ -237,7 +267,10 @@ class Scheduler:
 
     # ---- streaming input (the state machine is engine/core/streaming.py) --------------------------
     def _end_chunk(self, req: Request) -> bool:
-        """The request's current chunk ended (stop or length); returns whether the request goes on."""
+        """The request's current chunk ended (stop or length); returns whether the request goes on.
+        Samples of the chunk still in flight are dropped when they arrive."""
+        req.num_void_samples += req.num_placeholders
+        req.num_placeholders = 0
         if req.stream is None:
             self._finish(req, req.finish_reason)
             return False
@@ -246,8 +279,8 @@ class Scheduler:
             self._start_chunk(req, next_chunk)
         elif req.stream.state is StreamState.CLOSED:
             self._finish(req, req.finish_reason)
-        else:
-            self.running.remove(req)
+        else:  # (preempted while its last sample was in flight, it waits to be recomputed)
+            (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
             req.status = RequestStatus.IDLE
             self.idle[req.request_id] = req
         return req.stream.resumable
@@ -266,6 +299,9 @@ class Scheduler:
 
     def _start_chunk(self, req: Request, chunk: StreamInput) -> None:
         req.apply_input(chunk)
+        # at least one token to compute, for the logits of the chunk's first sample (a dropped
+        # sample in flight may have computed the last one already, and the input may be empty)
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
         if chunk.sampling_params is not None:
             self._announce(req)
 
@@ -310,6 +346,18 @@ class Scheduler:
             if req.num_computed_tokens:
                 self.kv.free(req)
                 req.num_computed_tokens = 0
+
+    def _preempt_waiting(self, head: Request | None) -> bool:
+        """Free the blocks of one waiting request other than `head` (a streaming request's next
+        chunk keeps its blocks while it waits): running requests and the head of the queue come
+        first, or memory held by requests that cannot run yet could stall those that can."""
+        for req in reversed(self.waiting):
+            if req is not head and req.num_computed_tokens:
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                self.num_preemptions += 1
+                return True
+        return False
 
     def _preempt_idle(self) -> bool:
         """Free the blocks of one idle streaming request (it recomputes on its next chunk)."""

@@ -30,7 +30,7 @@ from engine.model.parallel import TPGroup
 from engine.protocol import MMFeature, SamplingMask
 from engine.routed_experts import DTYPE as ROUTING_DTYPE
 from engine.sampling_params import MAX_SAMPLING_MASK_IDS, SamplingParams
-from engine.step_io import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from engine.step_io import PLACEHOLDER_TOKEN, ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.expert_parallel import expert_parallel_group
 from engine.worker.lora import Adapter, LoRABatch, LoRARequest, load_adapter
@@ -110,6 +110,7 @@ class ModelRunner:
         self.encoder_cache_rows = 0
         self.encoder_cache_hits = self.encoder_cache_queries = 0
         self.cuda_graphs = self._decode_graphs()
+        self.last_sampled: dict[str, int] = {}  # the last step's tokens, by request
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for all-decode steps (engine/worker/cuda_graphs.py), where the step's forward
@@ -174,8 +175,13 @@ class ModelRunner:
             self.model.routing = None
 
     # ---- one step -----------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        out = self._execute_model(so)
+        self.last_sampled = out.sampled  # what the next step's placeholder tokens stand for
+        return out
+
+    @torch.inference_mode()
+    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(so)
         out = ModelRunnerOutput()
         if not so.scheduled:
@@ -266,9 +272,9 @@ class ModelRunner:
                 logit_rows.append(row + n - 1)
 
         for sr in decodes:
-            s = sr.start
+            s, token = sr.start, sr.token_ids[0]
             want_logits(sr, len(positions), 1)
-            input_ids.append(sr.token_ids[0])
+            input_ids.append(self.last_sampled[sr.request_id] if token == PLACEHOLDER_TOKEN else token)
             positions.append(s)
             slots.append(sr.block_ids[s // bs] * bs + s % bs)
         md = inputs.attn

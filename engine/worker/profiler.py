@@ -32,8 +32,9 @@ def phase(name: str):
 class StepProfiler:
     """The engine core's profiler: off unless the engine was given a folder for traces."""
 
-    def __init__(self, folder: str | None, rank: int, device: str):
+    def __init__(self, folder: str | None, rank: int, device: str, all_threads: bool = False):
         self.folder, self.rank, self.device = folder, rank, device
+        self.all_threads = all_threads  # the steps run in a thread of their own (async scheduling)
         self._prof: torch.profiler.profile | None = None
         self._started = 0.0
 
@@ -48,7 +49,9 @@ class StepProfiler:
         if self.device.startswith("cuda"):
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         os.makedirs(self.folder, exist_ok=True)
-        self._prof = torch.profiler.profile(activities=activities)
+        # torch records the starting thread only unless told otherwise
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True) if self.all_threads else None
+        self._prof = torch.profiler.profile(activities=activities, experimental_config=config)
         self._prof.start()
         self._started = time.time()
         _recording = True

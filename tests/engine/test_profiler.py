@@ -10,8 +10,10 @@ from engine.worker import profiler
 PHASES = ("schedule", "prepare_inputs", "forward", "compute_logits", "sample", "outputs")
 
 
-def test_a_trace_names_the_step_phases(tiny_folder, default_model_path, tmp_path):
-    llm = LLM(tiny_folder, tokenizer=default_model_path, multiprocess=False, profiler_dir=str(tmp_path / "traces"))
+@pytest.mark.parametrize("async_scheduling", [False, True])  # (True: the worker's phases run in a thread of their own)
+def test_a_trace_names_the_step_phases(tiny_folder, default_model_path, tmp_path, async_scheduling):
+    llm = LLM(tiny_folder, tokenizer=default_model_path, multiprocess=False, profiler_dir=str(tmp_path / "traces"),
+              async_scheduling=async_scheduling)
     try:
         assert profiler.phase("forward") is profiler.phase("sample")  # off: one shared no-op
         assert llm.start_profile() is True

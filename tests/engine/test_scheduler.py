@@ -34,7 +34,7 @@ def step(sched: Scheduler, token=7):
     sampled = {r.request_id: token for r in out.scheduled if r.sample}
     for r in out.scheduled:
         req = sched.requests[r.request_id]
-        assert r.start == req.num_computed_tokens
+        assert r.start + len(r.token_ids) == req.num_computed_tokens  # counted when scheduled
         assert r.token_ids == req.all_token_ids[r.start:r.start + len(r.token_ids)]
         assert r.sample == (r.start + len(r.token_ids) == req.num_tokens), "sample exactly at the last token"
         assert r.block_ids == sched.kv.block_ids(r.request_id)
