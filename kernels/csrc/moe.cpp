@@ -334,15 +334,28 @@ Routing route_pairs(const Id* ids, const float* w, int64_t num_tokens, int64_t k
 // a[p * sa + c] = to_T(to_T(silu(gate)) * up) for c < W, p < n, from gate = g[p * sg + c] and
 // up = g[p * sg + W + c].
 template <typename T>
-void silu_mul(const float* g, int64_t sg, float* a, int64_t sa, int64_t n, int64_t W) {
+void silu_mul(const float* g, int64_t sg, float* a, int64_t sa, int64_t n, int64_t W, int64_t vec_W) {
+  // The first vec_W of the W columns take ATen's vector formula, the rest its scalar one: ATen
+  // vectorizes a row but for its last I % VL elements, so which formula an element gets follows
+  // its place in the whole row, never where a thread's share of the row ends (a share's last
+  // partial vector is computed zero-padded: lanes do not interact).
   for (int64_t p = 0; p < n; ++p, g += sg, a += sa) {
     int64_t c = 0;
-    for (; c + VL <= W; c += VL) {
-      const vf x = load(g + c);
+    for (; c < vec_W; c += VL) {
+      const int64_t m = std::min<int64_t>(VL, vec_W - c);
+      const vf x = m == VL ? load(g + c) : load_n(g + c, m);
+      const vf u = m == VL ? load(g + W + c) : load_n(g + W + c, m);
       const vf s = round_to<T>(x / keep(1.0f + keep(sleef_expf(-x))));  // as ATen's vector silu
-      store(a + c, round_to<T>(s * load(g + W + c)));
+      const vf r = round_to<T>(s * u);
+      if (m == VL) {
+        store(a + c, r);
+      } else {
+        alignas(64) float tmp[VL];
+        store(tmp, r);
+        std::memcpy(a + c, tmp, m * sizeof(float));
+      }
     }
-    for (; c < W; ++c) {
+    for (c = vec_W; c < W; ++c) {
       const float x = g[c];
       const float s = round_to<T>(x / keep(1.0f + keep(std::exp(-x))));  // (ATen's scalar tail)
       a[c] = round_to<T>(s * g[W + c]);
@@ -382,7 +395,7 @@ void run_experts(const Routing& r, const float* const* xrows, const T* w13, cons
       const T* then = next_expert(e) >= 0 ? w13 + next_expert(e) * 2 * I * H + c0 * H : nullptr;
       gemm(xrows + s, n, we, H, c0, c1, we + (I + c0) * H, keep_gu);  // gate rows
       gemm(xrows + s, n, we, H, I + c0, I + c1, then, keep_gu);        // up rows
-      silu_mul<T>(gu.data(), 2 * W, act.data() + s * I + c0, I, n, W);
+      silu_mul<T>(gu.data(), 2 * W, act.data() + s * I + c0, I, n, W, std::clamp<int64_t>(I - I % VL - c0, 0, W));
     }
   };
   auto down = [&](int64_t h0, int64_t h1) {
