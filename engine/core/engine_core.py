@@ -164,6 +164,9 @@ class EngineCore:
                                             initargs=(torch.get_num_threads(), config.device))
                          if config.async_scheduling else None)
         self._in_flight: tuple[SchedulerOutput, Future] | None = None
+        if config.async_scheduling and config.device == "cpu":
+            logger.warning("async_scheduling on a CPU: a forward in a thread of its own, beside the scheduler on the "
+                           "same cores, measured slower than without (benchmarks/throughput.py --engines ours,ours_async)")
 
     @property
     def num_blocks(self) -> int:

@@ -179,9 +179,10 @@ def test_compares_and_generations_at_once(server, client):
 
 
 # ---- a batch-invariant server: exact, and a push -------------------------------------------
-@pytest.fixture(scope="module")
-def invariant_server():
-    server = start_server("--batch-invariant")
+@pytest.fixture(scope="module", params=[(), ("--async-scheduling",)], ids=["", "async-scheduling"])
+def invariant_server(request):
+    """(Also with async scheduling: the next step scheduled while one runs changes no bit.)"""
+    server = start_server("--batch-invariant", *request.param)
     yield server
     assert stop_server(server) == 0, server.log()
 
