@@ -205,9 +205,9 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput, weight_version: int,
                            lora_version: Callable[[int], int | None] | None = None) -> list[EngineCoreOutput]:
-        """Append sampled tokens, end chunks and requests. Returns an
-        output for every request that received a token this step (finished ones included);
-        `lora_version`: LoRA adapter id -> the version its tokens carry."""
+        """Append sampled tokens, end chunks and requests. Returns an output for every request
+        that received a token this step (finished ones included); `lora_version`: LoRA adapter
+        id -> the version its tokens carry."""
         outputs = []
         for sr in out.scheduled:
             rid = sr.request_id

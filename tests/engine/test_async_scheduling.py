@@ -8,7 +8,6 @@ position, input token), so a token sequence is fully determined by its prompt wh
 batching, and a placeholder the worker fills wrongly changes everything after it.
 """
 import random
-import threading
 import zlib
 
 import pytest
