@@ -41,7 +41,7 @@ import os
 import resource
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -49,15 +49,15 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.kv_cache import KVCacheManager
-from engine.core.request import Request
 from engine.core.lora_registry import LoRARegistry
 from engine.core.pause import Pause, PauseState
+from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.errors import EngineStateError, InvalidRequestError
 from engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, StreamInput
 from engine.routed_experts import check_routed_experts
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
-from engine.worker.executor import InprocExecutor
+from engine.worker.executor import InprocExecutor, StepThreadExecutor, beside_steps
 from engine.worker.hf_export import DEFAULT_MAX_SHARD_BYTES
 from engine.worker.multiproc_executor import MultiprocExecutor
 from engine.worker.profiler import StepProfiler, phase
@@ -84,6 +84,7 @@ class Deferred:
         box: dict = {}
 
         def run():
+            beside_steps.active = True  # its executor calls do not queue behind the steps
             try:
                 box["result"] = fn()
             except BaseException as e:  # raised again by finish(), to the caller
@@ -98,14 +99,6 @@ class Deferred:
             return box["result"]
 
         return cls(lambda: not thread.is_alive(), finish, needs_steps=False)
-
-
-def _step_thread_setup(num_threads: int, device: str) -> None:
-    """The step thread runs as this one would: torch's thread count and the current CUDA device
-    are per thread."""
-    torch.set_num_threads(num_threads)
-    if torch.device(device).type == "cuda" and torch.device(device).index is not None:
-        torch.cuda.set_device(torch.device(device))
 
 
 def stale_version(version: int, live: int) -> EngineStateError | None:
@@ -124,11 +117,15 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         # the other tensor-parallel ranks start first: they inherit this process's cores, and must
         # see all of them to pin themselves to theirs
-        self.executor = MultiprocExecutor(config) if config.tensor_parallel_size > 1 else InprocExecutor(config)
+        self.executor = MultiprocExecutor(config) if config.tensor_parallel_size > 1 else None
         cpus = config.rank_cpus(0)
         self._cpus_before = os.sched_getaffinity(0) if cpus is not None else None  # restored at shutdown:
         if cpus is not None:  # a data- or tensor-parallel rank on its own cores (an in-process core pins its caller)
             os.sched_setaffinity(0, cpus)
+        if self.executor is None:  # (pinned first: the threads the worker starts inherit the pinning)
+            # async scheduling: the worker lives in the thread that runs the steps (StepThreadExecutor)
+            self.executor = (StepThreadExecutor(lambda: InprocExecutor(config), torch.get_num_threads(), config.device)
+                             if config.async_scheduling else InprocExecutor(config))
         num_blocks = self.executor.initialize_kv_cache()
         capacity = num_blocks * config.block_size
         if capacity < config.max_model_len:
@@ -158,15 +155,8 @@ class EngineCore:
         self.lockstep = False
         self.profiler = StepProfiler(config.profiler_dir, config.data_parallel_rank, config.device,
                                      all_threads=config.async_scheduling)
-        # async scheduling: the thread that runs the steps, and the step it runs (its SchedulerOutput
-        # and the future of its ModelRunnerOutput)
-        self._stepper = (ThreadPoolExecutor(1, "engine-step", initializer=_step_thread_setup,
-                                            initargs=(torch.get_num_threads(), config.device))
-                         if config.async_scheduling else None)
+        # async scheduling: the step in flight (its SchedulerOutput and the future of its ModelRunnerOutput)
         self._in_flight: tuple[SchedulerOutput, Future] | None = None
-        if config.async_scheduling and config.device == "cpu":
-            logger.warning("async_scheduling on a CPU: a forward in a thread of its own, beside the scheduler on the "
-                           "same cores, measured slower than without (benchmarks/throughput.py --engines ours,ours_async)")
 
     @property
     def num_blocks(self) -> int:
@@ -278,14 +268,14 @@ class EngineCore:
                 outputs += self._load_step_loras(scheduler_output)
         elif self.lockstep and self._can_run():  # the other replicas' tokens still need our experts
             self.executor.collective_rpc("idle_step")
-        if self._stepper is None:
+        if not isinstance(self.executor, StepThreadExecutor):
             if scheduler_output is not None:
                 outputs += self._apply(scheduler_output, self.executor.execute_model(scheduler_output))
             return outputs
         last, self._in_flight = self._in_flight, None
         result = last[1].result() if last is not None else None
         if scheduler_output is not None:  # (started before the last step's outputs are applied)
-            self._in_flight = (scheduler_output, self._stepper.submit(self.executor.execute_model, scheduler_output))
+            self._in_flight = (scheduler_output, self.executor.submit(scheduler_output))
         if last is not None:
             outputs += self._apply(last[0], result)
         return outputs
@@ -760,8 +750,6 @@ class EngineCore:
         return self.executor.collective_rpc("apply_model", [fn])
 
     def shutdown(self) -> None:
-        if self._stepper is not None:
-            self._stepper.shutdown()
         self.scheduler.abort(list(self.scheduler.requests))
         self.executor.shutdown()
         if self._cpus_before is not None:

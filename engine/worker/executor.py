@@ -5,12 +5,18 @@ through `collective_rpc` (one result per worker rank).
     InprocExecutor      one worker, in the engine-core process (tensor_parallel_size 1)
     MultiprocExecutor   tensor_parallel_size ranks: rank 0 in the engine-core process, the others
                         in processes of their own (engine/worker/multiproc_executor.py)
+    StepThreadExecutor  async scheduling: an executor that lives in a thread of its own, so that
+                        the core schedules step N+1 while step N runs (`submit`)
 
 Data parallelism replicates the whole engine core (scheduler, KV cache, executor); tensor
 parallelism splits one replica's model between the ranks of its executor, which all receive the
 same SchedulerOutput (a msgspec Struct for that reason).
 """
-from typing import Any, Protocol
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Protocol
+
+import torch
 
 from engine.config import EngineConfig
 from engine.step_io import ModelRunnerOutput, SchedulerOutput
@@ -56,3 +62,57 @@ def worker_method(worker, method: str):
     if not callable(fn):
         raise ValueError(f"collective_rpc: the worker has no method {method!r}")
     return fn
+
+
+# Marks a thread whose calls reach a StepThreadExecutor where they are made instead of queueing
+# behind the steps: a Deferred's helper thread (a weight group that forms may wait for seconds).
+beside_steps = threading.local()
+
+
+class StepThreadExecutor:
+    """Another executor, built in one thread of its own where every call to it runs: `submit`
+    starts a step and returns at once (async scheduling), every other call waits for the steps
+    before it. Every call, not only the steps: on a CPU each thread that runs a parallel torch op
+    keeps an OpenMP team of its own, and once the process holds more OpenMP threads than cores
+    libgomp's idle workers stop spinning, so each of the ~100 parallel regions of a step waits
+    for a futex wake. With the load, the steps and the control calls in this one thread, the
+    core's thread never starts a team."""
+
+    def __init__(self, make: Callable[[], Executor], num_threads: int, device: str):
+        self._pool = ThreadPoolExecutor(1, "engine-step", initializer=_step_thread_setup,
+                                        initargs=(num_threads, device))
+        self._thread = self._pool.submit(threading.current_thread).result()
+        self.inner = self._pool.submit(make).result()
+
+    @property
+    def worker(self):
+        return self.inner.worker
+
+    def _call(self, fn: Callable, *args) -> Any:
+        if threading.current_thread() is self._thread or getattr(beside_steps, "active", False):
+            return fn(*args)
+        return self._pool.submit(fn, *args).result()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> "Future[ModelRunnerOutput]":
+        return self._pool.submit(self.inner.execute_model, scheduler_output)
+
+    def initialize_kv_cache(self) -> int:
+        return self._call(self.inner.initialize_kv_cache)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call(self.inner.execute_model, scheduler_output)
+
+    def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None) -> list[Any]:
+        return self._call(self.inner.collective_rpc, method, args, kwargs)
+
+    def shutdown(self) -> None:
+        self._call(self.inner.shutdown)
+        self._pool.shutdown()
+
+
+def _step_thread_setup(num_threads: int, device: str) -> None:
+    """The step thread runs as its creator would: torch's thread count and the current CUDA
+    device are per thread."""
+    torch.set_num_threads(num_threads)
+    if torch.device(device).type == "cuda" and torch.device(device).index is not None:
+        torch.cuda.set_device(torch.device(device))

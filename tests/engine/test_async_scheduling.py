@@ -8,6 +8,8 @@ position, input token), so a token sequence is fully determined by its prompt wh
 batching, and a placeholder the worker fills wrongly changes everything after it.
 """
 import random
+import threading
+import time
 import zlib
 
 import pytest
@@ -360,3 +362,40 @@ def test_every_control_call_on_the_core_waits_for_the_step_in_flight(tiny_folder
     expected = run_core(False)
     assert sorted(map(len, expected.values())) == [12] * 4
     assert run_core(True) == expected
+
+
+class ThreadRecorder:
+    """A worker extension that says which thread built the worker and which runs a call."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.built_in = threading.current_thread().name
+
+    def threads(self) -> tuple[str, str]:
+        return self.built_in, threading.current_thread().name
+
+
+def test_the_worker_is_built_and_called_in_the_step_thread(tiny_folder, default_model_path):
+    """With async scheduling the core's own thread never runs the worker: the load, the steps and
+    the control calls all run in the step thread (on a CPU a second thread running torch ops
+    keeps a second OpenMP team, which slows every step); a Deferred's helper thread (a weight
+    group forming, which may wait for seconds) calls in place instead of queueing behind steps."""
+    from engine.config import EngineConfig
+    from engine.core.engine_core import Deferred, EngineCore
+
+    core = EngineCore(EngineConfig(model=tiny_folder, tokenizer=default_model_path, dtype="float32",
+                                   kv_cache_memory=8 << 20, async_scheduling=True,
+                                   worker_extension_cls="tests.engine.test_async_scheduling:ThreadRecorder"))
+    try:
+        core.add_request(EngineCoreRequest("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8), None))
+        core.step()
+        assert core._in_flight is not None
+        built_in, called_in = core.collective_rpc("threads")[0]
+        assert built_in == called_in and built_in.startswith("engine-step")
+        assert called_in != threading.current_thread().name
+        beside = Deferred.in_thread(lambda: core.executor.collective_rpc("threads")[0][1], "weight-group")
+        while not beside.done():
+            time.sleep(0.01)
+        assert beside.finish() == "weight-group"
+    finally:
+        core.shutdown()
