@@ -60,11 +60,15 @@ class WeightBuffers:
         self._spare: dict[int, torch.Tensor] = {}  # id(root storage tensor) -> its spare
         self._segments: SpareSegments | None = None  # where the spare lives once a trainer leased it
         self._lease: Lease | None = None
+        # a lease's table, but for the segment each storage's spare is in: [(root, [entry])], each
+        # entry's offset relative to the root's slot (the layout is the model's: made once, as a
+        # lease is asked for at every push and building it anew cost several ms)
+        self._layout: list[tuple[torch.Tensor, list[dict]]] | None = None
 
     def release(self) -> None:
         """Drop the spare (sleep; a model that is replaced) and end any lease. Shared segments lose
         their names now and their memory with the last tensor in them."""
-        self._model, self._spare, self._lease = None, {}, None
+        self._model, self._spare, self._lease, self._layout = None, {}, None, None
         if self._segments is not None:
             self._segments.unlink()
             self._segments = None
@@ -110,21 +114,27 @@ class WeightBuffers:
         from weight_sync.protocol import dtype_name  # (the trainer's SpareWriter reads the same names)
 
         self._use(model)
-        roots = model.weight_storages()
+        if self._layout is None:
+            self._layout = []
+            for root, names, _ in model.weight_storages():
+                entries = []
+                for name in names:
+                    view = model.hf_view(name)
+                    entries.append({"name": name, "dtype": dtype_name(view.dtype), "shape": list(view.shape),
+                                    "stride": list(view.stride()),
+                                    "offset": (view.storage_offset() - root.storage_offset()) * view.element_size()})
+                self._layout.append((root, entries))
         if self._segments is None:
-            self._segments = SpareSegments([root for root, _, _ in roots])
+            self._segments = SpareSegments([root for root, _ in self._layout])
         segments, tensors = self._segments, []
-        for root, names, _ in roots:
+        for root, entries in self._layout:
             spare, live_in = self._spare.get(id(root)), segments.index_of(root)
             where = None if spare is None else segments.index_of(spare)
-            if where is None or where == live_in:
+            if where is None or where == live_in:  # (the spare is then always its slot in a segment)
                 where = 1 if live_in == 0 else 0
                 self._spare[id(root)] = segments.slot(where, root)
-            for name in names:
-                view = self._spare_of(model, model.hf_view(name))
-                tensors.append({"name": name, "dtype": dtype_name(view.dtype),
-                                "shape": list(view.shape), "stride": list(view.stride()), "segment": where,
-                                "offset": view.data_ptr() - segments.base(where)})
+            start = segments.offset(root)
+            tensors += [dict(e, segment=where, offset=start + e["offset"]) for e in entries]
         self._lease = Lease(secrets.token_hex(8), holder, now)
         tied = {"lm_head.weight": model.embed_name} if model.ties_head else {}
         return {"lease": self._lease.token, "segments": segments.names, "tensors": tensors, "tied": tied}
@@ -140,7 +150,7 @@ class WeightBuffers:
         names = handles.get("tensors")
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
             raise InvalidRequestError('a spare update names its tensors once each: {"tensors": [names]}', "handles")
-        known = {n for _, in_root, _ in model.weight_storages() for n in in_root}
+        known = {e["name"] for _, entries in self._layout for e in entries}  # (a current lease has made it)
         staged = {}
         for name in names:
             if name not in known:
@@ -192,6 +202,7 @@ class SpareSegments:
         stem = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-"
         self.names = [stem + "0", stem + "1"]
         self._storages = [_create(name, size) for name in self.names]
+        self._index = {storage.data_ptr(): i for i, storage in enumerate(self._storages)}
         _NAMED.update(self.names)
         self._unlink = weakref.finalize(self, _unlink_all, list(self.names))
 
@@ -203,8 +214,11 @@ class SpareSegments:
 
     def index_of(self, t: torch.Tensor) -> int | None:
         """Which segment holds `t` (None: ordinary memory)."""
-        ptr = t.untyped_storage().data_ptr()
-        return next((i for i, s in enumerate(self._storages) if s.data_ptr() == ptr), None)
+        return self._index.get(t.untyped_storage().data_ptr())
+
+    def offset(self, root: torch.Tensor) -> int:
+        """Where `root`'s slot starts in each segment (bytes)."""
+        return self._offsets[id(root)]
 
     def slot(self, index: int, root: torch.Tensor) -> torch.Tensor:
         """`root`'s slot in segment `index`, a tensor laid out like it."""
