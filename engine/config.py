@@ -177,7 +177,7 @@ class EngineConfig:
         a step is short and the host's share of it large (a GPU). Step N+1's decodes take step N's
         sampled tokens as their input inside the worker; a request that step N ends computes one
         more row that is dropped. Greedy tokens are the same as without. One rank per replica,
-        no LoRA adapters, no expert parallelism.
+        no expert parallelism.
     enable_lora: LoRA adapters (engine/worker/lora.py: add_lora, per-request lora_request); at most
         max_loras resident (the least recently used unpinned one is evicted), ranks <= max_lora_rank.
         max_loras also bounds the adapters of the running requests, pinned ones counted: a request
@@ -327,12 +327,10 @@ class EngineConfig:
         if (self.enable_expert_parallel or self.enable_return_routed_experts) and moe is None:
             flag = "enable_expert_parallel" if self.enable_expert_parallel else "enable_return_routed_experts"
             raise ValueError(f"{flag} needs a mixture-of-experts model ({self.model_config.architecture} is dense)")
-        if self.async_scheduling and (self.tensor_parallel_size > 1 or self.enable_lora
-                                      or self.enable_expert_parallel):
-            what = ("tensor_parallel_size > 1" if self.tensor_parallel_size > 1 else
-                    "enable_lora" if self.enable_lora else "enable_expert_parallel")
-            raise ValueError(f"async_scheduling does not combine with {what} yet (those steps reach the workers "
-                             "between steps: adapters to load, other ranks to feed the sampled tokens)")
+        if self.async_scheduling and (self.tensor_parallel_size > 1 or self.enable_expert_parallel):
+            what = "tensor_parallel_size > 1" if self.tensor_parallel_size > 1 else "enable_expert_parallel"
+            raise ValueError(f"async_scheduling does not combine with {what} yet (the other ranks would need the "
+                             "sampled tokens of the step in flight)")
         if self.enable_expert_parallel and self.data_parallel_backend != "mp":
             raise ValueError("expert parallelism runs on the mp backend (local replicas) for now")
         if self.max_data_parallel_size is not None and (not isinstance(self.max_data_parallel_size, int)

@@ -157,6 +157,7 @@ class EngineCore:
                                      all_threads=config.async_scheduling)
         # async scheduling: the step in flight (its SchedulerOutput and the future of its ModelRunnerOutput)
         self._in_flight: tuple[SchedulerOutput, Future] | None = None
+        self._resident: set[int] | None = None  # the worker's LoRA adapters, None: ask it (_resident_loras)
 
     @property
     def num_blocks(self) -> int:
@@ -640,17 +641,27 @@ class EngineCore:
         """Load a registered adapter that was evicted (from its folder), evicting the least recently
         used adapter that is neither pinned nor used by a running request. EngineStateError when
         every slot is."""
-        if lora_id not in self.list_loras():
+        if lora_id not in self._resident_loras():
             entry = self.loras.get(lora_id)
             keep = self._loras_to_keep({r.lora_id for r in self.scheduler.running})
+            self._resident = None  # (it may evict one, or fail halfway)
             self.executor.collective_rpc("add_lora", [entry.name, lora_id, entry.path, keep])
+
+    def _resident_loras(self) -> set[int]:
+        """The adapters the worker holds, as it said when last asked: only the core's calls change
+        them, and every control call forgets the answer (_drains_first), so a step that needs them
+        asks the worker once after a change, not every step (with async scheduling the question
+        would wait for the step in flight)."""
+        if self._resident is None:
+            self._resident = set(self.executor.collective_rpc("list_loras")[0])
+        return self._resident
 
     def _load_step_loras(self, so) -> list[EngineCoreOutput]:
         """Make the adapters of the step's requests resident (the scheduler admitted no more than
         max_loras of them with the pinned ones, so slots exist). An adapter whose folder no longer
         loads fails its requests (an error output each) and leaves the step."""
         needed = {self.scheduler.requests[sr.request_id].lora_id for sr in so.scheduled} - {0}
-        if not needed or needed <= set(self.list_loras()):
+        if not needed or needed <= self._resident_loras():
             return []
         failed: dict[str, Exception] = {}
         for lora_id in sorted(needed):
@@ -758,17 +769,25 @@ class EngineCore:
 
 def _drains_first(fn: Callable) -> Callable:
     """`fn` after the step in flight finished (async scheduling; its outputs are kept for
-    take_pending_outputs); a Deferred it returns drains again before its finish."""
+    take_pending_outputs); a Deferred it returns drains again before its finish. What the core
+    knew of the worker's LoRA adapters is forgotten."""
     @functools.wraps(fn)
     def call(self: EngineCore, *args, **kwargs):
         self._pending_outputs += self.drain()
-        result = fn(self, *args, **kwargs)
+        self._resident = None  # (it may load, evict, push or drop LoRA adapters)
+        try:
+            result = fn(self, *args, **kwargs)
+        finally:
+            self._resident = None
         if isinstance(result, Deferred):
             finish = result.finish
 
             def drained_finish():
                 self._pending_outputs += self.drain()
-                return finish()
+                try:
+                    return finish()
+                finally:
+                    self._resident = None
 
             result.finish = drained_finish
         return result
