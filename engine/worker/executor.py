@@ -82,7 +82,11 @@ class StepThreadExecutor:
         self._pool = ThreadPoolExecutor(1, "engine-step", initializer=_step_thread_setup,
                                         initargs=(num_threads, device))
         self._thread = self._pool.submit(threading.current_thread).result()
-        self.inner = self._pool.submit(make).result()
+        try:
+            self.inner = self._pool.submit(make).result()
+        except BaseException:  # (a model that fails to load leaves no thread behind)
+            self._pool.shutdown()
+            raise
 
     @property
     def worker(self):

@@ -397,3 +397,21 @@ def test_the_worker_is_built_and_called_in_the_step_thread(tiny_folder, default_
         assert beside.finish() == "weight-group"
     finally:
         core.shutdown()
+
+
+class FailsToLoad:
+    """A worker extension whose worker cannot be built."""
+
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("no weights here")
+
+
+def test_a_worker_that_fails_to_load_leaves_no_step_thread(tiny_folder, default_model_path):
+    from engine.config import EngineConfig
+    from engine.core.engine_core import EngineCore
+
+    with pytest.raises(RuntimeError, match="no weights here"):
+        EngineCore(EngineConfig(model=tiny_folder, tokenizer=default_model_path, dtype="float32",
+                                kv_cache_memory=8 << 20, async_scheduling=True,
+                                worker_extension_cls="tests.engine.test_async_scheduling:FailsToLoad"))
+    assert not [t for t in threading.enumerate() if t.name.startswith("engine-step")]
