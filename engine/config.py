@@ -176,8 +176,8 @@ class EngineConfig:
         scheduler, output handling and the core's IO overlap the forward pass, which matters where
         a step is short and the host's share of it large (a GPU). Step N+1's decodes take step N's
         sampled tokens as their input inside the worker; a request that step N ends computes one
-        more row that is dropped. Greedy tokens are the same as without. One rank per replica,
-        no expert parallelism.
+        more row that is dropped. Greedy tokens are the same as without. With tensor parallelism
+        rank 0 shares each step's sampled tokens with the other ranks. Not with expert parallelism.
     enable_lora: LoRA adapters (engine/worker/lora.py: add_lora, per-request lora_request); at most
         max_loras resident (the least recently used unpinned one is evicted), ranks <= max_lora_rank.
         max_loras also bounds the adapters of the running requests, pinned ones counted: a request
@@ -327,10 +327,12 @@ class EngineConfig:
         if (self.enable_expert_parallel or self.enable_return_routed_experts) and moe is None:
             flag = "enable_expert_parallel" if self.enable_expert_parallel else "enable_return_routed_experts"
             raise ValueError(f"{flag} needs a mixture-of-experts model ({self.model_config.architecture} is dense)")
-        if self.async_scheduling and (self.tensor_parallel_size > 1 or self.enable_expert_parallel):
-            what = "tensor_parallel_size > 1" if self.tensor_parallel_size > 1 else "enable_expert_parallel"
-            raise ValueError(f"async_scheduling does not combine with {what} yet (the other ranks would need the "
-                             "sampled tokens of the step in flight)")
+        if self.async_scheduling and self.tensor_parallel_size > 1 and self.model_config.vocab_size > 1 << 24:
+            raise ValueError("async_scheduling with tensor parallelism shares token ids as float32: a vocabulary "
+                             f"of {self.model_config.vocab_size} is above 2^24")
+        if self.async_scheduling and self.enable_expert_parallel:
+            raise ValueError("async_scheduling does not combine with enable_expert_parallel yet (the replicas' "
+                             "lockstep waves run one step at a time)")
         if self.enable_expert_parallel and self.data_parallel_backend != "mp":
             raise ValueError("expert parallelism runs on the mp backend (local replicas) for now")
         if self.max_data_parallel_size is not None and (not isinstance(self.max_data_parallel_size, int)

@@ -121,7 +121,7 @@ def _add_model_args(group) -> None:
                        help="CUDA: no CUDA graphs for decode steps (each step's kernels launched one by one)")
     group.add_argument("--async-scheduling", action="store_true",
                        help="schedule the next step while this one runs (the host's share of a step overlaps the "
-                            "forward pass: for short GPU steps; one rank per replica)")
+                            "forward pass: for short GPU steps; not with expert parallelism)")
     group.add_argument("--worker-extension-cls", default=None,
                        help="module.Class mixed into the engine's workers (default: none)")
 

@@ -115,16 +115,18 @@ class EngineCore:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        # the other tensor-parallel ranks start first: they inherit this process's cores, and must
-        # see all of them to pin themselves to theirs
-        self.executor = MultiprocExecutor(config) if config.tensor_parallel_size > 1 else None
-        cpus = config.rank_cpus(0)
+        # async scheduling: the worker lives in the thread that runs the steps (StepThreadExecutor)
+        threads, cpus = torch.get_num_threads(), config.rank_cpus(0)
+        self.executor = None
+        if config.tensor_parallel_size > 1:  # the other ranks start first: they inherit this process's
+            # cores, and must see all of them to pin themselves to theirs
+            self.executor = (StepThreadExecutor(lambda: MultiprocExecutor(config), threads, config.device, cpus)
+                             if config.async_scheduling else MultiprocExecutor(config))
         self._cpus_before = os.sched_getaffinity(0) if cpus is not None else None  # restored at shutdown:
         if cpus is not None:  # a data- or tensor-parallel rank on its own cores (an in-process core pins its caller)
             os.sched_setaffinity(0, cpus)
         if self.executor is None:  # (pinned first: the threads the worker starts inherit the pinning)
-            # async scheduling: the worker lives in the thread that runs the steps (StepThreadExecutor)
-            self.executor = (StepThreadExecutor(lambda: InprocExecutor(config), torch.get_num_threads(), config.device)
+            self.executor = (StepThreadExecutor(lambda: InprocExecutor(config), threads, config.device)
                              if config.async_scheduling else InprocExecutor(config))
         num_blocks = self.executor.initialize_kv_cache()
         capacity = num_blocks * config.block_size

@@ -5,13 +5,14 @@ through `collective_rpc` (one result per worker rank).
     InprocExecutor      one worker, in the engine-core process (tensor_parallel_size 1)
     MultiprocExecutor   tensor_parallel_size ranks: rank 0 in the engine-core process, the others
                         in processes of their own (engine/worker/multiproc_executor.py)
-    StepThreadExecutor  async scheduling: an executor that lives in a thread of its own, so that
-                        the core schedules step N+1 while step N runs (`submit`)
+    StepThreadExecutor  async scheduling: one of those in a thread of its own, so that the core
+                        schedules step N+1 while step N runs (`submit`)
 
 Data parallelism replicates the whole engine core (scheduler, KV cache, executor); tensor
 parallelism splits one replica's model between the ranks of its executor, which all receive the
 same SchedulerOutput (a msgspec Struct for that reason).
 """
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Protocol
@@ -78,12 +79,16 @@ class StepThreadExecutor:
     for a futex wake. With the load, the steps and the control calls in this one thread, the
     core's thread never starts a team."""
 
-    def __init__(self, make: Callable[[], Executor], num_threads: int, device: str):
+    def __init__(self, make: Callable[[], Executor], num_threads: int, device: str, cpus: set[int] | None = None):
+        """`cpus`: the cores the thread pins itself to once `make` returned (tensor parallelism:
+        the other ranks, started by `make`, must inherit all of them to pin themselves to theirs)."""
         self._pool = ThreadPoolExecutor(1, "engine-step", initializer=_step_thread_setup,
                                         initargs=(num_threads, device))
         self._thread = self._pool.submit(threading.current_thread).result()
         try:
             self.inner = self._pool.submit(make).result()
+            if cpus is not None:
+                self._pool.submit(os.sched_setaffinity, 0, cpus).result()
         except BaseException:  # (a model that fails to load leaves no thread behind)
             self._pool.shutdown()
             raise
@@ -91,6 +96,14 @@ class StepThreadExecutor:
     @property
     def worker(self):
         return self.inner.worker
+
+    @property
+    def on_death(self) -> Callable[[str], None] | None:
+        return getattr(self.inner, "on_death", None)
+
+    @on_death.setter
+    def on_death(self, fn: Callable[[str], None] | None) -> None:  # (the engine-core process sets it)
+        self.inner.on_death = fn
 
     def _call(self, fn: Callable, *args) -> Any:
         if threading.current_thread() is self._thread or getattr(beside_steps, "active", False):

@@ -221,11 +221,13 @@ def test_in_process_core_with_async_scheduling(tiny_folder, default_model_path):
         llm.shutdown()
 
 
-def test_async_scheduling_refuses_what_it_does_not_cover(tiny_folder):
+def test_async_scheduling_refuses_what_it_does_not_cover(tmp_path):
     from engine.config import EngineConfig
+    from tests.engine.test_tiny_models import build_model
 
-    with pytest.raises(ValueError, match="async_scheduling does not combine with tensor_parallel_size"):
-        EngineConfig(model=tiny_folder, async_scheduling=True, tensor_parallel_size=2)
+    build_model("qwen3_moe", tmp_path)
+    with pytest.raises(ValueError, match="async_scheduling does not combine with enable_expert_parallel"):
+        EngineConfig(model=str(tmp_path), async_scheduling=True, enable_expert_parallel=True)
 
 
 def test_async_llm_streaming_input_and_control_calls_with_async_scheduling(default_model_path):

@@ -170,11 +170,34 @@ def test_bad_sizes_are_refused_before_anything_starts(tmp_path):
         tp_llm(tmp_path, 8)
 
 
-def test_a_killed_rank_ends_the_replica_and_leaves_no_process(tmp_path):
+def test_tp2_with_async_scheduling_equals_one_step_at_a_time(tmp_path):
+    """Async scheduling on two ranks: only rank 0 samples, and it shares each step's tokens with
+    rank 1, which decodes them as the next step's placeholders. Greedy tokens equal transformers'
+    (through a prefix hit), seeded samples equal those of one step at a time."""
+    model = build_uneven(tmp_path)
+    prompts = make_prompts()
+    refs = [hf_greedy(model, p) for p in prompts]
+    seeded = [SamplingParams(temperature=1.0, max_tokens=12, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    sync = tp_llm(tmp_path, 2)
+    try:
+        expected = [o.outputs[0].token_ids for o in sync.generate(prompts, seeded, use_tqdm=False)]
+    finally:
+        sync.shutdown()
+    llm = tp_llm(tmp_path, 2, async_scheduling=True)
+    try:
+        compare("uneven", prompts, refs, llm.generate(prompts, PARAMS, use_tqdm=False))
+        compare("uneven", prompts, refs, llm.generate(prompts, PARAMS, use_tqdm=False))
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, seeded, use_tqdm=False)] == expected
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_killed_rank_ends_the_replica_and_leaves_no_process(tmp_path, async_scheduling):
     """kill -9 of rank 1 mid-generation: the caller gets EngineDeadError within 5 s; no rank survives."""
     model = build_model("qwen3", tmp_path)
     del model
-    llm = tp_llm(tmp_path, 2, worker_extension_cls=EXT)
+    llm = tp_llm(tmp_path, 2, worker_extension_cls=EXT, async_scheduling=async_scheduling)
     pids = llm.collective_rpc("pid")
     assert pids[0] == os.getpid() and pids[1] != pids[0]
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
