@@ -776,11 +776,10 @@ def _drains_first(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def call(self: EngineCore, *args, **kwargs):
         self._pending_outputs += self.drain()
-        self._resident = None  # (it may load, evict, push or drop LoRA adapters)
         try:
             result = fn(self, *args, **kwargs)
         finally:
-            self._resident = None
+            self._resident = None  # (it may have loaded, evicted, pushed or dropped LoRA adapters)
         if isinstance(result, Deferred):
             finish = result.finish
 

@@ -72,12 +72,12 @@ beside_steps = threading.local()
 
 class StepThreadExecutor:
     """Another executor, built in one thread of its own where every call to it runs: `submit`
-    starts a step and returns at once (async scheduling), every other call waits for the steps
-    before it. Every call, not only the steps: on a CPU each thread that runs a parallel torch op
-    keeps an OpenMP team of its own, and once the process holds more OpenMP threads than cores
-    libgomp's idle workers stop spinning, so each of the ~100 parallel regions of a step waits
-    for a futex wake. With the load, the steps and the control calls in this one thread, the
-    core's thread never starts a team."""
+    starts a step and returns at once (async scheduling; it replaces execute_model), every other
+    call waits for the steps before it. Every call, not only the steps: on a CPU each thread that
+    runs a parallel torch op keeps an OpenMP team of its own, and once the process holds more
+    OpenMP threads than cores libgomp's idle workers stop spinning, so each of the ~100 parallel
+    regions of a step waits for a futex wake. With the load, the steps and the control calls in
+    this one thread, the core's thread never starts a team."""
 
     def __init__(self, make: Callable[[], Executor], num_threads: int, device: str, cpus: set[int] | None = None):
         """`cpus`: the cores the thread pins itself to once `make` returned (tensor parallelism:
@@ -115,9 +115,6 @@ class StepThreadExecutor:
 
     def initialize_kv_cache(self) -> int:
         return self._call(self.inner.initialize_kv_cache)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call(self.inner.execute_model, scheduler_output)
 
     def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None) -> list[Any]:
         return self._call(self.inner.collective_rpc, method, args, kwargs)

@@ -205,7 +205,7 @@ class ModelRunner:
                 hidden = hidden[torch.tensor(inputs.logit_rows, dtype=torch.int64, device=self.device)]
             logits = self.model.compute_logits(hidden)  # (len(logit_rows), V) in the model's dtype
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
-            if inputs.samplers and self.config.async_scheduling:
+            if inputs.samplers:
                 self.share_samples(inputs.samplers, out)
             return out
         with phase("sample"):
@@ -215,14 +215,15 @@ class ModelRunner:
                 if len(inputs.sample_rows) < logits.shape[0]:
                     logits = logits[torch.tensor(inputs.sample_rows, dtype=torch.int64)]
                 self.sample(logits, inputs.samplers, out)
-                if self.tp is not None and self.tp.size > 1 and self.config.async_scheduling:
-                    self.share_samples(inputs.samplers, out)
+                self.share_samples(inputs.samplers, out)
         return out
 
     def share_samples(self, samplers: list[ScheduledRequest], out: ModelRunnerOutput) -> None:
         """Async scheduling with tensor parallelism: the next step's placeholders stand for this
         step's tokens on every rank, and only rank 0 sampled them. One all-reduce of the ids
         (zeros on the other ranks) as float32, exact below 2^24 (EngineConfig checks the vocabulary)."""
+        if not self.config.async_scheduling or self.tp is None or self.tp.size == 1:
+            return
         ids = torch.zeros(len(samplers), dtype=torch.float32)
         if out.sampled:
             ids = torch.tensor([out.sampled[sr.request_id] for sr in samplers], dtype=torch.float32)
