@@ -43,7 +43,7 @@ import torch
 
 from weight_sync.group import Pending, WeightPushRefused, WeightTransferError, WeightTransferGroup
 
-__all__ = ["WeightSender", "WeightReceiver", "WeightTransferError", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "WeightReceiver", "WeightSender", "WeightTransferError"]
 
 # Default cap per backend. gloo, 16 MiB: on loopback the push runs ~1.5-2x faster with 4-16 MiB
 # buckets than with 64 MiB or more (the staging buffer stays cache-resident and the sender packs
