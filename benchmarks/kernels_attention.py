@@ -1,5 +1,6 @@
 """Paged attention on CPU, ms per call: decode (pure-torch reference vs the C++ op, the op also
-from a cold cache, as it runs in a decode step after the layer's matmuls), then prefill
+from a cold cache, as it runs in a decode step after the layer's matmuls, and from a cold int8
+cache, kv_cache_dtype "int8": the same keys and values in about half the bytes), then prefill
 (torch's SDPA one prompt at a time over its gathered blocks, the engine's path before the C++
 op and its fallback without a compiler, vs the C++ paged_prefill_attention over the whole step).
 
@@ -20,6 +21,7 @@ import torch  # noqa: E402
 
 from kernels import cpu_ext  # noqa: E402
 from kernels.attention import _prefill_sdpa, paged_decode_attention_ref  # noqa: E402
+from kernels.kv_quant import quantize_rows  # noqa: E402
 from timing import machine_line, ms_per_call, ms_per_cold_call  # noqa: E402  (benchmarks/timing.py)
 
 H, KVH, D, BS = 9, 3, 64, 16
@@ -46,7 +48,8 @@ def main():
     print(machine_line())
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"H={H} KVH={KVH} D={D} block_size={BS}")
-    print(f"{'dtype':>8} {'B':>4} {'seq':>4} {'torch ms':>9} {'C++ ms':>8} {'speedup':>8} {'C++ cold':>9}")
+    print(f"{'dtype':>8} {'B':>4} {'seq':>4} {'torch ms':>9} {'C++ ms':>8} {'speedup':>8} {'C++ cold':>9} "
+          f"{'int8 cold':>9} {'int8 gain':>9}")
     for dtype in (torch.bfloat16, torch.float32):
         for B in (1, 32, 128):
             for seq_len in (64, 128, 256):
@@ -57,8 +60,11 @@ def main():
                     continue
                 t_ext = ms_per_call(lambda: ext.paged_decode_attention(*args, scale, 0))
                 t_cold = ms_per_cold_call(lambda: ext.paged_decode_attention(*args, scale, 0))
+                q, k, v, table, lens = args
+                codes = (q, quantize_rows(k), quantize_rows(v), table, lens)
+                t_int8 = ms_per_cold_call(lambda: ext.paged_decode_attention(*codes, scale, 0))
                 print(f"{str(dtype)[6:]:>8} {B:>4} {seq_len:>4} {t_ref:>9.3f} {t_ext:>8.3f} "
-                      f"{t_ref / t_ext:>7.1f}x {t_cold:>9.3f}")
+                      f"{t_ref / t_ext:>7.1f}x {t_cold:>9.3f} {t_int8:>9.3f} {t_cold / t_int8:>8.2f}x")
     print(f"\nprefill\n{'dtype':>8} {'B':>4} {'L':>5} {'C':>5} {'SDPA ms':>9} {'C++ ms':>8} {'speedup':>8}")
     for dtype in (torch.bfloat16, torch.float32):
         for B, new_tokens, cached in ((16, 128, 0), (4, 512, 512), (1, 2048, 0), (1, 2048, 2048)):

@@ -12,7 +12,8 @@ Engines: hf = transformers generate (left-padded batch); ours = LLM with the eng
 process; ours_mp = LLM through the engine-core process (the default); ours_dp2 = LLM with two
 engine-core replicas (data parallelism; the cores split between them); ours_eager = ours without
 CUDA graphs (on a CPU the same as ours); ours_async, ours_mp_async = ours, ours_mp with
-async_scheduling (step N+1 scheduled while step N runs, in a thread of its own); ours_bi = ours in
+async_scheduling (step N+1 scheduled while step N runs, in a thread of its own); ours_int8kv = ours with
+kv_cache_dtype "int8" (8-bit keys and values, a scale per token and kv head; CPU); ours_bi = ours in
 batch-invariant mode (float32 only: fixed-order matmuls and per-token attention); async = AsyncLLM, one
 concurrent generate() per prompt, DELTA outputs, which also reports the frontend's median
 per-token latency (engine core queued the token -> the caller's async-for received it);
@@ -58,7 +59,7 @@ ENGINE_KW = dict(enable_prefix_caching=False, max_num_seqs=256, max_num_batched_
 # peak-memory column that shows the engine, not the card. 8 GiB holds 256 x (prompt + 128) tokens of
 # a 1B Llama (16 layers, 8 KV heads of 64) in float32 about 2.5 times over.
 CUDA_KW = dict(kv_cache_memory=8 << 30)
-CPU_ONLY = ("ours_bi", "ours_dp2")  # batch-invariant mode is CPU float32; dp2 needs a second device
+CPU_ONLY = ("ours_bi", "ours_dp2", "ours_int8kv")  # batch-invariant: CPU float32; dp2: a second device
 
 
 def engine_kw(device, model):
@@ -66,14 +67,14 @@ def engine_kw(device, model):
 
 
 def run_ours(dtype, batches, reps, device, model, multiprocess=False, data_parallel_size=1, batch_invariant=False,
-             enforce_eager=False, async_scheduling=False):
+             enforce_eager=False, async_scheduling=False, kv_cache_dtype="auto"):
     from engine import LLM, SamplingParams
 
     w = workload()
     t = time.perf_counter()
     llm = LLM(dtype=dtype, multiprocess=multiprocess, data_parallel_size=data_parallel_size,
               batch_invariant=batch_invariant, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
-              **engine_kw(device, model))
+              kv_cache_dtype=kv_cache_dtype, **engine_kw(device, model))
     load_s = time.perf_counter() - t
 
     # No CUDA synchronize around generate(): it returns once the last step's sampled tokens are on
@@ -118,6 +119,11 @@ def run_ours_async(dtype, batches, reps, device, model):
 
 def run_ours_mp_async(dtype, batches, reps, device, model):
     return run_ours(dtype, batches, reps, device, model, multiprocess=True, async_scheduling=True)
+
+
+def run_ours_int8kv(dtype, batches, reps, device, model):
+    """An int8 KV cache: what reading half the bytes in attention saves."""
+    return run_ours(dtype, batches, reps, device, model, kv_cache_dtype="int8")
 
 
 def run_ours_bi(dtype, batches, reps, device, model):
@@ -330,6 +336,7 @@ def _log(msg):
 
 ENGINES = {"floor": run_floor, "hf": run_hf, "ours": run_ours, "ours_mp": run_ours_mp, "ours_dp2": run_ours_dp2,
            "ours_bi": run_ours_bi, "ours_eager": run_ours_eager, "ours_async": run_ours_async,
+           "ours_int8kv": run_ours_int8kv,
            "ours_mp_async": run_ours_mp_async, "async": run_async}
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import UnsupportedModelError
+from kernels.kv_quant import SCALE_BYTES
 
 FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
 # causal LMs (generate, embed) and sequence classifiers (classify: reward models)
@@ -148,6 +149,13 @@ class EngineConfig:
         "float32" / "bfloat16" / "float16".
     kv_cache_memory: bytes for the KV cache; None = 2 GiB on CPU (pages are touched only as
         they fill), on CUDA gpu_memory_utilization of the device minus weights and activations.
+    kv_cache_dtype: "auto" (the model's dtype) or "int8": each token's key and value rows of each kv
+        head stored as 8-bit codes and one float32 scale (kernels/kv_quant.py), about half a bf16
+        cache's bytes: nearly twice the tokens in the same kv_cache_memory, and half the bytes a
+        decode step's attention reads. Numerics change (every cached value within half a step of
+        127 of its row's maximum; docs/performance.md measures the logprob drift against
+        transformers), so it is off by default. CPU only, head_dim a multiple of 16, not with
+        batch_invariant (the trainer's recompute keeps the exact values).
     max_num_batched_tokens: the token budget of one step (prefill chunks + decodes); None = 1024
         on CPU (a full step takes ~0.6 s there for the default model: running requests wait at
         most that long behind a prefill, and a burst of prompts is answered in pieces; 2048 gave a
@@ -210,6 +218,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     kv_cache_memory: int | None = None
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -299,6 +308,22 @@ class EngineConfig:
             raise ValueError(f"log_stats_interval_s must be > 0 seconds, got {self.log_stats_interval_s}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self._check_kv_cache_dtype()
+
+    def _check_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "auto":
+            return
+        if self.device != "cpu":
+            raise ValueError("kv_cache_dtype 'int8' runs on CPU only (the CUDA attention kernels read the model's "
+                             "dtype): use kv_cache_dtype 'auto' on a GPU")
+        if self.batch_invariant:
+            raise ValueError("kv_cache_dtype 'int8' does not combine with batch_invariant: the trainer's recompute "
+                             "attends over exact keys and values, not 8-bit ones")
+        if self.model_config.head_dim % 16:
+            raise ValueError(f"kv_cache_dtype 'int8' needs a head_dim that is a multiple of 16 (the kernels' rows), "
+                             f"this model's is {self.model_config.head_dim}")
 
     def _check_scale_out(self) -> None:
         """Replica count, ranks per replica and backend; the cores split between local CPU ranks by default."""
@@ -362,9 +387,15 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    @property
+    def kv_codes(self) -> bool:
+        """The KV cache holds int8 rows of codes and a scale (kv_cache_dtype "int8")."""
+        return self.kv_cache_dtype == "int8"
+
     def kv_bytes_per_token(self) -> int:
         m = self.model_config
-        return m.num_layers * 2 * m.num_kv_heads * m.head_dim * self.torch_dtype.itemsize
+        row_bytes = m.head_dim + SCALE_BYTES if self.kv_codes else m.head_dim * self.torch_dtype.itemsize
+        return m.num_layers * 2 * m.num_kv_heads * row_bytes
 
 
 def available_cpus() -> list[int]:

@@ -2,7 +2,8 @@
 
 Paged decode attention (one query token per sequence) over a block-paged KV cache:
   q            (B, num_heads, head_dim)                              float32 / bfloat16
-  k_cache      (num_blocks, block_size, num_kv_heads, head_dim)      same dtype (may be a view)
+  k_cache      (num_blocks, block_size, num_kv_heads, head_dim)      same dtype (may be a view), or
+               int8 (..., head_dim + 4): rows of codes and a scale (kernels/kv_quant.py; not on CUDA)
   v_cache      same as k_cache
   block_table  (B, max_blocks_per_seq) int32: entry j of row b = physical block holding
                tokens [j*block_size, (j+1)*block_size) of sequence b; entries past the
@@ -26,6 +27,15 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_ext
+from .kv_quant import dequantize_rows, is_codes
+
+
+def _gather(cache, blocks, shape, dtype):
+    """The cache rows of `blocks`, as values of `dtype` in `shape` (int8 rows dequantized)."""
+    rows = cache[blocks]
+    if is_codes(rows):
+        return dequantize_rows(rows).reshape(shape).to(dtype)
+    return rows.reshape(shape).to(dtype)
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale,
@@ -42,8 +52,8 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale
     blocks = block_table[:, :n_blocks].to(device=q.device, dtype=torch.long)
     blocks = torch.where(j[None, :] * bs < lens[:, None], blocks, 0)
     # (B, T, KVH, D) with T = n_blocks * block_size token positions per sequence.
-    k = k_cache[blocks].reshape(B, n_blocks * bs, KVH, D).float()
-    v = v_cache[blocks].reshape(B, n_blocks * bs, KVH, D).float()
+    k = _gather(k_cache, blocks, (B, n_blocks * bs, KVH, D), torch.float32)
+    v = _gather(v_cache, blocks, (B, n_blocks * bs, KVH, D), torch.float32)
     qg = q.float().reshape(B, KVH, G, D)
     scores = torch.einsum("bkgd,btkd->bkgt", qg, k) * scale  # (B, KVH, G, T)
     t = torch.arange(n_blocks * bs, device=q.device)
@@ -61,7 +71,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale,
     """C++ kernel on CPU when the extension builds (kernels.cpu_ext), the Triton kernel of
     kernels/triton_attention.py on CUDA (triton installed; power-of-two head and block sizes),
     else the reference."""
-    if q.is_cuda and _triton_fits(q.shape[-1], k_cache.shape[1]):
+    if q.is_cuda and not is_codes(k_cache) and _triton_fits(q.shape[-1], k_cache.shape[1]):
         from kernels import triton_attention
 
         return triton_attention.paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale,
@@ -89,8 +99,8 @@ def paged_prefill_attention_ref(q, k_cache, v_cache, block_table, cu_q_lens, seq
             continue
         n_blocks = (seq_len + bs - 1) // bs
         blocks = block_table[b, :n_blocks].to(device=q.device, dtype=torch.long)
-        k = k_cache[blocks].reshape(n_blocks * bs, KVH, D)[:seq_len].float()  # (L, KVH, D)
-        v = v_cache[blocks].reshape(n_blocks * bs, KVH, D)[:seq_len].float()
+        k = _gather(k_cache, blocks, (n_blocks * bs, KVH, D), torch.float32)[:seq_len]  # (L, KVH, D)
+        v = _gather(v_cache, blocks, (n_blocks * bs, KVH, D), torch.float32)[:seq_len]
         qg = q[cu[b]:cu[b + 1]].float().reshape(q_len, KVH, G, D)
         scores = torch.einsum("ikgd,tkd->kgit", qg, k) * scale  # (KVH, G, q_len, L)
         pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
@@ -109,7 +119,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_table, cu_q_lens, seq_len
     """The Triton kernel of kernels/triton_attention.py on CUDA (triton installed; power-of-two
     head and block sizes), the C++ kernel on CPU when the extension builds (kernels.cpu_ext), else
     torch's SDPA one sequence at a time."""
-    if q.is_cuda and _triton_fits(q.shape[-1], k_cache.shape[1]):
+    if q.is_cuda and not is_codes(k_cache) and _triton_fits(q.shape[-1], k_cache.shape[1]):
         from kernels import triton_attention
 
         return triton_attention.paged_prefill_attention(q, k_cache, v_cache, block_table, cu_q_lens, seq_lens,
@@ -133,8 +143,8 @@ def _prefill_sdpa(q, k_cache, v_cache, block_table, cu_q_lens, seq_lens, scale, 
         ctx = seq_len - (cu[b + 1] - cu[b])
         n_blocks = (seq_len + bs - 1) // bs
         blocks = block_table[b, :n_blocks].to(device=q.device, dtype=torch.long)
-        k = k_cache[blocks].reshape(n_blocks * bs, KVH, D)[:seq_len]
-        v = v_cache[blocks].reshape(n_blocks * bs, KVH, D)[:seq_len]
+        k = _gather(k_cache, blocks, (n_blocks * bs, KVH, D), q.dtype)[:seq_len]
+        v = _gather(v_cache, blocks, (n_blocks * bs, KVH, D), q.dtype)[:seq_len]
         mask = None
         if ctx or sliding_window:
             pos = torch.arange(ctx, seq_len, device=q.device)[:, None]

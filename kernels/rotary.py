@@ -9,6 +9,7 @@ import math
 import torch
 
 from . import cpu_ext
+from .kv_quant import SCALE_BYTES, is_codes, quantize_rows
 from .norm import triton_available
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -103,9 +104,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # else the reference.
 
 def _write_kv_ref(k_cache, v_cache, k, v, slot_mapping):
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    if is_codes(k_cache):  # int8 rows: the values quantized (kernels/kv_quant.py)
+        k, v = quantize_rows(k), quantize_rows(v)
+    num_kv_heads, row = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, row).index_copy_(0, slot_mapping, v)
 
 
 def rope_and_cache_qk_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
@@ -138,7 +141,9 @@ def rope_and_cache_ref(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_map
 def _rope_ext(x, cos_sin_cache, k_cache):
     """The extension module if its C++ op takes these tensors, else None (cheap checks only;
     the op itself rejects malformed inputs, such as non-contiguous caches, with a RuntimeError)."""
-    if k_cache.dtype == x.dtype and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous():
+    codes_ok = is_codes(k_cache) and (k_cache.shape[-1] - SCALE_BYTES) % 16 == 0  # (the op's int8 rows)
+    cache_ok = k_cache.dtype == x.dtype or codes_ok
+    if cache_ok and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous():
         return cpu_ext.ops_for(x.device, x.dtype)
     return None
 
@@ -157,7 +162,7 @@ def rope_and_cache(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
             return ext.rope_and_cache(qkv, _long(positions), cos_sin_cache, k_cache, v_cache,
                                       _long(slot_mapping), num_heads, num_kv_heads, head_dim,
                                       q_norm, k_norm, eps)
-    if (qkv.is_cuda and qkv.stride(-1) == 1 and head_dim & (head_dim - 1) == 0
+    if (qkv.is_cuda and qkv.stride(-1) == 1 and head_dim & (head_dim - 1) == 0 and not is_codes(k_cache)
             and k_cache.is_contiguous() and v_cache.is_contiguous() and triton_available()):
         from kernels import triton_rotary
 

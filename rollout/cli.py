@@ -136,6 +136,10 @@ def _add_engine_args(group) -> None:
     group.add_argument("--kv-cache-memory", type=_bytes, default=None,
                        help="KV cache size, e.g. 2GiB or 512MiB (default: 2GiB on CPU, its pages committed as blocks "
                             "are first used; on CUDA what --gpu-memory-utilization leaves after the weights)")
+    group.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+                       help="auto: the model's dtype; int8: 8-bit keys and values with a scale per token and kv "
+                            "head, ~2x the tokens in the same memory and a faster decode, logprobs drift slightly "
+                            "(CPU only)")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="CUDA only: the fraction of the GPU's memory the engine may use (weights, activations, "
                             "KV cache)")
@@ -276,7 +280,8 @@ def _serve(args) -> int:
 
     engine_kwargs = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                         kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
+                         gpu_memory_utilization=args.gpu_memory_utilization,
                          enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                          num_threads=args.num_threads, worker_extension_cls=args.worker_extension_cls,
                          data_parallel_size=args.data_parallel_size, tensor_parallel_size=args.tensor_parallel_size,

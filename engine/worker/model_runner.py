@@ -36,6 +36,7 @@ from engine.worker.expert_parallel import expert_parallel_group
 from engine.worker.lora import Adapter, LoRABatch, LoRARequest, load_adapter
 from engine.worker.profiler import phase
 from engine.worker.sharded_state import is_sharded_state, read_rank
+from kernels.kv_quant import row_size
 from kernels.sampling import SamplingMetadata, log_softmax, sample
 
 GiB = 1 << 30
@@ -160,8 +161,10 @@ class ModelRunner:
             self.num_blocks = num_blocks
         if not self.num_blocks:
             self.num_blocks = self.kv_cache_blocks()
-        self.kv_cache = torch.empty(mc.num_layers, 2, self.num_blocks, bs, self.num_kv_heads, mc.head_dim,
-                                    dtype=self.dtype, device=self.device)
+        codes = self.config.kv_codes  # int8 rows of codes and a scale (kernels/kv_quant.py)
+        self.kv_cache = torch.empty(mc.num_layers, 2, self.num_blocks, bs, self.num_kv_heads,
+                                    row_size(mc.head_dim, codes), dtype=torch.int8 if codes else self.dtype,
+                                    device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(mc.num_layers)]
         if self.config.enable_return_routed_experts:  # (about 1% of the KV cache's size, not in its budget)
             self.routing = torch.full((self.num_blocks * bs, mc.num_layers, mc.moe.top_k), -1, dtype=torch.int16,

@@ -7,6 +7,7 @@
 //   rope_and_cache(qkv, positions, cos_sin, k_cache, v_cache, slot_mapping, Hq, Hkv, D,
 //                  q_norm=None, k_norm=None, eps=1e-6) -> (q, k)
 //   rope_and_cache_qk(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> (q, k)
+//                  (both: caches of the activations' dtype, or int8 rows of codes and a scale, vec.h)
 //   greedy_logprobs(logits (N, V), with_logprobs) -> (argmax ids (N,), their log-softmax (N,))
 //   logsumexp_rows(x (N, V)) -> (N,)                    (batch-invariant: one fixed order per row)
 //   sample_rows(logits (N, V), temperature (N,), u (N,), with_logprobs) -> (ids (N,), logprobs (N,))
@@ -56,6 +57,7 @@ namespace {
 using namespace rollout_vec;
 using rollout_vec::load;  // overloaded below for bf16
 using rollout_vec::store;
+using rollout_vec::keep;   // overloaded below for 8 lanes and scalars
 using bf16 = c10::BFloat16;
 
 // Work estimates, in units of ~0.1 ns of one core (measured on an AVX-512 + AMX Xeon): below
@@ -121,13 +123,7 @@ inline vfloat8 load8(const bf16* p) {
   return (vfloat8)(__builtin_convertvector(*reinterpret_cast<const vhalf8_mem*>(p), vuint8) << 16);
 }
 
-// Materializes a float32 value: GCC contracts a*b+c into an FMA by default (also across
-// statements), which would skip a rounding that torch, computing a*b in a separate kernel, does.
-#if defined(__x86_64__) && defined(__AVX512F__)
-inline vfloat keep(vfloat x) { asm("" : "+v"(x)); return x; }
-#else
-inline vfloat keep(vfloat x) { asm("" : "+m"(x)); return x; }
-#endif
+// keep(): materializes a float32 value (vec.h has the 16-lane one).
 #if defined(__x86_64__) && defined(__AVX__)
 inline vfloat8 keep(vfloat8 x) { asm("" : "+x"(x)); return x; }
 #else
@@ -454,8 +450,9 @@ struct RopeArgs {
   const int64_t* pos;
   const float* cos_sin;  // (max_pos, 2, D/2)
   const int64_t* slots;
-  void* k_cache;  // (num_blocks * block_size, Hkv, D) contiguous
+  void* k_cache;  // (num_blocks * block_size, Hkv, D) contiguous, of T; or of int8 rows (D + 4: vec.h)
   void* v_cache;
+  bool codes;     // the caches hold int8 rows: quantize what would be stored
   void* q_out;  // (T, Hq, D)
   void* k_out;  // (T, Hkv, D)
   int64_t Hq, Hkv, D;
@@ -492,9 +489,18 @@ inline void rope_head(const T* src, const T* w, float inv, const vfloat* cosv, c
   }
 }
 
+// An int8 cache row from D values of T (D % 16 == 0, checked).
+template <typename T>
+inline void quantize_head(const T* src, int64_t D, int8_t* row) {
+  vfloat x[kMaxHeadDim / L];
+  for (int64_t c = 0; c < D / L; ++c) x[c] = load(src + c * L);
+  quantize_row(x, D / L, row);
+}
+
 template <typename T, int64_t NH>
 void rope_rows(const RopeArgs& a, int64_t t0, int64_t t1) {
-  const int64_t D = a.D, half = D / 2, kv_row = a.Hkv * D, Hq = a.Hq, Hkv = a.Hkv;
+  const int64_t D = a.D, half = D / 2, Hq = a.Hq, Hkv = a.Hkv;
+  const int64_t kv_row = Hkv * (a.codes ? D + kScaleBytes : D);  // a token's cache elements
   const T* q = static_cast<const T*>(a.q.p);
   const T* k = static_cast<const T*>(a.k.p);
   const T* v = static_cast<const T*>(a.v.p);
@@ -523,6 +529,18 @@ void rope_rows(const RopeArgs& a, int64_t t0, int64_t t1) {
       rope_head<T, NH>(q + t * a.q.s0 + h * a.q.s1, qw, inv.empty() ? 1.0f : inv[h], cosv, sinv,
                        half, qo + (t * Hq + h) * D, static_cast<T*>(nullptr));
     const int64_t slot = a.slots[t];
+    if (a.codes) {  // the rotated k (in T's rounding, as stored otherwise) and v, quantized per row
+      int8_t* kq = static_cast<int8_t*>(a.k_cache) + slot * kv_row;
+      int8_t* vq = static_cast<int8_t*>(a.v_cache) + slot * kv_row;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        T* k_row = ko + (t * Hkv + h) * D;
+        rope_head<T, NH>(k + t * a.k.s0 + h * a.k.s1, kw, inv.empty() ? 1.0f : inv[Hq + h], cosv, sinv, half,
+                         k_row, static_cast<T*>(nullptr));
+        quantize_head(k_row, D, kq + h * (D + kScaleBytes));
+        quantize_head(v + t * a.v.s0 + h * a.v.s1, D, vq + h * (D + kScaleBytes));
+      }
+      continue;
+    }
     for (int64_t h = 0; h < Hkv; ++h)
       rope_head<T, NH>(k + t * a.k.s0 + h * a.k.s1, kw, inv.empty() ? 1.0f : inv[Hq + h], cosv,
                        sinv, half, ko + (t * Hkv + h) * D, kc + slot * kv_row + h * D);
@@ -554,13 +572,16 @@ std::tuple<at::Tensor, at::Tensor> rope_and_cache_impl(
   TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.dim() == 3 && cos_sin.size(1) == 2 &&
                   cos_sin.size(2) == D / 2 && cos_sin.is_contiguous(),
               name, ": cos_sin must be a contiguous float32 (max_pos, 2, head_dim/2) tensor");
+  const bool codes = k_cache.scalar_type() == at::kChar;
+  const int64_t row = codes ? D + kScaleBytes : D;
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.size(2) == Hkv && k_cache.size(3) == D && k_cache.is_contiguous() &&
+                  k_cache.size(2) == Hkv && k_cache.size(3) == row && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(),
               name, ": k_cache/v_cache must be contiguous (num_blocks, block_size, ", Hkv, ", ",
-              D, ") tensors");
-  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype, name,
-              ": the caches must have the activations' dtype");
+              row, ") tensors");
+  TORCH_CHECK((k_cache.scalar_type() == dtype || codes) && v_cache.scalar_type() == k_cache.scalar_type(), name,
+              ": the caches must have the activations' dtype, or both be int8 (rows of codes and a scale)");
+  TORCH_CHECK(!codes || D % L == 0, name, ": an int8 cache needs a head_dim that is a multiple of 16");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), name,
               ": give both q_norm and k_norm or neither");
   for (const auto* w : {&q_norm, &k_norm})
@@ -580,7 +601,7 @@ std::tuple<at::Tensor, at::Tensor> rope_and_cache_impl(
   at::Tensor q_out = new_tensor({T, a.Hq, D}, dtype);
   at::Tensor k_out = new_tensor({T, Hkv, D}, dtype);
   a.pos = pos, a.slots = slots, a.cos_sin = cos_sin.data_ptr<float>();
-  a.k_cache = k_cache.data_ptr(), a.v_cache = v_cache.data_ptr();
+  a.k_cache = k_cache.data_ptr(), a.v_cache = v_cache.data_ptr(), a.codes = codes;
   a.q_out = q_out.data_ptr(), a.k_out = k_out.data_ptr();
   a.q_w = q_norm ? (*q_norm).data_ptr() : nullptr;
   a.k_w = k_norm ? (*k_norm).data_ptr() : nullptr;

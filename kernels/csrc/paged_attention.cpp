@@ -2,7 +2,8 @@
 //
 // Layout contract (all tensors on CPU; checked in paged_decode_attention below):
 //   q            (B, H, D)                          float32 or bfloat16, contiguous; D % 16 == 0
-//   k_cache      (num_blocks, block_size, KVH, D)   same dtype as q, contiguous in its own shape
+//   k_cache      (num_blocks, block_size, KVH, D)   same dtype as q, contiguous in its own shape;
+//                or int8 (num_blocks, block_size, KVH, D + 4): rows of codes and a scale (vec.h)
 //   v_cache      same shape/dtype as k_cache         (either may be a view such as kv[layer, 0])
 //   block_table  (B, max_blocks) int32, last dim contiguous (rows may be strided). Entry j of
 //                row b is the physical block holding tokens [j*block_size, (j+1)*block_size)
@@ -24,7 +25,8 @@
 // scores q_g . k_i (16 horizontal sums at a time) into a per-thread row; then a softmax with max
 // subtraction; pass 2 accumulates p_gi * v_i. Each head's arithmetic is the same whatever the
 // item shape, so results do not depend on the batch (batch-invariant mode relies on it). All
-// math is float32 (bf16 is widened on load), written with GCC/Clang vector extensions of 16
+// math is float32 (bf16 is widened on load; int8 codes are widened, and a K row's scale multiplies
+// its scores, a V row's its widened values), written with GCC/Clang vector extensions of 16
 // floats, so -march=native picks the SIMD instructions (AVX-512 here) without intrinsics.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -53,6 +55,7 @@ inline vfloat load(const c10::BFloat16* p) {  // bf16 -> f32: a zero half below 
       z, h, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27,
       12, 28, 13, 29, 14, 30, 15, 31);
 }
+inline vfloat load(const int8_t* p) { return load_codes(p); }  // an int8 cache row's codes, unscaled
 inline void store(c10::BFloat16* p, vfloat v) {  // f32 -> bf16 rounding like c10::BFloat16
   const vuint u = (vuint)v, rounded = (u + ((u >> 16) & 1) + 0x7FFF) >> 16;
   const vuint bits = v != v ? vuint{} + 0x7FC0 : rounded;  // NaN -> canonical quiet NaN
@@ -97,16 +100,18 @@ constexpr int64_t kPrefetchAhead = 32;
 
 // NV = D / L vectors per head row; a compile-time NV (> 0) lets the row loops unroll into
 // registers, NV = 0 reads it from D at run time.
-template <typename T, int64_t NV_FIXED>
-void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_table,
+// T: q's and out's dtype; C: the cache's (T, or int8_t for rows of codes and a scale).
+template <typename T, typename C, int64_t NV_FIXED>
+void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t* block_table,
                    int64_t bt_stride, const int32_t* seq_lens, T* out, int64_t B, int64_t H,
                    int64_t KVH, int64_t D, int64_t bs, float scale, int64_t window,
                    int64_t max_len, int n_threads) {
   constexpr int64_t kMaxNV = NV_FIXED > 0 ? NV_FIXED : 32;  // D <= 512 (checked)
-  constexpr bool kIsFloat = std::is_same_v<T, float>;
+  constexpr bool kIsFloat = std::is_same_v<C, float>, kCodes = std::is_same_v<C, int8_t>;
   const int64_t NV = NV_FIXED > 0 ? NV_FIXED : D / L;
   const int64_t G = H / KVH;
-  const int64_t tok_stride = KVH * D;          // between consecutive tokens of a block
+  const int64_t RD = kCodes ? D + kScaleBytes : D;  // a cache row's elements
+  const int64_t tok_stride = KVH * RD;         // between consecutive tokens of a block
   const int64_t blk_stride = bs * tok_stride;  // between physical blocks
   // An item is `hpi` kv heads of one sequence: all of them when there are enough sequences to
   // keep the threads busy (whole K/V rows stream faster than every third 128 bytes).
@@ -144,8 +149,8 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
           continue;
         }
         const int64_t pb = pf_item / ipb, ph = pf_item % ipb * hpi;
-        const int64_t off = block_table[pb * bt_stride + pf_t / bs] * blk_stride + (pf_t % bs) * tok_stride + ph * D;
-        for (int64_t c = 0; c < hpi * D; c += 64 / int64_t(sizeof(T)))
+        const int64_t off = block_table[pb * bt_stride + pf_t / bs] * blk_stride + (pf_t % bs) * tok_stride + ph * RD;
+        for (int64_t c = 0; c < hpi * RD; c += 64 / int64_t(sizeof(C)))
           __builtin_prefetch(k_cache + off + c, 0, 1), __builtin_prefetch(v_cache + off + c, 0, 1);  // into L2
         ++pf_t, --budget;
       }
@@ -164,7 +169,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
         for (int64_t t = start; t < len;) {
           const int64_t j = t / bs, off = t - j * bs;
           const int64_t cnt = std::min({L, len - t, bs - off});
-          fn(t - start, cnt, blocks[j] * blk_stride + off * tok_stride + kvh0 * D);
+          fn(t - start, cnt, blocks[j] * blk_stride + off * tok_stride + kvh0 * RD);
           t += cnt;
         }
       };
@@ -180,13 +185,15 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
           // overflowed the miss buffers and stalled the loop (~20% slower).
           advance_prefetch(1);
           for (int64_t hh = 0; hh < hpi; ++hh) {
+            const C* row = k_cache + offset + i * tok_stride + hh * RD;
             vfloat k[kMaxNV];
-            for (int64_t c = 0; c < NV; ++c) k[c] = load(k_cache + offset + i * tok_stride + hh * D + c * L);
+            for (int64_t c = 0; c < NV; ++c) k[c] = load(row + c * L);
+            const float ks = kCodes ? row_scale(reinterpret_cast<const int8_t*>(row), D) : 1.0f;
             for (int64_t g = 0; g < G; ++g) {
               const vfloat* qr = &qv[(hh * G + g) * NV];
               vfloat dot = qr[0] * k[0];
               for (int64_t c = 1; c < NV; ++c) dot += qr[c] * k[c];
-              part[(hh * G + g) * L + i] = dot;
+              part[(hh * G + g) * L + i] = kCodes ? dot * ks : dot;
             }
           }
         }
@@ -210,7 +217,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
         inv_sum[r] = 1.0f / reduce(sum, plus);
       }
 
-      // Pass 2: acc_r = sum_i p_ri * v_i (bf16 rows are widened once into vbuf).
+      // Pass 2: acc_r = sum_i p_ri * v_i (bf16 and int8 rows are widened once into vbuf).
       std::fill(acc.begin(), acc.end(), vfloat{});
       for_each_chunk([&](int64_t i0, int64_t cnt, int64_t offset) {
         const float* rows;
@@ -219,8 +226,12 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
           rows = v_cache + offset, row_stride = tok_stride;
         } else {
           for (int64_t i = 0; i < cnt; ++i)
-            for (int64_t c = 0; c < hpi * NV; ++c)
-              vbuf[i * hpi * NV + c] = load(v_cache + offset + i * tok_stride + c * L);
+            for (int64_t hh = 0; hh < hpi; ++hh) {
+              const C* row = v_cache + offset + i * tok_stride + hh * RD;
+              const float vs = kCodes ? row_scale(reinterpret_cast<const int8_t*>(row), D) : 1.0f;
+              for (int64_t c = 0; c < NV; ++c)
+                vbuf[(i * hpi + hh) * NV + c] = kCodes ? load(row + c * L) * vs : load(row + c * L);
+            }
           rows = reinterpret_cast<const float*>(vbuf.data()), row_stride = hpi * D;
         }
         for (int64_t r = 0; r < GH; ++r) {
@@ -249,15 +260,17 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t
 // widened, both into per-thread buffers that stay in L1/L2.
 constexpr int64_t kTileRows = 16, kKeyChunk = 64;
 
-template <typename T, int64_t NV_FIXED>
-void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_table,
+template <typename T, typename C, int64_t NV_FIXED>
+void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t* block_table,
                     int64_t bt_stride, const int32_t* cu_q, const int32_t* seq_lens, T* out,
                     const std::vector<std::pair<int32_t, int32_t>>& tiles, int64_t H, int64_t KVH,
                     int64_t D, int64_t bs, float scale, int64_t window, int n_threads) {
   constexpr int64_t kMaxNV = NV_FIXED > 0 ? NV_FIXED : 32;
   const int64_t NV = NV_FIXED > 0 ? NV_FIXED : D / L;
   const int64_t G = H / KVH, max_r = kTileRows * G;
-  const int64_t tok_stride = KVH * D, blk_stride = bs * tok_stride;
+  constexpr bool kCodes = std::is_same_v<C, int8_t>;
+  const int64_t RD = kCodes ? D + kScaleBytes : D;  // a cache row's elements
+  const int64_t tok_stride = KVH * RD, blk_stride = bs * tok_stride;
   const int64_t n_items = static_cast<int64_t>(tiles.size()) * KVH;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -288,11 +301,14 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
       for (int64_t k0 = lo; k0 < hi; k0 += kKeyChunk) {
         const int64_t nk = std::min(kKeyChunk, hi - k0), nvec = (nk + L - 1) / L;
         for (int64_t t = 0; t < nk; ++t) {  // widen K (transposed) and V of keys k0 .. k0+nk-1
-          const int64_t pos = k0 + t, off = blocks[pos / bs] * blk_stride + pos % bs * tok_stride + kvh * D;
+          const int64_t pos = k0 + t, off = blocks[pos / bs] * blk_stride + pos % bs * tok_stride + kvh * RD;
+          const C *krow = k_cache + off, *vrow = v_cache + off;
+          float ks = 1.0f, vs = 1.0f;
+          if constexpr (kCodes) ks = row_scale(krow, D), vs = row_scale(vrow, D);
           for (int64_t c = 0; c < NV; ++c) {
-            const vfloat kv = load(k_cache + off + c * L);
+            const vfloat kv = kCodes ? load(krow + c * L) * ks : load(krow + c * L);
             for (int64_t j = 0; j < L; ++j) kt[(c * L + j) * kKeyChunk + t] = kv[j];
-            store(&vf[t * D + c * L], load(v_cache + off + c * L));
+            store(&vf[t * D + c * L], kCodes ? load(vrow + c * L) * vs : load(vrow + c * L));
           }
         }
         for (int64_t t = nk; t < nvec * L; ++t)
@@ -356,19 +372,19 @@ void prefill_kernel(const T* q, const T* k_cache, const T* v_cache, const int32_
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const int32_t* bt, int64_t bt_stride, const int32_t* lens, at::Tensor& out,
                        int64_t KVH, int64_t bs, float scale, int64_t window, int64_t max_len,
                        int n_threads) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   auto run = [&](auto kernel) {
-    kernel(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), bt, bt_stride, lens,
-           out.data_ptr<T>(), B, H, KVH, D, bs, scale, window, max_len, n_threads);
+    kernel(q.data_ptr<T>(), static_cast<const C*>(k.data_ptr()), static_cast<const C*>(v.data_ptr()), bt,
+           bt_stride, lens, out.data_ptr<T>(), B, H, KVH, D, bs, scale, window, max_len, n_threads);
   };
-  if (D == 64) run(decode_kernel<T, 4>);
-  else if (D == 128) run(decode_kernel<T, 8>);
-  else run(decode_kernel<T, 0>);
+  if (D == 64) run(decode_kernel<T, C, 4>);
+  else if (D == 128) run(decode_kernel<T, C, 8>);
+  else run(decode_kernel<T, C, 0>);
 }
 
 // The layout both attention ops need of q (rows, H, D) and the cache (see the top of this file).
@@ -378,11 +394,14 @@ void check_q_and_cache(const at::Tensor& q, const at::Tensor& k_cache, const at:
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes(),
               "k_cache/v_cache must be contiguous (num_blocks, block_size, KVH, D) tensors");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() &&
-                  v_cache.scalar_type() == q.scalar_type(),
-              "q, k_cache and v_cache must share a dtype");
+  const bool codes = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK((k_cache.scalar_type() == q.scalar_type() || codes) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "k_cache and v_cache must share q's dtype, or both be int8 rows of codes and a scale");
   const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D, "head_dim of q and the cache differ");
+  TORCH_CHECK(k_cache.size(3) == D + (codes ? kScaleBytes : 0),
+              codes ? "an int8 cache row must hold head_dim codes and a 4-byte scale"
+                    : "head_dim of q and the cache differ");
   TORCH_CHECK(D % L == 0 && D <= 32 * L, "head_dim must be a multiple of 16, at most 512");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads must be a multiple of num_kv_heads");
 }
@@ -427,14 +446,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   at::Tensor out = at::empty_like(q);
   if (B == 0 || H == 0) return out;
   const float s = static_cast<float>(scale);
-  if (q.scalar_type() == at::kFloat)
-    dispatch_head_dim<float>(q, k_cache, v_cache, bt, bt_stride, lens, out, KVH, bs, s,
-                             sliding_window, max_len, n_threads);
-  else if (q.scalar_type() == at::kBFloat16)
-    dispatch_head_dim<c10::BFloat16>(q, k_cache, v_cache, bt, bt_stride, lens, out, KVH, bs, s,
-                                     sliding_window, max_len, n_threads);
-  else
-    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only, got ", q.scalar_type());
+  const bool codes = k_cache.scalar_type() == at::kChar;
+  auto run = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    if (codes)
+      dispatch_head_dim<T, int8_t>(q, k_cache, v_cache, bt, bt_stride, lens, out, KVH, bs, s, sliding_window,
+                                   max_len, n_threads);
+    else
+      dispatch_head_dim<T, T>(q, k_cache, v_cache, bt, bt_stride, lens, out, KVH, bs, s, sliding_window, max_len,
+                              n_threads);
+  };
+  if (q.scalar_type() == at::kFloat) run((float*)nullptr);
+  else if (q.scalar_type() == at::kBFloat16) run((c10::BFloat16*)nullptr);
+  else TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only, got ", q.scalar_type());
   return out;
 }
 
@@ -481,22 +505,24 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   at::Tensor out = at::empty_like(q);
   if (T == 0 || H == 0) return out;
   const float s = static_cast<float>(scale);
-  auto run = [&](auto* tag, auto kernel) {
+  auto launch = [&](auto* tag, auto* cache_tag) {
     using T_ = std::remove_pointer_t<decltype(tag)>;
-    kernel(q.data_ptr<T_>(), k_cache.data_ptr<T_>(), v_cache.data_ptr<T_>(), bt, bt_stride, cu, lens,
-           out.data_ptr<T_>(), tiles, H, KVH, D, bs, s, sliding_window, n_threads);
+    using C_ = std::remove_pointer_t<decltype(cache_tag)>;
+    auto run = [&](auto kernel) {
+      kernel(q.data_ptr<T_>(), static_cast<const C_*>(k_cache.data_ptr()), static_cast<const C_*>(v_cache.data_ptr()),
+             bt, bt_stride, cu, lens, out.data_ptr<T_>(), tiles, H, KVH, D, bs, s, sliding_window, n_threads);
+    };
+    if (D == 64) run(prefill_kernel<T_, C_, 4>);
+    else if (D == 128) run(prefill_kernel<T_, C_, 8>);
+    else run(prefill_kernel<T_, C_, 0>);
   };
-  if (q.scalar_type() == at::kFloat) {
-    if (D == 64) run((float*)nullptr, prefill_kernel<float, 4>);
-    else if (D == 128) run((float*)nullptr, prefill_kernel<float, 8>);
-    else run((float*)nullptr, prefill_kernel<float, 0>);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    using BF = c10::BFloat16;
-    if (D == 64) run((BF*)nullptr, prefill_kernel<BF, 4>);
-    else if (D == 128) run((BF*)nullptr, prefill_kernel<BF, 8>);
-    else run((BF*)nullptr, prefill_kernel<BF, 0>);
-  } else {
-    TORCH_CHECK(false, "paged_prefill_attention: float32 or bfloat16 only, got ", q.scalar_type());
-  }
+  auto by_cache = [&](auto* tag) {
+    using T_ = std::remove_pointer_t<decltype(tag)>;
+    if (k_cache.scalar_type() == at::kChar) launch(tag, (int8_t*)nullptr);
+    else launch(tag, (T_*)nullptr);
+  };
+  if (q.scalar_type() == at::kFloat) by_cache((float*)nullptr);
+  else if (q.scalar_type() == at::kBFloat16) by_cache((c10::BFloat16*)nullptr);
+  else TORCH_CHECK(false, "paged_prefill_attention: float32 or bfloat16 only, got ", q.scalar_type());
   return out;
 }

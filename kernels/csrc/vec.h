@@ -21,6 +21,14 @@ inline vfloat splat(float x) { return vfloat{} + x; }
 inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat_mem*>(p); }
 inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat_mem*>(p) = v; }
 
+// Materializes a float32 value: GCC contracts a*b+c into an FMA by default (also across
+// statements), which would skip a rounding that torch, computing a*b in a separate kernel, does.
+#if defined(__x86_64__) && defined(__AVX512F__)
+inline vfloat keep(vfloat x) { asm("" : "+v"(x)); return x; }
+#else
+inline vfloat keep(vfloat x) { asm("" : "+m"(x)); return x; }
+#endif
+
 // Horizontal reduction of one vector by a fixed tree (lanes i and i + 8, then i and i + 4, ...):
 // the same order wherever it is called, which the batch-invariant ops rely on.
 template <typename Op>
@@ -33,5 +41,37 @@ inline float reduce(vfloat v, Op op) {  // horizontal reduction, log2(L) halving
 }
 const auto plus = [](auto a, auto b) { return a + b; };
 const auto maximum = [](auto a, auto b) { return a > b ? a : b; };
+
+// ---- int8 KV-cache rows (kv_cache_dtype "int8") ----------------------------------------------
+// A cache row of D values is D int8 codes followed by its float32 scale (D + 4 bytes; D is a
+// multiple of 16, so the scale is 4-byte aligned): value = code * scale, scale = max|x| / 127,
+// one per (token, kv head). Symmetric and per row, so a row is written once, by itself, and a
+// reader needs no other state; the error is at most half a code, scale / 2.
+constexpr int64_t kScaleBytes = 4;
+typedef int8_t vbyte __attribute__((vector_size(L)));
+typedef int8_t vbyte_mem __attribute__((vector_size(L), aligned(1), may_alias));
+
+inline float row_scale(const int8_t* row, int64_t D) {
+  float s;
+  __builtin_memcpy(&s, row + D, sizeof s);
+  return s;
+}
+// 16 codes widened to float (not yet scaled).
+inline vfloat load_codes(const int8_t* p) {
+  return __builtin_convertvector(*reinterpret_cast<const vbyte_mem*>(p), vfloat);
+}
+// Quantizes x[0 .. nv * L) (nv vectors, already in float) into a cache row.
+inline void quantize_row(const vfloat* x, int64_t nv, int8_t* row) {
+  vfloat m = {};
+  for (int64_t c = 0; c < nv; ++c) m = maximum(m, maximum(x[c], -x[c]));
+  const float amax = reduce(m, maximum), scale = amax / 127.0f;
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int64_t c = 0; c < nv; ++c) {  // round half to even (the 1.5 * 2^23 trick; |x * inv| <= 127)
+    const vfloat r = (keep(x[c] * inv) + 12582912.0f) - 12582912.0f;
+    *reinterpret_cast<vbyte_mem*>(row + c * L) = __builtin_convertvector(r, vbyte);
+  }
+  const int64_t D = nv * L;
+  __builtin_memcpy(row + D, &scale, sizeof scale);
+}
 
 }  // namespace rollout_vec

@@ -90,6 +90,8 @@ def test_serve_flags_reach_the_same_destinations():
     assert (args.data_parallel_size, args.api_server_count, args.enable_prefix_caching) == (2, 2, False)
     assert (args.kv_cache_memory, args.stats_interval_s, args.log_stats_interval_s) == (512 << 20, 0.2, 5.0)
     assert args.lora_modules == ["a=/x"] and args.max_body_bytes == 16 << 20
+    assert args.kv_cache_dtype == "auto"
+    assert ap.parse_args(["serve", "--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
 
 
 @pytest.mark.parametrize("text, n", [("2GiB", 2 << 30), ("512MiB", 512 << 20), ("1000000", 10**6), ("1.5k", 1536)])
