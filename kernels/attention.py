@@ -40,8 +40,10 @@ def _gather(cache, blocks, shape, dtype):
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale,
                                sliding_window=None):
-    """Pure-torch reference (any device): gather every sequence's blocks, mask, softmax."""
+    """Pure-torch reference (any device): gather every sequence's blocks, mask, softmax. The math
+    is float32, or float64 for a float64 q (the arbiter when two float32 results differ)."""
     B, H, D = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     _, bs, KVH, _ = k_cache.shape
     G = H // KVH
     lens = seq_lens.to(device=q.device, dtype=torch.long)
@@ -52,9 +54,9 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, scale
     blocks = block_table[:, :n_blocks].to(device=q.device, dtype=torch.long)
     blocks = torch.where(j[None, :] * bs < lens[:, None], blocks, 0)
     # (B, T, KVH, D) with T = n_blocks * block_size token positions per sequence.
-    k = _gather(k_cache, blocks, (B, n_blocks * bs, KVH, D), torch.float32)
-    v = _gather(v_cache, blocks, (B, n_blocks * bs, KVH, D), torch.float32)
-    qg = q.float().reshape(B, KVH, G, D)
+    k = _gather(k_cache, blocks, (B, n_blocks * bs, KVH, D), acc)
+    v = _gather(v_cache, blocks, (B, n_blocks * bs, KVH, D), acc)
+    qg = q.to(acc).reshape(B, KVH, G, D)
     scores = torch.einsum("bkgd,btkd->bkgt", qg, k) * scale  # (B, KVH, G, T)
     t = torch.arange(n_blocks * bs, device=q.device)
     valid = t[None, :] < lens[:, None]

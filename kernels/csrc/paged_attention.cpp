@@ -21,13 +21,13 @@
 // tokens ahead of pass 1 through its items, into L2, one token's rows per token scored (the
 // cache is cold in a decode step: the matmuls before flushed it, and blocks are scattered). The
 // G = H / KVH query heads of a kv head are done together so each K/V row is loaded (and
-// widened) once. Tokens are walked in chunks of <= 16 rows of one block. Pass 1 computes the
-// scores q_g . k_i (16 horizontal sums at a time) into a per-thread row; then a softmax with max
-// subtraction; pass 2 accumulates p_gi * v_i. Each head's arithmetic is the same whatever the
-// item shape, so results do not depend on the batch (batch-invariant mode relies on it). All
+// widened) once. Tokens are walked in chunks of <= L rows of one block (L = the vector's lanes).
+// Pass 1 computes the scores q_g . k_i (L horizontal sums at a time) into a per-thread row;
+// then a softmax with max subtraction; pass 2 accumulates p_gi * v_i. Each head's arithmetic is
+// the same whatever the item shape, so results do not depend on the batch (batch-invariant mode relies on it). All
 // math is float32 (bf16 is widened on load; int8 codes are widened, and a K row's scale multiplies
-// its scores, a V row's its widened values), written with GCC/Clang vector extensions of 16
-// floats, so -march=native picks the SIMD instructions (AVX-512 here) without intrinsics.
+// its scores, a V row's its widened values), written with GCC/Clang vector extensions of the
+// target's width (16 floats with AVX-512, 8 with AVX2), so -march=native picks the instructions.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -39,33 +39,86 @@
 #include <vector>
 
 #include <omp.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "ops.h"
 #include "vec.h"
 
 namespace {
 
-using namespace rollout_vec;
-using rollout_vec::load;  // overloaded below for bf16
-using rollout_vec::store;
+using rollout_vec::kScaleBytes;
+using rollout_vec::row_scale;
 
+// The kernels here work in vectors of the target's own width: L = 16 floats with AVX-512, 8
+// otherwise. (vec.h's 16-float vectors on AVX2 made GCC build every broadcast scalar and carry
+// the accumulators through the stack: decode and prefill ran 2-4x slower than at native width.)
+#if defined(__AVX512F__)
+constexpr int64_t L = 16;
+#else
+constexpr int64_t L = 8;
+#endif
+typedef float vfloat __attribute__((vector_size(4 * L)));
+typedef int32_t vint __attribute__((vector_size(4 * L)));
+typedef uint32_t vuint __attribute__((vector_size(4 * L)));
+typedef uint16_t vhalf __attribute__((vector_size(2 * L)));
+typedef float vfloat_mem __attribute__((vector_size(4 * L), aligned(4), may_alias));
+typedef uint16_t vhalf_mem __attribute__((vector_size(2 * L), aligned(2), may_alias));
+typedef int8_t vbyte_mem __attribute__((vector_size(L), aligned(1), may_alias));
+
+inline vfloat splat(float x) { return vfloat{} + x; }
+inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat_mem*>(p); }
+inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat_mem*>(p) = v; }
 inline vfloat load(const c10::BFloat16* p) {  // bf16 -> f32: a zero half below each value
-  const vhalf h = *reinterpret_cast<const vhalf_mem*>(p), z = {};  // (one permute; GCC 12
-  return (vfloat)__builtin_shufflevector(  // makes 5 ops of a convertvector to u32 << 16)
-      z, h, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27,
-      12, 28, 13, 29, 14, 30, 15, 31);
+  const vhalf h = *reinterpret_cast<const vhalf_mem*>(p);
+#if defined(__AVX512F__)  // one permute (GCC 12 makes 5 ops of the convertvector below)
+  const vhalf z = {};
+  return (vfloat)__builtin_shufflevector(z, h, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25,
+                                         10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+#else
+  return (vfloat)(__builtin_convertvector(h, vuint) << 16);
+#endif
 }
-inline vfloat load(const int8_t* p) { return load_codes(p); }  // an int8 cache row's codes, unscaled
+// An int8 cache row's codes, widened, not yet scaled. The sign extension is an intrinsic: GCC 12
+// makes L scalar loads of a convertvector from int8 (vpmovsxbd is one instruction).
+inline vfloat load(const int8_t* p) {
+#if defined(__AVX512F__)
+  const vint x = (vint)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  const vint x = (vint)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  const vint x = __builtin_convertvector(*reinterpret_cast<const vbyte_mem*>(p), vint);
+#endif
+  return __builtin_convertvector(x, vfloat);
+}
 inline void store(c10::BFloat16* p, vfloat v) {  // f32 -> bf16 rounding like c10::BFloat16
   const vuint u = (vuint)v, rounded = (u + ((u >> 16) & 1) + 0x7FFF) >> 16;
   const vuint bits = v != v ? vuint{} + 0x7FC0 : rounded;  // NaN -> canonical quiet NaN
   *reinterpret_cast<vhalf_mem*>(p) = __builtin_convertvector(bits, vhalf);
 }
 
-// Lane t of the result = sum of the lanes of v[t], t < 16: 16 horizontal sums as one
-// transposing tree (each level pairs up vectors and halves the lanes per token).
+// Horizontal reduction of one vector by a fixed halving tree (lanes i and i + L/2, then i and
+// i + L/4, ...): the same order wherever it is called (batch-invariant mode relies on it).
+template <typename Op>
+inline float reduce(vfloat v, Op op) {
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#if defined(__AVX512F__)
+  auto a = op(SHUF(v, v, 0, 1, 2, 3, 4, 5, 6, 7), SHUF(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+#else
+  auto a = v;
+#endif
+  auto b = op(SHUF(a, a, 0, 1, 2, 3), SHUF(a, a, 4, 5, 6, 7));
+  auto c = op(SHUF(b, b, 0, 1), SHUF(b, b, 2, 3));
+  return op(c[0], c[1]);
+}
+const auto plus = [](auto a, auto b) { return a + b; };
+const auto maximum = [](auto a, auto b) { return a > b ? a : b; };
+
+// Lane t of the result = sum of the lanes of v[t], t < L: L horizontal sums as one transposing
+// tree (each level pairs up vectors and halves the lanes per token).
 inline vfloat sum_lanes(const vfloat* v) {
+#if defined(__AVX512F__)
   vfloat a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)  // 8 lanes per token: lanes 0-7 <- v[2i], 8-15 <- v[2i+1]
     a[i] = SHUF(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -78,6 +131,16 @@ inline vfloat sum_lanes(const vfloat* v) {
            SHUF(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
   return SHUF(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          SHUF(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  vfloat a[4], b[2];
+  for (int i = 0; i < 4; ++i)  // 4 lanes per token: lanes 0-3 <- v[2i], 4-7 <- v[2i+1]
+    a[i] = SHUF(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           SHUF(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)  // 2 lanes per token
+    b[i] = SHUF(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           SHUF(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return SHUF(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14) + SHUF(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
 }
 #undef SHUF
 
@@ -106,7 +169,7 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
                    int64_t bt_stride, const int32_t* seq_lens, T* out, int64_t B, int64_t H,
                    int64_t KVH, int64_t D, int64_t bs, float scale, int64_t window,
                    int64_t max_len, int n_threads) {
-  constexpr int64_t kMaxNV = NV_FIXED > 0 ? NV_FIXED : 32;  // D <= 512 (checked)
+  constexpr int64_t kMaxNV = NV_FIXED > 0 ? NV_FIXED : 512 / L;  // D <= 512 (checked)
   constexpr bool kIsFloat = std::is_same_v<C, float>, kCodes = std::is_same_v<C, int8_t>;
   const int64_t NV = NV_FIXED > 0 ? NV_FIXED : D / L;
   const int64_t G = H / KVH;
@@ -178,7 +241,7 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
       const T* q_grp = q + (b * H + kvh0 * G) * D;
       for (int64_t c = 0; c < GH * NV; ++c) qv[c] = load(q_grp + c * L) * scale;
 
-      // Pass 1: scores[r * s_stride + i] = q_r . k_i (r = hh * G + g), 16 tokens per vector store.
+      // Pass 1: scores[r * s_stride + i] = q_r . k_i (r = hh * G + g), L tokens per vector store.
       for_each_chunk([&](int64_t i0, int64_t cnt, int64_t offset) {
         for (int64_t i = 0; i < cnt; ++i) {
           // One token's rows per token done: a burst of a whole chunk's prefetches (192 lines)
@@ -256,7 +319,7 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
 // Work item = (sequence, kv head, tile of <= kTileRows query tokens); its R = rows * G query
 // vectors (all G heads of the kv head) share every K/V row load. Keys are walked in chunks of
 // kKeyChunk with an online softmax: each chunk's K is widened and transposed (d-major, so a
-// score vector of 16 keys is 64 FMAs with broadcast q elements, no horizontal sums) and its V
+// score vector of L keys is D FMAs with broadcast q elements, no horizontal sums) and its V
 // widened, both into per-thread buffers that stay in L1/L2.
 constexpr int64_t kTileRows = 16, kKeyChunk = 64;
 
@@ -265,7 +328,7 @@ void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_
                     int64_t bt_stride, const int32_t* cu_q, const int32_t* seq_lens, T* out,
                     const std::vector<std::pair<int32_t, int32_t>>& tiles, int64_t H, int64_t KVH,
                     int64_t D, int64_t bs, float scale, int64_t window, int n_threads) {
-  constexpr int64_t kMaxNV = NV_FIXED > 0 ? NV_FIXED : 32;
+  constexpr int64_t kMaxNV = NV_FIXED > 0 ? NV_FIXED : 512 / L;
   const int64_t NV = NV_FIXED > 0 ? NV_FIXED : D / L;
   const int64_t G = H / KVH, max_r = kTileRows * G;
   constexpr bool kCodes = std::is_same_v<C, int8_t>;
@@ -313,7 +376,7 @@ void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_
         }
         for (int64_t t = nk; t < nvec * L; ++t)
           for (int64_t d = 0; d < D; ++d) kt[d * kKeyChunk + t] = 0.0f;
-        // scores, 4 query vectors x 16 keys at a time
+        // scores, 4 query vectors x L keys at a time
         for (int64_t r = 0; r < R; r += 4) {
           const int64_t nr = std::min<int64_t>(4, R - r);
           for (int64_t c = 0; c < nvec; ++c) {
@@ -382,8 +445,8 @@ void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     kernel(q.data_ptr<T>(), static_cast<const C*>(k.data_ptr()), static_cast<const C*>(v.data_ptr()), bt,
            bt_stride, lens, out.data_ptr<T>(), B, H, KVH, D, bs, scale, window, max_len, n_threads);
   };
-  if (D == 64) run(decode_kernel<T, C, 4>);
-  else if (D == 128) run(decode_kernel<T, C, 8>);
+  if (D == 64) run(decode_kernel<T, C, 64 / L>);
+  else if (D == 128) run(decode_kernel<T, C, 128 / L>);
   else run(decode_kernel<T, C, 0>);
 }
 
@@ -402,7 +465,7 @@ void check_q_and_cache(const at::Tensor& q, const at::Tensor& k_cache, const at:
   TORCH_CHECK(k_cache.size(3) == D + (codes ? kScaleBytes : 0),
               codes ? "an int8 cache row must hold head_dim codes and a 4-byte scale"
                     : "head_dim of q and the cache differ");
-  TORCH_CHECK(D % L == 0 && D <= 32 * L, "head_dim must be a multiple of 16, at most 512");
+  TORCH_CHECK(D % 16 == 0 && D <= 512, "head_dim must be a multiple of 16, at most 512");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "num_heads must be a multiple of num_kv_heads");
 }
 
@@ -512,8 +575,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
       kernel(q.data_ptr<T_>(), static_cast<const C_*>(k_cache.data_ptr()), static_cast<const C_*>(v_cache.data_ptr()),
              bt, bt_stride, cu, lens, out.data_ptr<T_>(), tiles, H, KVH, D, bs, s, sliding_window, n_threads);
     };
-    if (D == 64) run(prefill_kernel<T_, C_, 4>);
-    else if (D == 128) run(prefill_kernel<T_, C_, 8>);
+    if (D == 64) run(prefill_kernel<T_, C_, 64 / L>);
+    else if (D == 128) run(prefill_kernel<T_, C_, 128 / L>);
     else run(prefill_kernel<T_, C_, 0>);
   };
   auto by_cache = [&](auto* tag) {

@@ -4,6 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace rollout_vec {
 
@@ -56,9 +59,19 @@ inline float row_scale(const int8_t* row, int64_t D) {
   __builtin_memcpy(&s, row + D, sizeof s);
   return s;
 }
-// 16 codes widened to float (not yet scaled).
-inline vfloat load_codes(const int8_t* p) {
-  return __builtin_convertvector(*reinterpret_cast<const vbyte_mem*>(p), vfloat);
+// Stores 16 integers in [-127, 127] as codes. GCC 12 narrows with 16 scalar byte inserts unless
+// AVX-512 gives it vpmovdb; with AVX2 alone, two saturating packs do it.
+inline void store_codes(int8_t* p, vint x) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  __m256i lo, hi;
+  __builtin_memcpy(&lo, &x, 32);
+  __builtin_memcpy(&hi, reinterpret_cast<const char*>(&x) + 32, 32);
+  const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);  // 16 int16, in order
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+#else
+  *reinterpret_cast<vbyte_mem*>(p) = __builtin_convertvector(x, vbyte);
+#endif
 }
 // Quantizes x[0 .. nv * L) (nv vectors, already in float) into a cache row.
 inline void quantize_row(const vfloat* x, int64_t nv, int8_t* row) {
@@ -68,7 +81,7 @@ inline void quantize_row(const vfloat* x, int64_t nv, int8_t* row) {
   const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
   for (int64_t c = 0; c < nv; ++c) {  // round half to even (the 1.5 * 2^23 trick; |x * inv| <= 127)
     const vfloat r = (keep(x[c] * inv) + 12582912.0f) - 12582912.0f;
-    *reinterpret_cast<vbyte_mem*>(row + c * L) = __builtin_convertvector(r, vbyte);
+    store_codes(row + c * L, __builtin_convertvector(r, vint));
   }
   const int64_t D = nv * L;
   __builtin_memcpy(row + D, &scale, sizeof scale);

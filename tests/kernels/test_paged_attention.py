@@ -91,9 +91,15 @@ def test_large_logits_are_stable(ext):
     gen = torch.Generator().manual_seed(2)
     q, k, v, table, lens = make_inputs(gen, 8, 4, 2, 64, 16, 200, torch.float32)
     out = ext.paged_decode_attention(q * 30, k, v, table, lens, 1.0, 0)  # logits ~ +-500
-    ref = paged_decode_attention_ref(q * 30, k, v, table, lens, 1.0)
     assert torch.isfinite(out).all()
-    check_close(out, ref, torch.float32)
+    # Scores this large carry float32 rounding of ~1e-4 into the softmax, so two float32 sums in
+    # different orders differ by more than check_close allows: float64 arbitrates. The kernel must
+    # be at least as close to it as torch's float32 reference (plus a little slack).
+    ref64 = paged_decode_attention_ref((q * 30).double(), k.double(), v.double(), table, lens, 1.0)
+    ref32 = paged_decode_attention_ref(q * 30, k, v, table, lens, 1.0)
+    ours_err = (out.double() - ref64).abs().max().item()
+    torch_err = (ref32.double() - ref64).abs().max().item()
+    assert ours_err <= max(torch_err, 1e-5) * 1.5, (ours_err, torch_err)
 
 
 def test_strided_block_table_rows(ext):
