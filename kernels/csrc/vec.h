@@ -28,6 +28,14 @@ inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat_mem*>(p) = v; }
 // statements), which would skip a rounding that torch, computing a*b in a separate kernel, does.
 #if defined(__x86_64__) && defined(__AVX512F__)
 inline vfloat keep(vfloat x) { asm("" : "+v"(x)); return x; }
+#elif defined(__x86_64__) && defined(__AVX__)  // two 8-lane registers (not a trip through memory)
+inline vfloat keep(vfloat x) {
+  typedef float half __attribute__((vector_size(4 * L / 2)));
+  half a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
+  half b = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  asm("" : "+x"(a), "+x"(b));
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
 #else
 inline vfloat keep(vfloat x) { asm("" : "+m"(x)); return x; }
 #endif
