@@ -41,8 +41,8 @@ _SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "inv
             _CSRC / "vnni_linear.cpp", _CSRC / "amx_linear.cpp", _CSRC / "f32_linear.cpp", _CSRC / "moe.cpp",
             _CSRC / "shm_comm.cpp", _CSRC / "bindings.cpp"]
 _HEADERS = [_CSRC / "ops.h", _CSRC / "vec.h"]  # included by the sources: part of the hash
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
+_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
 _STALE_LOCK_S = 600  # a build lock this old was left by a killed build
 _lock = threading.Lock()
 _module = None
@@ -132,8 +132,10 @@ def _build():
     module = cpp_extension.load(
         name=name,
         sources=[str(s) for s in _SOURCES],
-        extra_cflags=_CFLAGS,
-        extra_ldflags=_LDFLAGS,
+        # Copies: torch appends its -L/-l flags to these lists, which would change
+        # _module_name() for the rest of a process that compiled.
+        extra_cflags=list(_CFLAGS),
+        extra_ldflags=list(_LDFLAGS),
         build_directory=str(build_dir),
         verbose=False,
     )
