@@ -60,13 +60,14 @@ constexpr int64_t L = 16;
 #else
 constexpr int64_t L = 8;
 #endif
-typedef float vfloat __attribute__((vector_size(4 * L)));
-typedef int32_t vint __attribute__((vector_size(4 * L)));
-typedef uint32_t vuint __attribute__((vector_size(4 * L)));
-typedef uint16_t vhalf __attribute__((vector_size(2 * L)));
-typedef float vfloat_mem __attribute__((vector_size(4 * L), aligned(4), may_alias));
-typedef uint16_t vhalf_mem __attribute__((vector_size(2 * L), aligned(2), may_alias));
-typedef int8_t vbyte_mem __attribute__((vector_size(L), aligned(1), may_alias));
+using V = rollout_vec::Lanes<L>;
+typedef V::f vfloat;
+typedef V::i vint;
+typedef V::u vuint;
+typedef V::h vhalf;
+typedef V::f_mem vfloat_mem;
+typedef V::h_mem vhalf_mem;
+typedef V::b_mem vbyte_mem;
 
 inline vfloat splat(float x) { return vfloat{} + x; }
 inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat_mem*>(p); }

@@ -10,15 +10,28 @@
 
 namespace rollout_vec {
 
-constexpr int64_t L = 16;  // lanes per vector
-typedef float vfloat __attribute__((vector_size(4 * L)));
-typedef int32_t vint __attribute__((vector_size(4 * L)));
-typedef uint32_t vuint __attribute__((vector_size(4 * L)));
-typedef uint16_t vhalf __attribute__((vector_size(2 * L)));
-// Unaligned, aliasing views for loads and stores anywhere in float / bf16 arrays. (Not memcpy:
-// with -march=native GCC splits a 64-byte memcpy in two and then stalls on store forwarding.)
-typedef float vfloat_mem __attribute__((vector_size(4 * L), aligned(4), may_alias));
-typedef uint16_t vhalf_mem __attribute__((vector_size(2 * L), aligned(2), may_alias));
+// Vectors of N lanes: float, int32, uint32, bf16 bits (uint16) and int8, and unaligned, aliasing
+// views for loads and stores anywhere in float / bf16 / int8 arrays. (Not memcpy: with
+// -march=native GCC splits a 64-byte memcpy in two and then stalls on store forwarding.)
+template <int64_t N>
+struct Lanes {
+  typedef float f __attribute__((vector_size(4 * N)));
+  typedef int32_t i __attribute__((vector_size(4 * N)));
+  typedef uint32_t u __attribute__((vector_size(4 * N)));
+  typedef uint16_t h __attribute__((vector_size(2 * N)));
+  typedef int8_t b __attribute__((vector_size(N)));
+  typedef float f_mem __attribute__((vector_size(4 * N), aligned(4), may_alias));
+  typedef uint16_t h_mem __attribute__((vector_size(2 * N), aligned(2), may_alias));
+  typedef int8_t b_mem __attribute__((vector_size(N), aligned(1), may_alias));
+};
+
+constexpr int64_t L = 16;  // lanes per vector here (one AVX-512 register)
+typedef Lanes<L>::f vfloat;
+typedef Lanes<L>::i vint;
+typedef Lanes<L>::u vuint;
+typedef Lanes<L>::h vhalf;
+typedef Lanes<L>::f_mem vfloat_mem;
+typedef Lanes<L>::h_mem vhalf_mem;
 
 inline vfloat splat(float x) { return vfloat{} + x; }
 inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat_mem*>(p); }
@@ -59,8 +72,8 @@ const auto maximum = [](auto a, auto b) { return a > b ? a : b; };
 // one per (token, kv head). Symmetric and per row, so a row is written once, by itself, and a
 // reader needs no other state; the error is at most half a code, scale / 2.
 constexpr int64_t kScaleBytes = 4;
-typedef int8_t vbyte __attribute__((vector_size(L)));
-typedef int8_t vbyte_mem __attribute__((vector_size(L), aligned(1), may_alias));
+typedef Lanes<L>::b vbyte;
+typedef Lanes<L>::b_mem vbyte_mem;
 
 inline float row_scale(const int8_t* row, int64_t D) {
   float s;
