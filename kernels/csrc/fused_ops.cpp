@@ -17,13 +17,16 @@
 // (round-to-nearest-even, like c10::BFloat16) wherever the torch chain materializes a bf16
 // tensor, and float32 intermediates are kept un-fused wherever torch computes them in separate
 // kernels (keep() blocks GCC's default a*b+c -> FMA contraction). Beyond that the ops follow
-// ATen's own kernels, so results are bit-identical to the torch references on AVX-512 CPUs:
+// ATen's own kernels, so results are bit-identical to the torch references on AVX-512 and AVX2
+// CPUs (each runs ATen's build for its own width, and these ops work at the same width, vec.h):
 //   - the sum of squares of an RMSNorm row is added in the order of ATen's cascade_sum (the
 //     inner-contiguous sum kernel behind `x.pow(2).mean(-1)`; 8-lane vectors, see sum_squares);
 //   - silu uses SLEEF's expf_u10 algorithm (what ATen's vectorized silu calls) and libm's expf
 //     for the elements ATen leaves to its scalar tail loop (the last I % (2 * vector width)
 //     of each row).
 // (ATen's kernels differ across builds and CPUs: elsewhere an ulp may differ now and then.)
+// The sampling sums (greedy and sampled logprobs, the CDF, logsumexp_rows) are taken in 16-lane
+// order on every target (vec.h reduce_wide), so a seeded draw picks the same token on both.
 //
 // Threading: a call estimated at under ~5 us of work runs on the calling thread (waking a
 // second thread costs about as much, and a descheduled sibling thread stalls the call for a
@@ -57,7 +60,6 @@ namespace {
 using namespace rollout_vec;
 using rollout_vec::load;  // overloaded below for bf16
 using rollout_vec::store;
-using rollout_vec::keep;   // overloaded below for 8 lanes and scalars
 using bf16 = c10::BFloat16;
 
 // Work estimates, in units of ~0.1 ns of one core (measured on an AVX-512 + AMX Xeon): below
@@ -111,29 +113,11 @@ inline void store_k(T* p, vfloat v, int64_t n) {
   else store_n(p, v, n);
 }
 
-// Half vectors (8 lanes), for ATen's 8-lane sums.
-typedef float vfloat8 __attribute__((vector_size(32)));
-typedef float vfloat8_mem __attribute__((vector_size(32), aligned(4), may_alias));
-typedef uint16_t vhalf8_mem __attribute__((vector_size(16), aligned(2), may_alias));
-typedef uint32_t vuint8 __attribute__((vector_size(32)));
-inline vfloat8 lo(vfloat v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
-inline vfloat8 hi(vfloat v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
-inline vfloat8 load8(const float* p) { return *reinterpret_cast<const vfloat8_mem*>(p); }
+// 8-lane vectors, for ATen's 8-lane sums.
+inline vfloat8 load8(const float* p) { return *reinterpret_cast<const Lanes<8>::f_mem*>(p); }
 inline vfloat8 load8(const bf16* p) {
-  return (vfloat8)(__builtin_convertvector(*reinterpret_cast<const vhalf8_mem*>(p), vuint8) << 16);
+  return (vfloat8)(__builtin_convertvector(*reinterpret_cast<const Lanes<8>::h_mem*>(p), Lanes<8>::u) << 16);
 }
-
-// keep(): materializes a float32 value (vec.h has the 16-lane one).
-#if defined(__x86_64__) && defined(__AVX__)
-inline vfloat8 keep(vfloat8 x) { asm("" : "+x"(x)); return x; }
-#else
-inline vfloat8 keep(vfloat8 x) { asm("" : "+m"(x)); return x; }
-#endif
-#if defined(__x86_64__)
-inline float keep(float x) { asm("" : "+x"(x)); return x; }
-#else
-inline float keep(float x) { asm("" : "+m"(x)); return x; }
-#endif
 
 // The value of a float32 result once stored in T: bf16 rounding, or float32 itself (kept
 // un-fused, see keep()).
@@ -148,7 +132,7 @@ inline float round_to(float v) {
   else return static_cast<float>(static_cast<bf16>(v));
 }
 
-// exp(x) exactly as SLEEF's Sleef_expf16_u10 (ATen's Vectorized<float>::exp() on AVX-512):
+// exp(x) exactly as SLEEF's Sleef_expf16_u10 / Sleef_expf8_u10 (ATen's Vectorized<float>::exp()):
 // Cody-Waite reduction by ln 2 and a degree-6 polynomial, with FMAs where SLEEF has them.
 inline vfloat sleef_expf(vfloat d) {
   const vfloat t = keep(d * 1.442695040888963407359924681001892137426645954152985934135449406931f);
@@ -175,47 +159,57 @@ inline vfloat sleef_expf(vfloat d) {
 // vectors) even on AVX-512 CPUs. The row is n / 8 vectors of 8 summed by row_sum (4 interleaved
 // accumulators through multi_row_sum's 4-level cascade, then the 0-3 leftover vectors into
 // accumulator 0, then accumulators 1-3 into 0), then the n % 8 scalar tail from 0, then the 8
-// lanes one by one. Here a 16-lane vector holds two 8-lane ones: A = [acc0 | acc1] takes the
-// even 16-lane vectors, B = [acc2 | acc3] the odd ones. (Adding a level's zeros, as ATen does
-// for unused levels, changes nothing: the partial sums are >= 0.) Rows of n < 8, which ATen
-// sums with its scalar loop, may differ in the last bit.
+// lanes one by one. With L = 8 our vectors are ATen's; with L = 16 one holds two of them, so
+// A[level][0] = [acc0 | acc1] takes the even vectors and A[level][1] = [acc2 | acc3] the odd ones.
+// (Adding a level's zeros, as ATen does for unused levels, changes nothing: the partial sums are
+// >= 0.) Rows of n < 8, which ATen sums with its scalar loop, may differ in the last bit.
 inline int64_t ceil_log2(int64_t x) { return x <= 2 ? 1 : 64 - __builtin_clzll(uint64_t(x - 1)); }
 
 template <typename T>
 float sum_squares(const T* p, int64_t n) {
-  constexpr int64_t K = 8;  // ATen's lanes
-  const int64_t nk = n / K, n4 = nk / 4;  // 8-lane vectors; groups of 4 = two 16-lane vectors
-  auto sq = [p](int64_t i) {  // squares of the i-th 16-lane vector
+  constexpr int64_t K = 8;          // ATen's lanes
+  constexpr int64_t P = 4 * K / L;  // our vectors per group of ATen's 4
+  const int64_t nk = n / K, n4 = nk / 4;  // 8-lane vectors; groups of 4
+  auto sq = [p](int64_t i) {  // squares of the i-th vector
     const vfloat v = load(p + i * L);
     return keep(v * v);
   };
-  vfloat A0 = {}, A1 = {}, A2 = {}, A3 = {}, B0 = {}, B1 = {}, B2 = {}, B3 = {};  // by level
+  vfloat A[4][P] = {};  // by level, then accumulator
   const int64_t power = std::max<int64_t>(4, ceil_log2(n4) / 4);
   const int64_t step = int64_t(1) << power, mask = step - 1;
   int64_t i = 0;
   while (i + step <= n4) {  // (rows of >= 512 elements)
-    for (int64_t j = 0; j < step; ++j, ++i) A0 += sq(2 * i), B0 += sq(2 * i + 1);
-    A1 += A0, B1 += B0, A0 = B0 = vfloat{};
+    for (int64_t j = 0; j < step; ++j, ++i)
+      for (int64_t k = 0; k < P; ++k) A[0][k] += sq(P * i + k);
+    for (int64_t k = 0; k < P; ++k) A[1][k] += A[0][k], A[0][k] = vfloat{};
     if (i & (mask << power)) continue;
-    A2 += A1, B2 += B1, A1 = B1 = vfloat{};
+    for (int64_t k = 0; k < P; ++k) A[2][k] += A[1][k], A[1][k] = vfloat{};
     if (i & (mask << (2 * power))) continue;
-    A3 += A2, B3 += B2, A2 = B2 = vfloat{};
+    for (int64_t k = 0; k < P; ++k) A[3][k] += A[2][k], A[2][k] = vfloat{};
   }
-  for (; i < n4; ++i) A0 += sq(2 * i), B0 += sq(2 * i + 1);
-  A0 = ((A0 + A1) + A2) + A3, B0 = ((B0 + B1) + B2) + B3;
-  // acc0 = lo(A0), acc1 = hi(A0), acc2 = lo(B0), acc3 = hi(B0)
-  vfloat8 acc0 = lo(A0);
+  for (; i < n4; ++i)
+    for (int64_t k = 0; k < P; ++k) A[0][k] += sq(P * i + k);
+  for (int64_t k = 0; k < P; ++k) A[0][k] = ((A[0][k] + A[1][k]) + A[2][k]) + A[3][k];
+#if defined(__AVX512F__)
+  auto half = [](vfloat v, int64_t h) {
+    return h ? __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)
+             : __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  };
+  vfloat8 acc[4] = {half(A[0][0], 0), half(A[0][0], 1), half(A[0][1], 0), half(A[0][1], 1)};
+#else
+  vfloat8 acc[4] = {A[0][0], A[0][1], A[0][2], A[0][3]};
+#endif
   for (int64_t v = 4 * n4; v < nk; ++v) {  // the 0-3 leftover 8-lane vectors
     const vfloat8 x = load8(p + v * K);
-    acc0 += keep(x * x);
+    acc[0] += keep(x * x);
   }
-  acc0 = ((acc0 + hi(A0)) + lo(B0)) + hi(B0);
+  acc[0] = ((acc[0] + acc[1]) + acc[2]) + acc[3];
   float total = 0.0f;
   for (int64_t e = nk * K; e < n; ++e) {
     const float x = static_cast<float>(p[e]);
     total += keep(x * x);
   }
-  for (int64_t l = 0; l < K; ++l) total += acc0[l];
+  for (int64_t l = 0; l < K; ++l) total += acc[0][l];
   return total;
 }
 
@@ -370,9 +364,9 @@ const uint16_t* silu_bf16_table() {
 
 template <typename T>
 void silu_mul_rows(const T* gu, int64_t stride, T* out, int64_t I, int64_t r0, int64_t r1) {
-  // ATen's vectorized loop takes 2 vectors (32 floats / 64 bf16 on AVX-512) per step and
-  // leaves the rest of each row to its scalar lambda, which calls libm's expf.
-  constexpr int64_t kStep = 2 * 64 / static_cast<int64_t>(sizeof(T));
+  // ATen's vectorized loop takes 2 vectors (32 floats / 64 bf16 on AVX-512, half that on AVX2)
+  // per step and leaves the rest of each row to its scalar lambda, which calls libm's expf.
+  constexpr int64_t kStep = 2 * L * static_cast<int64_t>(sizeof(float) / sizeof(T));
   const int64_t n_vec = I - I % kStep;
 #if defined(__AVX512F__)
   const uint16_t* table = std::is_same_v<T, bf16> ? silu_bf16_table() : nullptr;
@@ -460,8 +454,8 @@ struct RopeArgs {
 
 // One head row: optional RMSNorm (w != null; inv = its 1 / rms), then the rotate-half rotation
 // in T's rounding: out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin, every product and sum
-// rounded to T. Stores into dst and, if given, dst2 (the cache row). NH = 16-lane vectors per
-// half row when fixed at compile time (D = 64, 128), else 0 (partial vectors allowed).
+// rounded to T. Stores into dst and, if given, dst2 (the cache row). NH = vectors per half row
+// when fixed at compile time (D = 64, 128), else 0 (partial vectors allowed).
 template <typename T, int64_t NH>
 inline void rope_head(const T* src, const T* w, float inv, const vfloat* cosv, const vfloat* sinv,
                       int64_t half, T* dst, T* dst2) {
@@ -581,7 +575,7 @@ std::tuple<at::Tensor, at::Tensor> rope_and_cache_impl(
               row, ") tensors");
   TORCH_CHECK((k_cache.scalar_type() == dtype || codes) && v_cache.scalar_type() == k_cache.scalar_type(), name,
               ": the caches must have the activations' dtype, or both be int8 (rows of codes and a scale)");
-  TORCH_CHECK(!codes || D % L == 0, name, ": an int8 cache needs a head_dim that is a multiple of 16");
+  TORCH_CHECK(!codes || D % 16 == 0, name, ": an int8 cache needs a head_dim that is a multiple of 16");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), name,
               ": give both q_norm and k_norm or neither");
   for (const auto* w : {&q_norm, &k_norm})
@@ -613,8 +607,8 @@ std::tuple<at::Tensor, at::Tensor> rope_and_cache_impl(
     auto run = [&](auto kernel) {
       for_rows(T, work, [&](int64_t t0, int64_t t1) { kernel(a, t0, t1); });
     };
-    if (D == 64) run(rope_rows<T_, 2>);
-    else if (D == 128) run(rope_rows<T_, 4>);
+    if (D == 64) run(rope_rows<T_, 32 / L>);
+    else if (D == 128) run(rope_rows<T_, 64 / L>);
     else run(rope_rows<T_, 0>);
   });
   return {q_out, k_out};
@@ -670,13 +664,12 @@ std::tuple<at::Tensor, at::Tensor> rope_and_cache_qk(
 
 // ---- greedy sampling -----------------------------------------------------------------------------
 // Per row: the first index of the maximum (torch.argmax; a row with a NaN gives its first NaN,
-// as torch does) and its log-softmax, -log(sum_i exp(x_i - max)), in two passes over the row
-// (max, then sum + index) instead of torch's argmax + float cast + logsumexp + gather. A row of
-// only -inf gives index 0 and a NaN logprob, like torch.
+// as torch does) and its log-softmax, -log(sum_i exp(x_i - max)): one pass over the row for the
+// index, a second for the sum, instead of torch's argmax + float cast + logsumexp + gather. A row
+// of only -inf gives index 0 and a NaN logprob, like torch.
 template <typename T>
 inline vfloat row_at(const T* x, int64_t n, int64_t c) {  // the vector at c, lanes past n -inf
-  const vint lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  return c + L <= n ? load(x + c) : (lane < int32_t(n - c) ? load_n(x + c, n - c) : splat(-__builtin_inff()));
+  return c + L <= n ? load(x + c) : (lane_ids() < int32_t(n - c) ? load_n(x + c, n - c) : splat(-__builtin_inff()));
 }
 
 // The maximum of at(c) over a row's vectors (c = 0, L, ... < n; lanes past n must be -inf) and
@@ -697,32 +690,31 @@ inline float row_max(const At& at, int64_t n, bool& has_nan) {
 
 template <typename T>
 void greedy_row(const T* x, int64_t n, bool with_logprob, int64_t& id, float& logprob) {
-  auto at = [&](int64_t c) { return row_at(x, n, c); };
-  bool has_nan;
-  const float m = row_max(at, n, has_nan);
-  if (has_nan) {
-    for (int64_t i = 0; i < n; ++i)
-      if (float v = static_cast<float>(x[i]); v != v) { id = i, logprob = v; return; }
+  // One pass: each lane's maximum and the first index that holds it (strictly greater replaces).
+  vfloat mv = splat(-__builtin_inff());
+  vint mi = lane_ids(), idx = lane_ids(), nan = {};
+  for (int64_t c = 0; c < n; c += L, idx += int32_t(L)) {
+    const vfloat v = row_at(x, n, c);
+    nan |= v != v;
+    const vint gt = v > mv;
+    mv = gt ? v : mv;
+    mi = gt ? idx : mi;
   }
-  id = -1;
-  vfloat sum = {};
-  for (int64_t c = 0; c < n; c += L) {
-    const vfloat v = at(c);
-    if (id < 0) {
-      const vint hit = v == m;
-      for (int64_t i = 0; i < L; ++i)
-        if (hit[i]) { id = c + i; break; }
+  for (int64_t i = 0; i < L; ++i)
+    if (nan[i]) {
+      for (int64_t j = 0; j < n; ++j)
+        if (float v = static_cast<float>(x[j]); v != v) { id = j, logprob = v; return; }
     }
-    if (!with_logprob) {
-      if (id >= 0) break;
-      continue;
-    }
-    sum += sleef_expf(v - m);
-  }
-  float total = 0.0f;
-  for (int64_t i = 0; i < L; ++i) total += sum[i];
+  const float m = reduce(mv, maximum);
+  id = INT64_MAX;  // the first index over the lanes that hold m (a row of only -inf: 0)
+  for (int64_t i = 0; i < L; ++i)
+    if (mv[i] == m && mi[i] < id) id = mi[i];
+  logprob = 0.0f;
+  if (!with_logprob) return;
+  vfloat sum[kWide] = {};
+  for (int64_t c = 0, j = 0; c < n; c += L, ++j) sum[j % kWide] += sleef_expf(row_at(x, n, c) - m);
+  const float total = reduce_wide(sum, false);
   logprob = m == -__builtin_inff() ? __builtin_nanf("") : -std::log(total);  // all -inf: NaN, as torch
-  if (id < 0) id = 0;
 }
 
 std::tuple<at::Tensor, at::Tensor> greedy_logprobs(const at::Tensor& logits, bool with_logprobs) {
@@ -771,9 +763,10 @@ void sample_row(const T* x, int64_t n, float temp, float u, bool with_logprob, s
   cum.resize(n_chunks);
   float total = 0.0f;
   for (int64_t ch = 0; ch < n_chunks; ++ch) {  // cum[ch] = sum of the weights of chunks 0..ch
-    vfloat sum = {};
-    for (int64_t c = ch * kCdfChunk; c < std::min(n, (ch + 1) * kCdfChunk); c += L) sum += sleef_expf(at(c) - mvec);
-    cum[ch] = total += reduce(sum, plus);
+    vfloat sum[kWide] = {};  // (chunks start at multiples of 16: the wide order is the row's)
+    for (int64_t c = ch * kCdfChunk, j = 0; c < std::min(n, (ch + 1) * kCdfChunk); c += L, ++j)
+      sum[j % kWide] += sleef_expf(at(c) - mvec);
+    cum[ch] = total += reduce_wide(sum, true);
   }
   const float target = u * total;
   int64_t ch = 0;
@@ -834,9 +827,9 @@ float logsumexp_row(const T* x, int64_t n) {
   const float m = row_max([&](int64_t c) { return row_at(x, n, c); }, n, has_nan);
   if (has_nan) return __builtin_nanf("");
   if (m == -__builtin_inff() || m == __builtin_inff()) return m;
-  vfloat sum = {};
-  for (int64_t c = 0; c < n; c += L) sum += sleef_expf(row_at(x, n, c) - m);
-  return m + std::log(reduce(sum, plus));
+  vfloat sum[kWide] = {};
+  for (int64_t c = 0, j = 0; c < n; c += L, ++j) sum[j % kWide] += sleef_expf(row_at(x, n, c) - m);
+  return m + std::log(reduce_wide(sum, true));
 }
 
 at::Tensor logsumexp_rows(const at::Tensor& x) {

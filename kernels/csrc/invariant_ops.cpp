@@ -36,7 +36,14 @@
 namespace rollout_invariant {
 namespace {
 
-using namespace rollout_vec;
+using rollout_vec::plus;
+using rollout_vec::reduce;
+
+// 16 lanes on every target (two registers with AVX2), so an output has the same bits on AVX2 and
+// AVX-512 machines.
+constexpr int64_t L = 16;
+typedef rollout_vec::vfloat16 vfloat;
+inline vfloat load(const float* p) { return *reinterpret_cast<const rollout_vec::Lanes<16>::f_mem*>(p); }
 
 constexpr int64_t MR = 4, NR = 4;  // a register tile: MR rows of x by NR rows of the weight
 constexpr int64_t kRowBlock = 64;  // rows of x that pass under one tile of weight rows

@@ -49,29 +49,10 @@
 
 namespace {
 
-using rollout_vec::kScaleBytes;
-using rollout_vec::row_scale;
+using namespace rollout_vec;  // vectors of the target's own width: L = 16 floats with AVX-512, 8 with AVX2
+using rollout_vec::load;      // overloaded below for bf16 and int8
+using rollout_vec::store;
 
-// The kernels here work in vectors of the target's own width: L = 16 floats with AVX-512, 8
-// otherwise. (vec.h's 16-float vectors on AVX2 made GCC build every broadcast scalar and carry
-// the accumulators through the stack: decode and prefill ran 2-4x slower than at native width.)
-#if defined(__AVX512F__)
-constexpr int64_t L = 16;
-#else
-constexpr int64_t L = 8;
-#endif
-using V = rollout_vec::Lanes<L>;
-typedef V::f vfloat;
-typedef V::i vint;
-typedef V::u vuint;
-typedef V::h vhalf;
-typedef V::f_mem vfloat_mem;
-typedef V::h_mem vhalf_mem;
-typedef V::b_mem vbyte_mem;
-
-inline vfloat splat(float x) { return vfloat{} + x; }
-inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat_mem*>(p); }
-inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat_mem*>(p) = v; }
 inline vfloat load(const c10::BFloat16* p) {  // bf16 -> f32: a zero half below each value
   const vhalf h = *reinterpret_cast<const vhalf_mem*>(p);
 #if defined(__AVX512F__)  // one permute (GCC 12 makes 5 ops of the convertvector below)
@@ -100,23 +81,7 @@ inline void store(c10::BFloat16* p, vfloat v) {  // f32 -> bf16 rounding like c1
   *reinterpret_cast<vhalf_mem*>(p) = __builtin_convertvector(bits, vhalf);
 }
 
-// Horizontal reduction of one vector by a fixed halving tree (lanes i and i + L/2, then i and
-// i + L/4, ...): the same order wherever it is called (batch-invariant mode relies on it).
-template <typename Op>
-inline float reduce(vfloat v, Op op) {
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#if defined(__AVX512F__)
-  auto a = op(SHUF(v, v, 0, 1, 2, 3, 4, 5, 6, 7), SHUF(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
-#else
-  auto a = v;
-#endif
-  auto b = op(SHUF(a, a, 0, 1, 2, 3), SHUF(a, a, 4, 5, 6, 7));
-  auto c = op(SHUF(b, b, 0, 1), SHUF(b, b, 2, 3));
-  return op(c[0], c[1]);
-}
-const auto plus = [](auto a, auto b) { return a + b; };
-const auto maximum = [](auto a, auto b) { return a > b ? a : b; };
-
 // Lane t of the result = sum of the lanes of v[t], t < L: L horizontal sums as one transposing
 // tree (each level pairs up vectors and halves the lanes per token).
 inline vfloat sum_lanes(const vfloat* v) {

@@ -4,7 +4,8 @@ references against Hugging Face's Llama code.
 Tolerances: float32 results must agree to ~1e-6 relative; bfloat16 results to at most one bf16
 ulp on at most 0.1% of the elements (a float32 summation order different from ATen's would cause
 such rare flips). On an AVX-512 torch build the ops are in fact bit-identical to the references
-(they follow ATen's summation order and SLEEF's exp), which test_bit_identical_on_avx512 pins.
+(they follow ATen's summation order and SLEEF's exp), and on its AVX2 build too, which
+test_bit_identical_to_aten pins.
 """
 import pytest
 import torch
@@ -24,7 +25,8 @@ from kernels.rotary import (
 DTYPES = [torch.float32, torch.bfloat16]
 DTYPE_IDS = ["f32", "bf16"]
 TOKENS = [1, 7, 32, 300]
-AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+# ATen's CPU kernels on this machine: their AVX-512 and AVX2 builds are what the ops follow bit for bit
+ATEN_SIMD = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2")
 
 
 def gen_for(*key):
@@ -204,19 +206,23 @@ def test_rope_and_cache_rejects_bad_slots_and_positions(ext):
 
 # ---- exactness, threading, dispatchers ----------------------------------------------------------
 
-@pytest.mark.skipif(not AVX512, reason="bit-exactness is pinned for ATen's AVX-512 kernels only")
+@pytest.mark.skipif(not ATEN_SIMD, reason="bit-exactness is pinned for ATen's AVX-512 and AVX2 kernels only")
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_bit_identical_on_avx512(ext, dtype):
+def test_bit_identical_to_aten(ext, dtype):
+    """Row lengths that leave tails: ATen's vector loops take 2 vectors a step (16 floats on AVX2,
+    32 on AVX-512) and leave the rest to a scalar loop, which the op must mirror."""
     gen = gen_for("exact", str(dtype))
     for T in (1, 32, 300):
-        x, res = randn(gen, T, 576, dtype=dtype, scale=3.0), randn(gen, T, 576, dtype=dtype)
-        w = randn(gen, 576, dtype=dtype)
-        out, new_res = ext.fused_add_rms_norm(x, res, w, 1e-5)
-        ref_out, ref_res = fused_add_rms_norm_ref(x, res, w, 1e-5)
-        assert torch.equal(out, ref_out) and torch.equal(new_res, ref_res)
-        assert torch.equal(ext.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
-        gate_up = randn(gen, T, 2 * 1536, dtype=dtype, scale=4.0)
-        assert torch.equal(ext.silu_and_mul(gate_up), silu_and_mul_ref(gate_up))
+        for H in (576, 100, 2056):
+            x, res = randn(gen, T, H, dtype=dtype, scale=3.0), randn(gen, T, H, dtype=dtype)
+            w = randn(gen, H, dtype=dtype)
+            out, new_res = ext.fused_add_rms_norm(x, res, w, 1e-5)
+            ref_out, ref_res = fused_add_rms_norm_ref(x, res, w, 1e-5)
+            assert torch.equal(out, ref_out) and torch.equal(new_res, ref_res), H
+            assert torch.equal(ext.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)), H
+        for I in (1536, 17, 40, 48, 100):
+            gate_up = randn(gen, T, 2 * I, dtype=dtype, scale=4.0)
+            assert torch.equal(ext.silu_and_mul(gate_up), silu_and_mul_ref(gate_up)), I
         qkv, positions, slots, kv, cos_sin = make_rope_inputs(gen, T, 9, 3, 64, dtype)
         kv_ref = kv.clone()
         q, k = ext.rope_and_cache(qkv, positions, cos_sin, kv[0, 0], kv[0, 1], slots, 9, 3, 64)
