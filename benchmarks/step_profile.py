@@ -5,6 +5,7 @@ KV write, SiLU), the rest of the forward pass (embedding, views, Python), sampli
 preparation, and scheduling + output assembly.
 
     python benchmarks/step_profile.py [--dtype bfloat16] [--batch 32] [--tokens 128] [--temperature 0]
+    python benchmarks/step_profile.py --dtype float32 --batch 128 --kv-cache-dtype int8
     python benchmarks/step_profile.py --device cuda --model FOLDER --batch 1 --cprofile 30
 
 On CUDA the forward pass of a decode step is one CUDA-graph replay, so the split is the host's:
@@ -52,6 +53,7 @@ def main():
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also print the N kernels with most device time (CUDA)")
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or int8 (CPU)")
     args = ap.parse_args()
     if args.kernels and args.device != "cuda":
         ap.error("--kernels reads CUDA kernels (on a CPU our C++ kernels are no torch ops: the profiler misses them)")
@@ -65,7 +67,7 @@ def main():
     from workload import QUESTIONS, prompt_texts
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, multiprocess=False, enable_prefix_caching=False,
-              enforce_eager=args.enforce_eager,
+              enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
               max_num_seqs=256, max_num_batched_tokens=8192,
               **(dict(kv_cache_memory=4 << 30) if args.device == "cuda" else {}))
     prompts = prompt_texts(llm.tokenizer, (QUESTIONS * 8)[:args.batch])
@@ -121,8 +123,9 @@ def main():
         ("input preparation", TOTALS["execute"] - TOTALS["forward"] - TOTALS["lm_head"] - TOTALS["sampling"]),
         ("scheduler, outputs, detokenize", wall - TOTALS["execute"]),
     ]
-    print(f"decode step breakdown: batch {args.batch}, {args.dtype}, temperature {args.temperature}, {steps} steps, "
-          f"{wall / steps * 1e3:.1f} ms/step, {args.batch * steps / wall:.0f} tok/s")
+    kv = "" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype} KV cache"
+    print(f"decode step breakdown: batch {args.batch}, {args.dtype}{kv}, temperature {args.temperature}, "
+          f"{steps} steps, {wall / steps * 1e3:.1f} ms/step, {args.batch * steps / wall:.0f} tok/s")
     print(f"{'part':50s} {'ms/step':>8s} {'share':>6s}")
     for name, secs in rows:
         print(f"{name:50s} {secs / steps * 1e3:8.2f} {secs / wall * 100:5.1f}%")
