@@ -33,8 +33,9 @@ from weight_sync.checkpoint import load_safetensors_folder
 from weight_sync.names import expert_names, router_name, split_experts
 
 # Where our own packed copy of a weight serves every step (`Linear.panels`): float32 on CPUs with
-# AVX-512 (kernels/csrc/f32_linear.cpp: on a 2-core Xeon as fast as the row kernel below at 1-4
-# rows, 1.4-1.5x oneDNN's prepacked GEMM at 8-32 rows, even with it at 128-512), bf16 on CPUs with
+# AVX-512 or AVX2 + FMA (kernels/csrc/f32_linear.cpp: on a 2-core Xeon as fast as the row kernel
+# below at 1-4 rows, 1.4-1.5x oneDNN's prepacked GEMM at 8-32 rows, even with it at 128-512; on an
+# AVX2 EPYC 1.0x oneDNN at 1 row, 1.2-1.45x at 4-32, 1.1x at 128-2048), bf16 on CPUs with
 # AVX-512 BF16 (kernels/csrc/vnni_linear.cpp: on an EPYC 2x oneDNN at 1-8 rows, 1.3x at 16, even
 # at 512) and, where AMX exists, the same bf16 panels through kernels/csrc/amx_linear.cpp (on a
 # 2-core Xeon as fast as vnni_linear at 1-2 rows, 1.5-4x it from 8 rows on; 1.5-2x oneDNN's AMX
@@ -44,7 +45,8 @@ from weight_sync.names import expert_names, router_name, split_experts
 #
 # Elsewhere oneDNN's prepacked GEMM takes the larger steps. float32 steps of at most this many
 # rows then run the fixed-order C++ kernel that streams the plain weight once
-# (kernels/csrc/invariant_ops.cpp; on an AVX-512 EPYC 20.7 vs 24.3 ms at 8 rows, even at 10).
+# (kernels/csrc/invariant_ops.cpp; measured on an AVX-512 EPYC, 20.7 vs 24.3 ms at 8 rows, even at
+# 10; every x86 CPU with AVX2 now takes the panels instead).
 FP32_ROWS_KERNEL_MAX_ROWS = 9
 # bf16 with AMX but without the AMX kernel (K not a multiple of 32; an OS that refuses the tile
 # state): vnni_linear's dot products ran at ~75 GFLOP/s on that Xeon and oneDNN's AMX GEMM matched

@@ -1,5 +1,5 @@
-// A float32 matmul for every step size on CPUs with AVX-512, on a weight packed once into memory
-// the engine keeps (a weight update repacks in place):
+// A float32 matmul for every step size on CPUs with AVX-512 or AVX2 + FMA, on a weight packed once
+// into memory the engine keeps (a weight update repacks in place):
 //
 //   f32_panel_pack(weight (N, K), out=None) -> packed (ceil(N/32), K, 32) float32
 //   f32_panel_linear(x (M, K), packed, N, bias (N,) | None) -> x @ weight.T + bias  (M, N)
@@ -14,7 +14,10 @@
 // two weight loads and 2 * MR FMAs with x[k] broadcast, no horizontal sums. Each thread streams
 // a contiguous run of panels; every MR-row pass over a panel after the first finds it in L2, and
 // prefetches a slice of the next panel (vnni_linear.cpp's schedule). Each output is one chain
-// of FMAs in k order (then + bias): the same bits whatever else is in the batch.
+// of FMAs in k order (then + bias): the same bits whatever else is in the batch, and on AVX-512 and
+// AVX2 alike. With AVX2 (16 registers of 8 floats) a register tile is up to 6 rows x 16 columns,
+// one half of a panel (12 accumulators, two weight loads and 6 broadcasts per k), the halves one
+// after the other.
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -29,7 +32,10 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#define ROLLOUT_F32_PANEL 1
+#define ROLLOUT_F32_PANEL 512  // the vector width in bits
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ROLLOUT_F32_PANEL 256
 #endif
 
 #include "ops.h"
@@ -46,7 +52,7 @@ bool f32_panel_supported() {
 #endif
 }
 
-#if ROLLOUT_F32_PANEL
+#if ROLLOUT_F32_PANEL == 512
 namespace {
 
 // A 16 x 16 block of floats transposed in registers: rows in r, columns out.
@@ -75,6 +81,29 @@ inline void transpose16(__m512 r[16]) {
 }
 
 }  // namespace
+#elif ROLLOUT_F32_PANEL == 256
+namespace {
+
+// An 8 x 8 block of floats transposed in registers: rows in r, columns out.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], s[8];
+  for (int i = 0; i < 8; i += 2) {  // t[i] = a0 b0 a1 b1 | a4 b4 a5 b5, t[i + 1] = a2 b2 a3 b3 | a6 b6 a7 b7
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // s[i + j] = column j | column j + 4 of rows i .. i + 3
+    s[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2f128_ps(s[j], s[4 + j], 0x20);
+    r[4 + j] = _mm256_permute2f128_ps(s[j], s[4 + j], 0x31);
+  }
+}
+
+}  // namespace
 #endif
 
 at::Tensor f32_panel_pack(const at::Tensor& weight, const std::optional<at::Tensor>& out) {
@@ -99,7 +128,7 @@ at::Tensor f32_panel_pack(const at::Tensor& weight, const std::optional<at::Tens
       const float* rows = src + p * kPanel * K;
       float* d = dst + p * K * kPanel;
       int64_t k = 0;
-#if ROLLOUT_F32_PANEL
+#if ROLLOUT_F32_PANEL == 512
       // Full panels go as 16 x 16 register transposes with streamed stores (the packed copy is
       // not read again soon, and a store that skips the cache skips reading the line first).
       if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
@@ -109,6 +138,18 @@ at::Tensor f32_panel_pack(const at::Tensor& weight, const std::optional<at::Tens
             for (int64_t i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(rows + (h * 16 + i) * K + k);
             transpose16(r);
             for (int64_t j = 0; j < 16; ++j) _mm512_stream_ps(d + (k + j) * kPanel + h * 16, r[j]);
+          }
+        }
+        _mm_sfence();
+      }
+#elif ROLLOUT_F32_PANEL == 256
+      if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % 32 == 0) {  // (the same, in 8 x 8 blocks)
+        __m256 r[8];
+        for (; k + 8 <= K; k += 8) {
+          for (int64_t h = 0; h < 4; ++h) {
+            for (int64_t i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows + (h * 8 + i) * K + k);
+            transpose8(r);
+            for (int64_t j = 0; j < 8; ++j) _mm256_stream_ps(d + (k + j) * kPanel + h * 8, r[j]);
           }
         }
         _mm_sfence();
@@ -123,7 +164,7 @@ at::Tensor f32_panel_pack(const at::Tensor& weight, const std::optional<at::Tens
   return packed;
 }
 
-#if ROLLOUT_F32_PANEL
+#if ROLLOUT_F32_PANEL == 512
 namespace {
 
 constexpr int64_t MR = 12;  // rows of x per register tile (x 32 columns: 24 accumulators)
@@ -170,6 +211,68 @@ constexpr std::array<TileFn, MR> kTiles[2] = {make_tiles<false>(std::make_intege
                                               make_tiles<true>(std::make_integer_sequence<int64_t, MR>{})};
 
 }  // namespace
+#elif ROLLOUT_F32_PANEL == 256
+namespace {
+
+constexpr int64_t MR = 6;  // rows of x per register tile (x 16 columns: 12 accumulators)
+constexpr int64_t kPrefetchBytes = 4096;
+
+// out[i, 0:cols] (cols <= 16) for i < R rows of x from one half of a panel (w: its first column,
+// 128 bytes per k). pf != null: each k also prefetches pf + k * pf_step (and the next line when
+// the step is 128), for the whole panel; the second half passes null.
+template <int64_t R, bool kL2>
+void half_tile(const float* x, int64_t sx, int64_t K, const float* w, const float* bias, int64_t cols, float* out,
+               int64_t so, const char* pf, int64_t pf_step) {
+  // acc[2i], acc[2i + 1]: row i's columns 0-7 and 8-15. The loops over it are unrolled by pragma:
+  // left to itself GCC 12 makes its zeroing a memset and then stores every accumulator to the
+  // stack after each FMA (half the speed).
+  __m256 acc[2 * R];
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(w + k * kPanel), w1 = _mm256_loadu_ps(w + k * kPanel + 8);
+    if (pf) {
+      if constexpr (kL2) {
+        __builtin_prefetch(pf + k * pf_step, 0, 1);
+        if (pf_step > 64) __builtin_prefetch(pf + k * pf_step + 64, 0, 1);
+      } else {
+        __builtin_prefetch(pf + k * pf_step);
+        if (pf_step > 64) __builtin_prefetch(pf + k * pf_step + 64);
+      }
+    }
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < R; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(x + i * sx + k);
+      acc[2 * i] = _mm256_fmadd_ps(xv, w0, acc[2 * i]);
+      acc[2 * i + 1] = _mm256_fmadd_ps(xv, w1, acc[2 * i + 1]);
+    }
+  }
+  // (Through a buffer: masked stores of the accumulators also sent them to memory in the loop.)
+  alignas(32) float buf[R][16];
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < R; ++i) _mm256_store_ps(buf[i], acc[2 * i]), _mm256_store_ps(buf[i] + 8, acc[2 * i + 1]);
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t c = 0; c < cols; ++c) out[i * so + c] = buf[i][c] + (bias ? bias[c] : 0.0f);
+}
+
+using HalfFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, int64_t, float*, int64_t,
+                        const char*, int64_t);
+template <bool kL2, int64_t... Rs>
+constexpr std::array<HalfFn, MR> make_tiles(std::integer_sequence<int64_t, Rs...>) {
+  return {&half_tile<Rs + 1, kL2>...};
+}
+constexpr std::array<HalfFn, MR> kHalves[2] = {make_tiles<false>(std::make_integer_sequence<int64_t, MR>{}),
+                                               make_tiles<true>(std::make_integer_sequence<int64_t, MR>{})};
+
+// A register tile over a whole panel: its two halves.
+void tile(bool l2, int64_t R, const float* x, int64_t sx, int64_t K, const float* w, const float* bias,
+          int64_t cols, float* out, int64_t so, const char* pf, int64_t pf_step) {
+  const HalfFn fn = kHalves[l2][R - 1];
+  fn(x, sx, K, w, bias, std::min<int64_t>(16, cols), out, so, pf, pf_step);
+  if (cols > 16) fn(x, sx, K, w + 16, bias ? bias + 16 : nullptr, cols - 16, out + 16, so, nullptr, 0);
+}
+
+}  // namespace
 #endif
 
 at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
@@ -208,8 +311,13 @@ at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& packed, int64
         const char* pf = ahead ? here + kPrefetchBytes
                          : p + 1 < p1 ? here + panel_bytes + j * panel_bytes / passes
                          : here;
+#if ROLLOUT_F32_PANEL == 512
         kTiles[passes <= 2][R - 1](xp + m * sx, sx, K, wp + p * panel, bp ? bp + p * kPanel : nullptr, cols,
                                    op + m * N + p * kPanel, N, pf, ahead ? 128 : slice_step);
+#else
+        tile(passes <= 2, R, xp + m * sx, sx, K, wp + p * panel, bp ? bp + p * kPanel : nullptr, cols,
+             op + m * N + p * kPanel, N, pf, ahead ? 128 : slice_step);
+#endif
       }
     }
   };
@@ -218,7 +326,7 @@ at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& packed, int64
   else at::parallel_for(0, NP, (NP + threads - 1) / threads, run);
   return out;
 #else
-  TORCH_CHECK(false, "f32_panel_linear: this CPU has no AVX-512 (see f32_panel_supported)");
+  TORCH_CHECK(false, "f32_panel_linear: this CPU has neither AVX-512 nor AVX2 + FMA (see f32_panel_supported)");
 #endif
 }
 

@@ -1,4 +1,4 @@
-"""f32_panel_linear (kernels/csrc/f32_linear.cpp), the float32 matmul on CPUs with AVX-512, against
+"""f32_panel_linear (kernels/csrc/f32_linear.cpp), the float32 matmul on CPUs with AVX-512 or AVX2, against
 float64 math: every row count the register tiles split (1-12 and beyond, prefill-sized), N and
 K that are not multiples of the panel (32 columns) or the transposed 16 x 16 blocks, a bias,
 strided rows; the packed layout itself and a repack into memory it packed before; and the
@@ -10,7 +10,7 @@ import torch
 @pytest.fixture(scope="module")
 def f32(ext):
     if not ext.f32_panel_supported():
-        pytest.skip("this CPU has no AVX-512")
+        pytest.skip("this CPU has neither AVX-512 nor AVX2 + FMA")
     return ext
 
 
