@@ -52,11 +52,20 @@ bool f32_panel_supported() {
 #endif
 }
 
-#if ROLLOUT_F32_PANEL == 512
+#if ROLLOUT_F32_PANEL
 namespace {
 
-// A 16 x 16 block of floats transposed in registers: rows in r, columns out.
-inline void transpose16(__m512 r[16]) {
+// Packing moves kBlock x kBlock blocks of floats, transposed in registers, with streamed stores
+// (the packed copy is not read again soon, and a store that skips the cache skips reading the
+// line first).
+#if ROLLOUT_F32_PANEL == 512
+constexpr int64_t kBlock = 16;
+typedef __m512 BlockRow;
+inline BlockRow load_row(const float* p) { return _mm512_loadu_ps(p); }
+inline void stream_row(float* p, BlockRow v) { _mm512_stream_ps(p, v); }
+
+// rows in r, columns out
+inline void transpose(BlockRow r[16]) {
   __m512 t[16];
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
@@ -79,13 +88,13 @@ inline void transpose16(__m512 r[16]) {
   }
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
+#else
+constexpr int64_t kBlock = 8;
+typedef __m256 BlockRow;
+inline BlockRow load_row(const float* p) { return _mm256_loadu_ps(p); }
+inline void stream_row(float* p, BlockRow v) { _mm256_stream_ps(p, v); }
 
-}  // namespace
-#elif ROLLOUT_F32_PANEL == 256
-namespace {
-
-// An 8 x 8 block of floats transposed in registers: rows in r, columns out.
-inline void transpose8(__m256 r[8]) {
+inline void transpose(BlockRow r[8]) {
   __m256 t[8], s[8];
   for (int i = 0; i < 8; i += 2) {  // t[i] = a0 b0 a1 b1 | a4 b4 a5 b5, t[i + 1] = a2 b2 a3 b3 | a6 b6 a7 b7
     t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
@@ -102,6 +111,7 @@ inline void transpose8(__m256 r[8]) {
     r[4 + j] = _mm256_permute2f128_ps(s[j], s[4 + j], 0x31);
   }
 }
+#endif
 
 }  // namespace
 #endif
@@ -128,28 +138,14 @@ at::Tensor f32_panel_pack(const at::Tensor& weight, const std::optional<at::Tens
       const float* rows = src + p * kPanel * K;
       float* d = dst + p * K * kPanel;
       int64_t k = 0;
-#if ROLLOUT_F32_PANEL == 512
-      // Full panels go as 16 x 16 register transposes with streamed stores (the packed copy is
-      // not read again soon, and a store that skips the cache skips reading the line first).
-      if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
-        __m512 r[16];
-        for (; k + 16 <= K; k += 16) {
-          for (int64_t h = 0; h < 2; ++h) {
-            for (int64_t i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(rows + (h * 16 + i) * K + k);
-            transpose16(r);
-            for (int64_t j = 0; j < 16; ++j) _mm512_stream_ps(d + (k + j) * kPanel + h * 16, r[j]);
-          }
-        }
-        _mm_sfence();
-      }
-#elif ROLLOUT_F32_PANEL == 256
-      if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % 32 == 0) {  // (the same, in 8 x 8 blocks)
-        __m256 r[8];
-        for (; k + 8 <= K; k += 8) {
-          for (int64_t h = 0; h < 4; ++h) {
-            for (int64_t i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows + (h * 8 + i) * K + k);
-            transpose8(r);
-            for (int64_t j = 0; j < 8; ++j) _mm256_stream_ps(d + (k + j) * kPanel + h * 8, r[j]);
+#if ROLLOUT_F32_PANEL
+      if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % sizeof(BlockRow) == 0) {  // full panels
+        BlockRow r[kBlock];
+        for (; k + kBlock <= K; k += kBlock) {
+          for (int64_t h = 0; h < kPanel / kBlock; ++h) {
+            for (int64_t i = 0; i < kBlock; ++i) r[i] = load_row(rows + (h * kBlock + i) * K + k);
+            transpose(r);
+            for (int64_t j = 0; j < kBlock; ++j) stream_row(d + (k + j) * kPanel + h * kBlock, r[j]);
           }
         }
         _mm_sfence();
@@ -164,11 +160,27 @@ at::Tensor f32_panel_pack(const at::Tensor& weight, const std::optional<at::Tens
   return packed;
 }
 
-#if ROLLOUT_F32_PANEL == 512
+#if ROLLOUT_F32_PANEL
 namespace {
 
-constexpr int64_t MR = 12;  // rows of x per register tile (x 32 columns: 24 accumulators)
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of itself a lone pass over a panel prefetches
+
+// One k step's prefetch: the line at p, and the next one too when the step is 128 bytes (a
+// panel's k row); into L2 when kL2 (the fast rate of one or two passes a panel).
+template <bool kL2>
+inline void prefetch_step(const char* p, int64_t step) {
+  if constexpr (kL2) {
+    __builtin_prefetch(p, 0, 1);
+    if (step > 64) __builtin_prefetch(p + 64, 0, 1);
+  } else {
+    __builtin_prefetch(p);
+    if (step > 64) __builtin_prefetch(p + 64);
+  }
+}
+
+#if ROLLOUT_F32_PANEL == 512
+constexpr int64_t MR = 12;  // rows of x per register tile (x 32 columns: 24 accumulators)
+constexpr int64_t kTileCols = 32;
 
 // out[i, 0:cols] for i < R rows of x (row stride sx) from one panel (K x 32 floats, 128 bytes
 // per k); each k also prefetches pf + k * pf_step (and the next line when the step is 128).
@@ -179,13 +191,7 @@ void tile(const float* x, int64_t sx, int64_t K, const float* w, const float* bi
   for (int64_t i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const __m512 w0 = _mm512_loadu_ps(w + k * kPanel), w1 = _mm512_loadu_ps(w + k * kPanel + 16);
-    if constexpr (kL2) {
-      __builtin_prefetch(pf + k * pf_step, 0, 1);
-      if (pf_step > 64) __builtin_prefetch(pf + k * pf_step + 64, 0, 1);
-    } else {
-      __builtin_prefetch(pf + k * pf_step);
-      if (pf_step > 64) __builtin_prefetch(pf + k * pf_step + 64);
-    }
+    prefetch_step<kL2>(pf + k * pf_step, pf_step);
     for (int64_t i = 0; i < R; ++i) {
       const __m512 xv = _mm512_set1_ps(x[i * sx + k]);
       acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
@@ -200,29 +206,16 @@ void tile(const float* x, int64_t sx, int64_t K, const float* w, const float* bi
     for (int64_t i = 0; i < R; ++i) _mm512_mask_storeu_ps(out + i * so + 16 * half, mask, _mm512_add_ps(acc[i][half], b));
   }
 }
-
-using TileFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, int64_t, float*, int64_t,
-                        const char*, int64_t);
-template <bool kL2, int64_t... Rs>
-constexpr std::array<TileFn, MR> make_tiles(std::integer_sequence<int64_t, Rs...>) {
-  return {&tile<Rs + 1, kL2>...};
-}
-constexpr std::array<TileFn, MR> kTiles[2] = {make_tiles<false>(std::make_integer_sequence<int64_t, MR>{}),
-                                              make_tiles<true>(std::make_integer_sequence<int64_t, MR>{})};
-
-}  // namespace
-#elif ROLLOUT_F32_PANEL == 256
-namespace {
-
+#else
 constexpr int64_t MR = 6;  // rows of x per register tile (x 16 columns: 12 accumulators)
-constexpr int64_t kPrefetchBytes = 4096;
+constexpr int64_t kTileCols = 16;
 
 // out[i, 0:cols] (cols <= 16) for i < R rows of x from one half of a panel (w: its first column,
-// 128 bytes per k). pf != null: each k also prefetches pf + k * pf_step (and the next line when
-// the step is 128), for the whole panel; the second half passes null.
+// 128 bytes per k). pf != null: each k also prefetches pf + k * pf_step, for the whole panel;
+// the second half passes null.
 template <int64_t R, bool kL2>
-void half_tile(const float* x, int64_t sx, int64_t K, const float* w, const float* bias, int64_t cols, float* out,
-               int64_t so, const char* pf, int64_t pf_step) {
+void tile(const float* x, int64_t sx, int64_t K, const float* w, const float* bias, int64_t cols, float* out,
+          int64_t so, const char* pf, int64_t pf_step) {
   // acc[2i], acc[2i + 1]: row i's columns 0-7 and 8-15. The loops over it are unrolled by pragma:
   // left to itself GCC 12 makes its zeroing a memset and then stores every accumulator to the
   // stack after each FMA (half the speed).
@@ -231,15 +224,7 @@ void half_tile(const float* x, int64_t sx, int64_t K, const float* w, const floa
   for (int64_t i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const __m256 w0 = _mm256_loadu_ps(w + k * kPanel), w1 = _mm256_loadu_ps(w + k * kPanel + 8);
-    if (pf) {
-      if constexpr (kL2) {
-        __builtin_prefetch(pf + k * pf_step, 0, 1);
-        if (pf_step > 64) __builtin_prefetch(pf + k * pf_step + 64, 0, 1);
-      } else {
-        __builtin_prefetch(pf + k * pf_step);
-        if (pf_step > 64) __builtin_prefetch(pf + k * pf_step + 64);
-      }
-    }
+    if (pf) prefetch_step<kL2>(pf + k * pf_step, pf_step);
 #pragma GCC unroll 16
     for (int64_t i = 0; i < R; ++i) {
       const __m256 xv = _mm256_broadcast_ss(x + i * sx + k);
@@ -255,22 +240,16 @@ void half_tile(const float* x, int64_t sx, int64_t K, const float* w, const floa
     for (int64_t c = 0; c < cols; ++c) out[i * so + c] = buf[i][c] + (bias ? bias[c] : 0.0f);
 }
 
-using HalfFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, int64_t, float*, int64_t,
+#endif
+
+using TileFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, int64_t, float*, int64_t,
                         const char*, int64_t);
 template <bool kL2, int64_t... Rs>
-constexpr std::array<HalfFn, MR> make_tiles(std::integer_sequence<int64_t, Rs...>) {
-  return {&half_tile<Rs + 1, kL2>...};
+constexpr std::array<TileFn, MR> make_tiles(std::integer_sequence<int64_t, Rs...>) {
+  return {&tile<Rs + 1, kL2>...};
 }
-constexpr std::array<HalfFn, MR> kHalves[2] = {make_tiles<false>(std::make_integer_sequence<int64_t, MR>{}),
-                                               make_tiles<true>(std::make_integer_sequence<int64_t, MR>{})};
-
-// A register tile over a whole panel: its two halves.
-void tile(bool l2, int64_t R, const float* x, int64_t sx, int64_t K, const float* w, const float* bias,
-          int64_t cols, float* out, int64_t so, const char* pf, int64_t pf_step) {
-  const HalfFn fn = kHalves[l2][R - 1];
-  fn(x, sx, K, w, bias, std::min<int64_t>(16, cols), out, so, pf, pf_step);
-  if (cols > 16) fn(x, sx, K, w + 16, bias ? bias + 16 : nullptr, cols - 16, out + 16, so, nullptr, 0);
-}
+constexpr std::array<TileFn, MR> kTiles[2] = {make_tiles<false>(std::make_integer_sequence<int64_t, MR>{}),
+                                              make_tiles<true>(std::make_integer_sequence<int64_t, MR>{})};
 
 }  // namespace
 #endif
@@ -311,13 +290,11 @@ at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& packed, int64
         const char* pf = ahead ? here + kPrefetchBytes
                          : p + 1 < p1 ? here + panel_bytes + j * panel_bytes / passes
                          : here;
-#if ROLLOUT_F32_PANEL == 512
-        kTiles[passes <= 2][R - 1](xp + m * sx, sx, K, wp + p * panel, bp ? bp + p * kPanel : nullptr, cols,
-                                   op + m * N + p * kPanel, N, pf, ahead ? 128 : slice_step);
-#else
-        tile(passes <= 2, R, xp + m * sx, sx, K, wp + p * panel, bp ? bp + p * kPanel : nullptr, cols,
-             op + m * N + p * kPanel, N, pf, ahead ? 128 : slice_step);
-#endif
+        const TileFn fn = kTiles[passes <= 2][R - 1];
+        for (int64_t c = 0; c < cols; c += kTileCols)  // (AVX2: the panel's two halves; the first prefetches)
+          fn(xp + m * sx, sx, K, wp + p * panel + c, bp ? bp + p * kPanel + c : nullptr,
+             std::min(kTileCols, cols - c), op + m * N + p * kPanel + c, N, c == 0 ? pf : nullptr,
+             ahead ? 128 : slice_step);
       }
     }
   };
