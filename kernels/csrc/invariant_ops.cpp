@@ -11,10 +11,10 @@
 // decide which outputs are computed together, never how one is computed, so a row gives the same
 // bits alone, in any batch, at any position, and in a trainer's recompute that calls this op.
 //
-// Speed: 4 x 4 tiles of accumulators; weight rows stay in L1 while a block of 64 rows of x
-// passes under them; threads split the output columns. While a tile reads its 4 weight rows,
-// each k step prefetches the same offsets of the next tile's rows into L2, so a thread's weight
-// stream never waits on DRAM (the model's 121 matmuls at 1-7 rows: 0.55-0.8x the time without).
+// Speed: register tiles of accumulators (4 x 4 with AVX-512, 2 x 3 with AVX2); weight rows stay
+// in L1 while a block of 64 rows of x passes under them; threads split the output columns. While
+// a tile reads its weight rows, each k step prefetches the same offsets of the next tile's rows
+// into L2, so a thread's weight stream never waits on DRAM (the model's 121 matmuls at 1-7 rows: 0.55-0.8x the time without).
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -26,26 +26,27 @@
 #include <optional>
 #include <utility>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "ops.h"
 #include "vec.h"
 
 namespace rollout_invariant {
 namespace {
 
-using rollout_vec::plus;
-using rollout_vec::reduce;
+using rollout_vec::kWide;
+using rollout_vec::L;
+using rollout_vec::load;
+using rollout_vec::vfloat;
 
-// 16 lanes on every target (two registers with AVX2), so an output has the same bits on AVX2 and
-// AVX-512 machines.
-constexpr int64_t L = 16;
-typedef rollout_vec::vfloat16 vfloat;
-inline vfloat load(const float* p) { return *reinterpret_cast<const rollout_vec::Lanes<16>::f_mem*>(p); }
-
-constexpr int64_t MR = 4, NR = 4;  // a register tile: MR rows of x by NR rows of the weight
+// A 16-lane accumulator on every target, so an output has the same bits on AVX2 and AVX-512
+// machines: one register with AVX-512, kWide = 2 registers of 8 (lanes 0-7 and 8-15) with AVX2.
+constexpr int64_t kLanes = 16;
+// A register tile: MR rows of x by NR rows of the weight. AVX-512: 16 of its 32 registers hold
+// accumulators; AVX2: 12 of 16 (a 4 x 4 tile of 16-lane accumulators would be 32 and spill).
+#if defined(__AVX512F__)
+constexpr int64_t MR = 4, NR = 4;
+#else
+constexpr int64_t MR = 2, NR = 3;
+#endif
 constexpr int64_t kRowBlock = 64;  // rows of x that pass under one tile of weight rows
 constexpr int64_t kParallelFmas = 1 << 17;  // below this many FMAs a call runs on one thread
 
@@ -54,22 +55,33 @@ constexpr int64_t kParallelFmas = 1 << 17;  // below this many FMAs a call runs 
 inline vfloat fma(vfloat a, vfloat b, vfloat acc) {
 #if defined(__AVX512F__)
   return (vfloat)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
+#elif defined(__FMA__)
+  return (vfloat)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
 #else
-  return vfloat{__builtin_fmaf(a[0], b[0], acc[0]), __builtin_fmaf(a[1], b[1], acc[1]),
-                __builtin_fmaf(a[2], b[2], acc[2]), __builtin_fmaf(a[3], b[3], acc[3]),
-                __builtin_fmaf(a[4], b[4], acc[4]), __builtin_fmaf(a[5], b[5], acc[5]),
-                __builtin_fmaf(a[6], b[6], acc[6]), __builtin_fmaf(a[7], b[7], acc[7]),
-                __builtin_fmaf(a[8], b[8], acc[8]), __builtin_fmaf(a[9], b[9], acc[9]),
-                __builtin_fmaf(a[10], b[10], acc[10]), __builtin_fmaf(a[11], b[11], acc[11]),
-                __builtin_fmaf(a[12], b[12], acc[12]), __builtin_fmaf(a[13], b[13], acc[13]),
-                __builtin_fmaf(a[14], b[14], acc[14]), __builtin_fmaf(a[15], b[15], acc[15])};
+  vfloat r;
+  for (int64_t l = 0; l < L; ++l) r[l] = __builtin_fmaf(a[l], b[l], acc[l]);
+  return r;
 #endif
 }
 
-inline vfloat load_tail(const float* p, int64_t n) {  // n < L elements, the other lanes 0
-  float tmp[L] = {};
-  std::memcpy(tmp, p, n * sizeof(float));
-  return load(tmp);
+// One 16-element step of k for every accumulator of the tile; x and w point at the step's first
+// element (w_stride between weight rows). keep() holds each x and weight vector in a register for
+// all the FMAs that use it: with AVX2's 16 registers GCC otherwise reloads one of the two from
+// memory in every FMA (16 loads per 12 FMAs instead of 10).
+template <int64_t R, int64_t C>
+inline void tile_step(vfloat (&acc)[R][C][kWide], const float* const (&x)[R], const float* w, int64_t w_stride) {
+#pragma GCC unroll 2
+  for (int64_t h = 0; h < kWide; ++h) {
+    vfloat xv[R];
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < R; ++i) xv[i] = rollout_vec::keep(load(x[i] + h * L));
+#pragma GCC unroll 4
+    for (int64_t j = 0; j < C; ++j) {
+      const vfloat wv = rollout_vec::keep(load(w + j * w_stride + h * L));
+#pragma GCC unroll 4
+      for (int64_t i = 0; i < R; ++i) acc[i][j][h] = fma(xv[i], wv, acc[i][j][h]);
+    }
+  }
 }
 
 // out[i, j] for i < R rows of x (stride sx) and j < C rows of w (stride K), R <= MR, C <= NR;
@@ -77,30 +89,32 @@ inline vfloat load_tail(const float* p, int64_t n) {  // n < L elements, the oth
 template <int64_t R, int64_t C>
 void tile(const float* x, int64_t sx, const float* w, int64_t K, const float* bias, float* out,
           int64_t so, const char* next) {
-  vfloat acc[R][C];
+  vfloat acc[R][C][kWide];
+#pragma GCC unroll 4
   for (int64_t i = 0; i < R; ++i)
-    for (int64_t j = 0; j < C; ++j) acc[i][j] = vfloat{};
+#pragma GCC unroll 4
+    for (int64_t j = 0; j < C; ++j)
+#pragma GCC unroll 2
+      for (int64_t h = 0; h < kWide; ++h) acc[i][j][h] = vfloat{};
   int64_t k = 0;
-  for (; k + L <= K; k += L) {
+  for (; k + kLanes <= K; k += kLanes) {
+#pragma GCC unroll 4
     for (int64_t j = 0; j < C; ++j) __builtin_prefetch(next + (j * K + k) * sizeof(float), 0, 1);
-    vfloat xv[R];
-    for (int64_t i = 0; i < R; ++i) xv[i] = load(x + i * sx + k);
-    for (int64_t j = 0; j < C; ++j) {
-      const vfloat wv = load(w + j * K + k);
-      for (int64_t i = 0; i < R; ++i) acc[i][j] = fma(xv[i], wv, acc[i][j]);
-    }
+    const float* xr[R];
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < R; ++i) xr[i] = x + i * sx + k;
+    tile_step<R, C>(acc, xr, w + k, K);
   }
-  if (k < K) {
-    vfloat xv[R];
-    for (int64_t i = 0; i < R; ++i) xv[i] = load_tail(x + i * sx + k, K - k);
-    for (int64_t j = 0; j < C; ++j) {
-      const vfloat wv = load_tail(w + j * K + k, K - k);
-      for (int64_t i = 0; i < R; ++i) acc[i][j] = fma(xv[i], wv, acc[i][j]);
-    }
+  if (k < K) {  // the last K - k < 16 elements as one zero-padded step
+    float xt[R][kLanes] = {}, wt[C][kLanes] = {};
+    const float* xr[R];
+    for (int64_t i = 0; i < R; ++i) std::memcpy(xt[i], x + i * sx + k, (K - k) * sizeof(float)), xr[i] = xt[i];
+    for (int64_t j = 0; j < C; ++j) std::memcpy(wt[j], w + j * K + k, (K - k) * sizeof(float));
+    tile_step<R, C>(acc, xr, wt[0], kLanes);
   }
   for (int64_t i = 0; i < R; ++i)
     for (int64_t j = 0; j < C; ++j) {
-      const float dot = reduce(acc[i][j], plus);
+      const float dot = rollout_vec::reduce_wide(acc[i][j], true);
       out[i * so + j] = bias ? dot + bias[j] : dot;
     }
 }

@@ -1,5 +1,6 @@
 """The batch-invariant C++ ops: a row's result must be the same bits whatever rows come with it
 (alone, first, last, in a batch of any size), and close to the float64 / torch reference."""
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,53 @@ def test_invariant_linear_rows_do_not_depend_on_the_batch(ext, K, N, bias):
     # rows of a wider tensor (a strided view, as the model's column slices are)
     wide = torch.cat([x, torch.randn(70, 5, generator=g)], dim=1)[:, :K]
     assert torch.equal(ext.invariant_linear(wide, w, b), full)
+
+
+def _fma32(a, b, c):
+    """float32 a * b + c with one rounding, in numpy: the product is exact in float64, the sum's
+    float64 rounding error is kept (TwoSum) and decides the float32 rounding where the float64
+    sum landed exactly halfway between two float32 values (the one case double rounding breaks)."""
+    p, c = a.astype(np.float64) * b.astype(np.float64), c.astype(np.float64)
+    t = p + c
+    bv = t - p
+    e = (p - (t - bv)) + (c - bv)
+    r = t.astype(np.float32)
+    r64 = r.astype(np.float64)
+    toward = np.nextafter(r, np.where(t > r64, np.float32(np.inf), np.float32(-np.inf))).astype(np.float64)
+    halfway = (t != r64) & ((r64 + toward) / 2 == t) & (e != 0)
+    t = np.where(halfway, np.nextafter(t, t + e), t)
+    return t.astype(np.float32)
+
+
+def _invariant_linear_reference(x, w, b):
+    """The summation order invariant_ops.cpp defines, on every CPU: lane l of 16 takes x[k] * w[k]
+    for k = l, l + 16, ... (one FMA each, the K % 16 tail zero-padded), the lanes are summed by a
+    halving tree (l and l + 8, then + 4, + 2, + 1), then the bias is added."""
+    x, w = x.numpy(), w.numpy()
+    (M, K), N = x.shape, w.shape[0]
+    pad = -K % 16
+    x, w = np.pad(x, ((0, 0), (0, pad))), np.pad(w, ((0, 0), (0, pad)))
+    acc = np.zeros((M, N, 16), np.float32)
+    for k in range(0, K + pad, 16):
+        acc = _fma32(x[:, None, k:k + 16], w[None, :, k:k + 16], acc)
+    for half in (8, 4, 2, 1):
+        acc = acc[..., :half] + acc[..., half:2 * half]
+    out = acc[..., 0]
+    return torch.from_numpy(out + b.numpy() if b is not None else out)
+
+
+@pytest.mark.parametrize("M,K,N,bias", [(5, 576, 9, False), (7, 37, 13, True), (3, 1, 2, False), (1, 1536, 4, True)])
+def test_invariant_linear_is_the_documented_summation_order(ext, M, K, N, bias):
+    # The same bits on every CPU (AVX2 and AVX-512 builds tile differently): the exact order, emulated.
+    g = torch.Generator().manual_seed(M * K + N)
+    x = torch.randn(M, K, generator=g) * torch.logspace(-3, 3, K)  # mixed magnitudes: rounding matters
+    w = torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    ref = _invariant_linear_reference(x, w, b)
+    assert torch.equal(ext.invariant_linear(x, w, b), ref)
+    if K >= 37:  # the reference can tell orders apart: a float64 dot rounded once differs in places
+        assert not torch.equal(torch.nn.functional.linear(x.double(), w.double(),
+                                                          None if b is None else b.double()).float(), ref)
 
 
 def test_invariant_linear_refuses_what_it_cannot_compute(ext):
