@@ -169,20 +169,29 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
       return std::lower_bound(cum.begin(), cum.end(), cum[n_items] * i / team) - cum.begin();
     };
     const int64_t first = split(tid), last = tid + 1 == team ? n_items : split(tid + 1);
-    int64_t pf_item = first, pf_t = 0, pf_len = 0;  // the prefetch cursor: token pf_t of pf_item
-    if (pf_item < last) pf_len = item_range(pf_item, pf_t);
+    // The prefetch cursor: token pf_t of pf_item, offset pf_off of its block pf_blocks[pf_j]. Kept
+    // incrementally: a division per token (block and offset) costs as much as scoring it.
+    int64_t pf_item = first, pf_t = 0, pf_len = 0, pf_j = 0, pf_off = 0, pf_head = 0;
+    const int32_t* pf_blocks = block_table;
+    auto start_prefetch_item = [&] {
+      pf_len = item_range(pf_item, pf_t);
+      pf_j = pf_t / bs, pf_off = pf_t - pf_j * bs;
+      pf_blocks = block_table + pf_item / ipb * bt_stride;
+      pf_head = pf_item % ipb * hpi * RD;
+    };
+    if (pf_item < last) start_prefetch_item();
     auto advance_prefetch = [&](int64_t budget) {  // K and V rows of the next `budget` tokens
       while (budget > 0 && pf_item < last) {
         if (pf_t >= pf_len) {
           if (++pf_item >= last) break;
-          pf_len = item_range(pf_item, pf_t);
+          start_prefetch_item();
           continue;
         }
-        const int64_t pb = pf_item / ipb, ph = pf_item % ipb * hpi;
-        const int64_t off = block_table[pb * bt_stride + pf_t / bs] * blk_stride + (pf_t % bs) * tok_stride + ph * RD;
+        const int64_t off = pf_blocks[pf_j] * blk_stride + pf_off * tok_stride + pf_head;
         for (int64_t c = 0; c < hpi * RD; c += 64 / int64_t(sizeof(C)))
           __builtin_prefetch(k_cache + off + c, 0, 1), __builtin_prefetch(v_cache + off + c, 0, 1);  // into L2
         ++pf_t, --budget;
+        if (++pf_off == bs) pf_off = 0, ++pf_j;
       }
     };
     advance_prefetch(kPrefetchAhead);
@@ -196,11 +205,12 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
       // Calls fn(i0, cnt, offset) for each chunk: tokens i0 .. i0+cnt-1 of the window (cnt <= L,
       // all in one block), whose rows (of kv head kvh0) start at cache + offset, tok_stride apart.
       auto for_each_chunk = [&](auto&& fn) {
+        int64_t j = start / bs, off = start - j * bs;
         for (int64_t t = start; t < len;) {
-          const int64_t j = t / bs, off = t - j * bs;
           const int64_t cnt = std::min({L, len - t, bs - off});
           fn(t - start, cnt, blocks[j] * blk_stride + off * tok_stride + kvh0 * RD);
-          t += cnt;
+          t += cnt, off += cnt;
+          if (off == bs) off = 0, ++j;
         }
       };
 
@@ -264,15 +274,16 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
             }
           rows = reinterpret_cast<const float*>(vbuf.data()), row_stride = hpi * D;
         }
-        for (int64_t r = 0; r < GH; ++r) {
-          const float* p = &scores[r * s_stride + i0];
-          const float* vr = rows + r / G * D;
-          vfloat a[kMaxNV];
-          for (int64_t c = 0; c < NV; ++c) a[c] = acc[r * NV + c];
-          for (int64_t i = 0; i < cnt; ++i)
-            for (int64_t c = 0; c < NV; ++c) a[c] += p[i] * load(vr + i * row_stride + c * L);
-          for (int64_t c = 0; c < NV; ++c) acc[r * NV + c] = a[c];
-        }
+        for (int64_t hh = 0, r = 0; hh < hpi; ++hh)  // query head r = hh * G + g reads kv head hh's rows
+          for (int64_t g = 0; g < G; ++g, ++r) {
+            const float* p = &scores[r * s_stride + i0];
+            const float* vr = rows + hh * D;
+            vfloat a[kMaxNV];
+            for (int64_t c = 0; c < NV; ++c) a[c] = acc[r * NV + c];
+            for (int64_t i = 0; i < cnt; ++i)
+              for (int64_t c = 0; c < NV; ++c) a[c] += p[i] * load(vr + i * row_stride + c * L);
+            for (int64_t c = 0; c < NV; ++c) acc[r * NV + c] = a[c];
+          }
       });
 
       T* o = out + (b * H + kvh0 * G) * D;
