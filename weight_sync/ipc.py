@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import functools
 import io
 import math
@@ -148,10 +149,8 @@ class SharedWeights:
         self.close()
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):  # at interpreter shutdown the modules close() uses may be gone
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 class SpareWriter:
