@@ -11,11 +11,11 @@ bfloat16 (default):
   AMX          bf16_amx_linear on the same packed weights (the engine's path with AMX: Xeons from
                Sapphire Rapids on);
 float32 (--dtype float32):
-  F.linear, oneDNN as above (oneDNN: the engine's path for steps of > 9 rows on CPUs with
-               neither AVX-512 nor AVX2),
-  rows         invariant_linear on the plain weight (steps of <= 9 rows there; batch-invariant mode),
-  panels       f32_panel_linear on weights packed by f32_panel_pack (the engine's float32 path on
-               CPUs with AVX-512 or AVX2 + FMA).
+  F.linear, oneDNN as above (oneDNN: the engine's path on CPUs with neither AVX-512 nor AVX2),
+  rows         invariant_linear on the plain weight (batch-invariant mode there: the panels'
+               summation order without a packed copy),
+  panels       f32_panel_linear on weights packed by f32_panel_pack (the engine's float32 path,
+               batch-invariant mode included, on CPUs with AVX-512 or AVX2 + FMA).
 Each run also times packing the 121 weights: oneDNN's reorder (fresh memory each time) against
 ours rewriting the memory it packed before, as a weight update does.
 

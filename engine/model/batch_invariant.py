@@ -4,9 +4,11 @@ With `EngineConfig(batch_invariant=True)` (`rollout serve --batch-invariant`; fl
 token's logits, and so its logprobs, do not depend on what else the engine runs: the same prompt
 alone, in a batch of 64, prefilled in one chunk or several, or found in the prefix cache, gives
 bit-identical prompt and sample logprobs (and the same greedy tokens). How:
-  - every projection (qkv, o, gate_up, down, lm_head) is `invariant_linear`: each output one
-    dot product in a fixed order (kernels/csrc/invariant_ops.cpp), where BLAS picks its blocking
-    and threading by the number of rows;
+  - every projection (qkv, o, gate_up, down, lm_head) sums each output as one chain of FMAs in k
+    order, whatever the number of rows, where BLAS picks its blocking and threading by it: the
+    float32 panels (kernels/csrc/f32_linear.cpp, the default float32 path's kernel on AVX2 or
+    AVX-512 CPUs) or, on a CPU without them, `invariant_linear` on the plain weight
+    (kernels/csrc/invariant_ops.cpp), which gives the same bits;
   - attention runs every token, prefill tokens included, as its own row of the paged decode
     kernel (engine.model.attention.per_token_decode_rows): one fixed-order sum over keys 0..p;
   - the per-row C++ ops (RMSNorm, rotary, SiLU) already compute each row on its own;
@@ -61,6 +63,7 @@ class InvariantScorer:
         self.model.untie_pushed(staged)
         for name, t in staged.items():
             self.model.hf_view(name).copy_(t)
+        self.model.repack()
 
     @torch.inference_mode()
     def token_logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[torch.Tensor]:

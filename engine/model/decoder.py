@@ -33,21 +33,17 @@ from weight_sync.checkpoint import load_safetensors_folder
 from weight_sync.names import expert_names, router_name, split_experts
 
 # Where our own packed copy of a weight serves every step (`Linear.panels`): float32 on CPUs with
-# AVX-512 or AVX2 + FMA (kernels/csrc/f32_linear.cpp: on a 2-core Xeon as fast as the row kernel
-# below at 1-4 rows, 1.4-1.5x oneDNN's prepacked GEMM at 8-32 rows, even with it at 128-512; on an
-# AVX2 EPYC 1.0x oneDNN at 1 row, 1.2-1.45x at 4-32, 1.1x at 128-2048), bf16 on CPUs with
+# AVX-512 or AVX2 + FMA (kernels/csrc/f32_linear.cpp: on a 2-core Xeon 1.4-1.5x oneDNN's prepacked
+# GEMM at 8-32 rows, even with it at 128-512; on an AVX2 EPYC 1.0x oneDNN at 1 row, 1.2-1.45x at
+# 4-32, 1.1x at 128-2048), bf16 on CPUs with
 # AVX-512 BF16 (kernels/csrc/vnni_linear.cpp: on an EPYC 2x oneDNN at 1-8 rows, 1.3x at 16, even
 # at 512) and, where AMX exists, the same bf16 panels through kernels/csrc/amx_linear.cpp (on a
 # 2-core Xeon as fast as vnni_linear at 1-2 rows, 1.5-4x it from 8 rows on; 1.5-2x oneDNN's AMX
 # GEMM up to 32 rows, even with it at 64-256, 0.9x at prefill's 1024-4096). Ours are packed in
 # place by a weight update; oneDNN's copy can only be made in fresh memory, whose page faults
-# made its reorder most of a float32 update (~0.25 s of the default model's).
+# made its reorder most of a float32 update (~0.25 s of the default model's). Elsewhere oneDNN's
+# prepacked GEMM takes every step.
 #
-# Elsewhere oneDNN's prepacked GEMM takes the larger steps. float32 steps of at most this many
-# rows then run the fixed-order C++ kernel that streams the plain weight once
-# (kernels/csrc/invariant_ops.cpp; measured on an AVX-512 EPYC, 20.7 vs 24.3 ms at 8 rows, even at
-# 10; every x86 CPU with AVX2 now takes the panels instead).
-FP32_ROWS_KERNEL_MAX_ROWS = 9
 # bf16 with AMX but without the AMX kernel (K not a multiple of 32; an OS that refuses the tile
 # state): vnni_linear's dot products ran at ~75 GFLOP/s on that Xeon and oneDNN's AMX GEMM matched
 # them at 8 rows, so it takes the steps of more rows.
@@ -57,13 +53,12 @@ EVERY_STEP = 1 << 62  # a panel_max that no step reaches
 
 class Linear:
     """y = x @ weight.T (+ bias) through, in this order of preference: our kernel on our packed
-    copy (`panels`, steps of <= panel_max rows); a oneDNN-prepacked copy (`packed`; float32
-    steps of few rows take `rows_kernel` on the plain weight); the fixed-order kernel whose every
-    output is one dot product (batch-invariant mode); F.linear. `weight` stays the plain tensor
-    that loads, pushes and checksums read and write (`pack()` after a write)."""
+    copy (`panels`, steps of <= panel_max rows); a oneDNN-prepacked copy (`packed`); the
+    fixed-order kernel on the plain weight (batch-invariant mode on a CPU without the panels);
+    F.linear. `weight` stays the plain tensor that loads, pushes and checksums read and write
+    (`pack()` after a write)."""
 
-    __slots__ = ("weight", "bias", "panels", "panel_linear", "panel_max", "packed", "rows_kernel", "rows_max",
-                 "invariant")
+    __slots__ = ("weight", "bias", "panels", "panel_linear", "panel_max", "packed", "invariant")
 
     def __init__(self, out_features: int, in_features: int, bias: bool, dtype, device):
         self.weight = torch.zeros(out_features, in_features, dtype=dtype, device=device)
@@ -71,16 +66,12 @@ class Linear:
         self.panels = self.panel_linear = None  # our packed copy and the kernel reading it: (x, panels, N, bias)
         self.panel_max = 0
         self.packed = None
-        self.rows_kernel = None  # (x, weight, bias) for steps of <= rows_max rows (packed weights otherwise)
-        self.rows_max = 0
         self.invariant = None  # kernels' invariant_linear(x, weight, bias) in batch-invariant mode
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None and x.shape[0] <= self.panel_max:
             return self.panel_linear(x, self.panels, self.weight.shape[0], self.bias)
         if self.packed is not None:
-            if x.shape[0] <= self.rows_max:
-                return self.rows_kernel(x, self.weight, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.invariant is not None:
             return self.invariant(x, self.weight, self.bias)
@@ -92,8 +83,8 @@ class Linear:
         Our own packed copy is rewritten in place when its shape holds (a weight update runs with
         no step in flight): fresh memory would cost page faults worth several copies."""
         old, self.panels = self.panels, None
-        self.panel_linear = self.packed = self.rows_kernel = None
-        self.panel_max = self.rows_max = 0
+        self.panel_linear = self.packed = None
+        self.panel_max = 0
         dtype, (n, k) = self.weight.dtype, self.weight.shape
         if ext is not None and dtype == torch.bfloat16 and ext.bf16_vnni_supported():
             shape = ((n + 31) // 32, (k + 1) // 2, 32, 2)  # panels of 32 columns, k in pairs
@@ -109,8 +100,6 @@ class Linear:
             return
         if onednn:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
-            if dtype == torch.float32 and ext is not None:
-                self.rows_kernel, self.rows_max = ext.invariant_linear, FP32_ROWS_KERNEL_MAX_ROWS
 
 
 class Layer:
@@ -198,9 +187,11 @@ class LlamaModel:
         self._aliases = self._fused_expert_names()
 
     def _use_invariant_kernels(self) -> None:
-        """Batch-invariant mode (see engine/model/batch_invariant.py): the fixed-order matmul for every
-        projection; the per-row C++ ops (norms, rotary, activation) and the paged attention
-        kernel are invariant as they are, and the runner sends every token through the latter."""
+        """Batch-invariant mode (see engine/model/batch_invariant.py): every projection sums each output
+        in one fixed order, through the float32 panels (`repack`) or, on a CPU without them,
+        `invariant_linear` on the plain weight (the same bits); the per-row C++ ops (norms, rotary,
+        activation) and the paged attention kernel are invariant as they are, and the runner sends
+        every token through the latter."""
         ext = cpu_ext.ops_for(self.device, self.dtype)
         if ext is None or self.dtype != torch.float32 or self.ops.decode_attention is None:
             raise UnsupportedModelError(
@@ -433,12 +424,11 @@ class LlamaModel:
 
     def repack(self, linears: list[Linear] | None = None) -> None:
         """Refresh the packed matmul weights from the plain tensors (after any weight write; of
-        `linears` only, default all). Batch-invariant mode packs nothing: its kernel is the one
-        that gives invariant results."""
-        enable = (self.device.type == "cpu" and not self.batch_invariant
-                  and self.dtype in (torch.bfloat16, torch.float32))
+        `linears` only, default all). Batch-invariant mode packs the float32 panels, whose every
+        output is one FMA chain in k order, and never oneDNN's copy (its blocking follows the rows)."""
+        enable = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)
         ext = cpu_ext.ops_for(self.device, self.dtype) if enable else None
-        onednn = enable and _mkldnn_ok(self.dtype)
+        onednn = enable and not self.batch_invariant and _mkldnn_ok(self.dtype)
         for lin in self._linears() if linears is None else linears:
             lin.pack(ext, onednn)
 

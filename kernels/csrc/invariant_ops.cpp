@@ -1,20 +1,20 @@
-// Batch-invariant float32 matmul for the engine's batch-invariant mode (see kernels/invariant.py):
+// Batch-invariant float32 matmul on the plain (unpacked) weight:
 //
 //   invariant_linear(x (M, K), weight (N, K), bias (N,) | None) -> x @ weight.T + bias  (M, N)
 //
 // BLAS libraries pick their blocking, kernels and threading by M (a decode of 3 sequences and a
 // prefill of 300 tokens take different code), so a row's result depends on what else is in the
-// batch. Here every output element is one dot product computed the same way wherever it sits:
-// lane l of a 16-lane accumulator takes x[k] * w[k] for k = l, l + 16, ... in order (one FMA
-// each; a K % 16 tail as a zero-padded vector), the 16 lanes are summed by reduce()'s fixed tree,
-// then the bias is added. Tiles (MR x NR outputs in registers), row blocks and threads only
-// decide which outputs are computed together, never how one is computed, so a row gives the same
-// bits alone, in any batch, at any position, and in a trainer's recompute that calls this op.
+// batch. Here every output element is one chain of FMAs over k = 0, 1, ..., K - 1 from zero, then
+// + bias (+ 0 without one): the order of f32_panel_linear (f32_linear.cpp), which batch-invariant
+// mode runs on its packed weights where it is built (AVX-512 or AVX2 + FMA). This op gives the
+// same bits without a packed copy and on any CPU, so a CPU without the panels, or a few-row step
+// on one that takes oneDNN for larger ones, agrees with them bit for bit. Tiles, blocks and
+// threads only decide which outputs are computed together, never how one is computed.
 //
-// Speed: register tiles of accumulators (4 x 4 with AVX-512, 2 x 3 with AVX2); weight rows stay
-// in L1 while a block of 64 rows of x passes under them; threads split the output columns. While
-// a tile reads its weight rows, each k step prefetches the same offsets of the next tile's rows
-// into L2, so a thread's weight stream never waits on DRAM (the model's 121 matmuls at 1-7 rows: 0.55-0.8x the time without).
+// How: the outputs are taken in blocks of 2 vectors of columns; a block's weight rows are
+// transposed into a k-major buffer (the panel layout, made per call) and each tile of up to MR
+// rows of x then takes two weight loads and 2 * MR FMAs per k with x[k] broadcast. Threads split
+// the column blocks.
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -22,9 +22,9 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "ops.h"
 #include "vec.h"
@@ -32,22 +32,19 @@
 namespace rollout_invariant {
 namespace {
 
-using rollout_vec::kWide;
 using rollout_vec::L;
 using rollout_vec::load;
+using rollout_vec::store;
 using rollout_vec::vfloat;
 
-// A 16-lane accumulator on every target, so an output has the same bits on AVX2 and AVX-512
-// machines: one register with AVX-512, kWide = 2 registers of 8 (lanes 0-7 and 8-15) with AVX2.
-constexpr int64_t kLanes = 16;
-// A register tile: MR rows of x by NR rows of the weight. AVX-512: 16 of its 32 registers hold
-// accumulators; AVX2: 12 of 16 (a 4 x 4 tile of 16-lane accumulators would be 32 and spill).
+constexpr int64_t kCols = 2 * L;  // output columns per block: two vectors
+// Rows of x per register tile: 2 * MR accumulators, two weight vectors and a broadcast in the
+// target's registers (32 with AVX-512, 16 with AVX2).
 #if defined(__AVX512F__)
-constexpr int64_t MR = 4, NR = 4;
+constexpr int64_t MR = 12;
 #else
-constexpr int64_t MR = 2, NR = 3;
+constexpr int64_t MR = 6;
 #endif
-constexpr int64_t kRowBlock = 64;  // rows of x that pass under one tile of weight rows
 constexpr int64_t kParallelFmas = 1 << 17;  // below this many FMAs a call runs on one thread
 
 // acc + a * b with one rounding, spelled out so that no code path depends on the compiler's
@@ -64,73 +61,50 @@ inline vfloat fma(vfloat a, vfloat b, vfloat acc) {
 #endif
 }
 
-// One 16-element step of k for every accumulator of the tile; x and w point at the step's first
-// element (w_stride between weight rows). keep() holds each x and weight vector in a register for
-// all the FMAs that use it: with AVX2's 16 registers GCC otherwise reloads one of the two from
-// memory in every FMA (16 loads per 12 FMAs instead of 10).
-template <int64_t R, int64_t C>
-inline void tile_step(vfloat (&acc)[R][C][kWide], const float* const (&x)[R], const float* w, int64_t w_stride) {
-#pragma GCC unroll 2
-  for (int64_t h = 0; h < kWide; ++h) {
-    vfloat xv[R];
-#pragma GCC unroll 4
-    for (int64_t i = 0; i < R; ++i) xv[i] = rollout_vec::keep(load(x[i] + h * L));
-#pragma GCC unroll 4
-    for (int64_t j = 0; j < C; ++j) {
-      const vfloat wv = rollout_vec::keep(load(w + j * w_stride + h * L));
-#pragma GCC unroll 4
-      for (int64_t i = 0; i < R; ++i) acc[i][j][h] = fma(xv[i], wv, acc[i][j][h]);
+// x in every lane (not vec.h's splat: 0 + x turns -0 into +0, and GCC builds it through memory).
+inline vfloat broadcast(const float* x) {
+#if defined(__AVX512F__)
+  return (vfloat)_mm512_set1_ps(*x);
+#elif defined(__AVX__)
+  return (vfloat)_mm256_broadcast_ss(x);
+#else
+  vfloat r;
+  for (int64_t l = 0; l < L; ++l) r[l] = *x;
+  return r;
+#endif
+}
+
+// out[i, 0:cols] for i < R rows of x (stride sx) from a block's k-major weights wt (K x kCols).
+// The loops over the accumulators are unrolled by pragma: left to itself GCC keeps them on the
+// stack (see f32_linear.cpp).
+template <int64_t R>
+void tile(const float* x, int64_t sx, int64_t K, const float* wt, const float* bias, int64_t cols, float* out,
+          int64_t so) {
+  vfloat acc[R][2];
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < R; ++i) acc[i][0] = acc[i][1] = vfloat{};
+  for (int64_t k = 0; k < K; ++k) {
+    const vfloat w0 = load(wt + k * kCols), w1 = load(wt + k * kCols + L);
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < R; ++i) {
+      const vfloat xv = broadcast(x + i * sx + k);
+      acc[i][0] = fma(xv, w0, acc[i][0]);
+      acc[i][1] = fma(xv, w1, acc[i][1]);
     }
   }
-}
-
-// out[i, j] for i < R rows of x (stride sx) and j < C rows of w (stride K), R <= MR, C <= NR;
-// prefetches C rows of K floats at `next` along the way.
-template <int64_t R, int64_t C>
-void tile(const float* x, int64_t sx, const float* w, int64_t K, const float* bias, float* out,
-          int64_t so, const char* next) {
-  vfloat acc[R][C][kWide];
-#pragma GCC unroll 4
+  alignas(64) float buf[R][kCols];
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < R; ++i) store(buf[i], acc[i][0]), store(buf[i] + L, acc[i][1]);
   for (int64_t i = 0; i < R; ++i)
-#pragma GCC unroll 4
-    for (int64_t j = 0; j < C; ++j)
-#pragma GCC unroll 2
-      for (int64_t h = 0; h < kWide; ++h) acc[i][j][h] = vfloat{};
-  int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes) {
-#pragma GCC unroll 4
-    for (int64_t j = 0; j < C; ++j) __builtin_prefetch(next + (j * K + k) * sizeof(float), 0, 1);
-    const float* xr[R];
-#pragma GCC unroll 4
-    for (int64_t i = 0; i < R; ++i) xr[i] = x + i * sx + k;
-    tile_step<R, C>(acc, xr, w + k, K);
-  }
-  if (k < K) {  // the last K - k < 16 elements as one zero-padded step
-    float xt[R][kLanes] = {}, wt[C][kLanes] = {};
-    const float* xr[R];
-    for (int64_t i = 0; i < R; ++i) std::memcpy(xt[i], x + i * sx + k, (K - k) * sizeof(float)), xr[i] = xt[i];
-    for (int64_t j = 0; j < C; ++j) std::memcpy(wt[j], w + j * K + k, (K - k) * sizeof(float));
-    tile_step<R, C>(acc, xr, wt[0], kLanes);
-  }
-  for (int64_t i = 0; i < R; ++i)
-    for (int64_t j = 0; j < C; ++j) {
-      const float dot = rollout_vec::reduce_wide(acc[i][j], true);
-      out[i * so + j] = bias ? dot + bias[j] : dot;
-    }
+    for (int64_t c = 0; c < cols; ++c) out[i * so + c] = buf[i][c] + (bias ? bias[c] : 0.0f);
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, const char*);
-
-template <int64_t R, int64_t... Cs>
-constexpr auto tile_row(std::integer_sequence<int64_t, Cs...>) {
-  return std::array<TileFn, NR>{&tile<R, Cs + 1>...};
-}
+using TileFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, int64_t, float*, int64_t);
 template <int64_t... Rs>
-constexpr auto tile_table(std::integer_sequence<int64_t, Rs...>) {
-  return std::array<std::array<TileFn, NR>, MR>{tile_row<Rs + 1>(std::make_integer_sequence<int64_t, NR>{})...};
+constexpr std::array<TileFn, MR> make_tiles(std::integer_sequence<int64_t, Rs...>) {
+  return {&tile<Rs + 1>...};
 }
-// kTiles[R - 1][C - 1] = tile<R, C>: the full tile and every edge tile.
-constexpr auto kTiles = tile_table(std::make_integer_sequence<int64_t, MR>{});
+constexpr std::array<TileFn, MR> kTiles = make_tiles(std::make_integer_sequence<int64_t, MR>{});
 
 }  // namespace
 
@@ -158,23 +132,24 @@ at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight,
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t n_tiles = (N + NR - 1) / NR;
-  auto run = [&](int64_t t0, int64_t t1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-      const int64_t m1 = std::min(M, m0 + kRowBlock);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t n = t * NR, C = std::min(NR, N - n);
-        for (int64_t m = m0; m < m1; m += MR) {
-          const int64_t R = std::min(MR, m1 - m);
-          kTiles[R - 1][C - 1](xp + m * sx, sx, wp + n * K, K, b ? b + n : nullptr, op + m * N + n, N,
-                               reinterpret_cast<const char*>(wp + std::min(n + NR, N - C) * K));
-        }
+  const int64_t blocks = (N + kCols - 1) / kCols;
+  auto run = [&](int64_t b0, int64_t b1) {
+    std::vector<float> wt(K * kCols);  // one block's weights, k-major (zeros past N)
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n = blk * kCols, cols = std::min(kCols, N - n);
+      for (int64_t c = 0; c < kCols; ++c) {
+        const float* row = wp + (n + c) * K;
+        for (int64_t k = 0; k < K; ++k) wt[k * kCols + c] = c < cols ? row[k] : 0.0f;
+      }
+      for (int64_t m = 0; m < M; m += MR) {
+        const int64_t R = std::min(MR, M - m);
+        kTiles[R - 1](xp + m * sx, sx, K, wt.data(), b ? b + n : nullptr, cols, op + m * N + n, N);
       }
     }
   };
-  const int64_t fmas_per_tile = std::max<int64_t>(1, M * NR * K);
-  if (n_tiles * fmas_per_tile < kParallelFmas || at::get_num_threads() == 1) run(0, n_tiles);
-  else at::parallel_for(0, n_tiles, std::max<int64_t>(1, kParallelFmas / fmas_per_tile), run);
+  const int64_t fmas_per_block = std::max<int64_t>(1, M * kCols * K);
+  if (blocks * fmas_per_block < kParallelFmas || at::get_num_threads() == 1) run(0, blocks);
+  else at::parallel_for(0, blocks, std::max<int64_t>(1, kParallelFmas / fmas_per_block), run);
   return out;
 }
 

@@ -41,23 +41,20 @@ def _fma32(a, b, c):
 
 
 def _invariant_linear_reference(x, w, b):
-    """The summation order invariant_ops.cpp defines, on every CPU: lane l of 16 takes x[k] * w[k]
-    for k = l, l + 16, ... (one FMA each, the K % 16 tail zero-padded), the lanes are summed by a
-    halving tree (l and l + 8, then + 4, + 2, + 1), then the bias is added."""
+    """The summation order invariant_ops.cpp and f32_linear.cpp define, on every CPU: each output
+    is one chain of FMAs over k = 0, 1, ..., K - 1 from zero, then + bias (+ 0 without one)."""
     x, w = x.numpy(), w.numpy()
     (M, K), N = x.shape, w.shape[0]
-    pad = -K % 16
-    x, w = np.pad(x, ((0, 0), (0, pad))), np.pad(w, ((0, 0), (0, pad)))
-    acc = np.zeros((M, N, 16), np.float32)
-    for k in range(0, K + pad, 16):
-        acc = _fma32(x[:, None, k:k + 16], w[None, :, k:k + 16], acc)
-    for half in (8, 4, 2, 1):
-        acc = acc[..., :half] + acc[..., half:2 * half]
-    out = acc[..., 0]
-    return torch.from_numpy(out + b.numpy() if b is not None else out)
+    acc = np.zeros((M, N), np.float32)
+    for k in range(K):
+        acc = _fma32(x[:, None, k], w[None, :, k], acc)
+    return torch.from_numpy(acc + (b.numpy() if b is not None else np.float32(0)))
 
 
-@pytest.mark.parametrize("M,K,N,bias", [(5, 576, 9, False), (7, 37, 13, True), (3, 1, 2, False), (1, 1536, 4, True)])
+ORDER_CASES = [(5, 576, 9, False), (7, 37, 13, True), (3, 1, 2, False), (1, 1536, 4, True), (13, 64, 70, True)]
+
+
+@pytest.mark.parametrize("M,K,N,bias", ORDER_CASES)
 def test_invariant_linear_is_the_documented_summation_order(ext, M, K, N, bias):
     # The same bits on every CPU (AVX2 and AVX-512 builds tile differently): the exact order, emulated.
     g = torch.Generator().manual_seed(M * K + N)
@@ -69,6 +66,22 @@ def test_invariant_linear_is_the_documented_summation_order(ext, M, K, N, bias):
     if K >= 37:  # the reference can tell orders apart: a float64 dot rounded once differs in places
         assert not torch.equal(torch.nn.functional.linear(x.double(), w.double(),
                                                           None if b is None else b.double()).float(), ref)
+
+
+@pytest.mark.parametrize("M,K,N,bias", ORDER_CASES + [(70, 576, 200, True)])
+def test_invariant_linear_gives_the_float32_panels_bits(ext, M, K, N, bias):
+    """Batch-invariant mode runs f32_panel_linear on its packed weights where the CPU has AVX2 +
+    FMA or AVX-512, and invariant_linear on the plain weights elsewhere: a trainer's recompute
+    on either agrees bit for bit only if the two kernels sum in one order."""
+    if not ext.f32_panel_supported():
+        pytest.skip("this CPU has neither AVX2 + FMA nor AVX-512: no float32 panels to compare with")
+    g = torch.Generator().manual_seed(M + K * N)
+    x = torch.randn(M, K, generator=g) * torch.logspace(-3, 3, K)
+    w = torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    panels = ext.f32_panel_linear(x, ext.f32_panel_pack(w), N, b)
+    assert torch.equal(ext.invariant_linear(x, w, b), panels)
+    assert torch.equal(panels, _invariant_linear_reference(x, w, b))
 
 
 def test_invariant_linear_refuses_what_it_cannot_compute(ext):
