@@ -36,6 +36,7 @@ from __future__ import annotations
 import re
 
 import torch
+from typing_extensions import Self
 
 from kernels import cpu_ext
 
@@ -100,7 +101,7 @@ class ShmCommunicator:
         state = "closed" if self._comm is None else "open"
         return f"ShmCommunicator({self.name!r}, rank={self.rank}/{self.world_size}, {state})"
 
-    def __enter__(self) -> ShmCommunicator:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import httpx
+from typing_extensions import Self
 
 from rollout.client_weights import DEFAULT_TIMEOUT_S, WeightTransfer, log_push
 from rollout.errors import RolloutAPIError, RolloutConnectionError
@@ -655,7 +656,7 @@ class RolloutClient(_Transport, _Endpoints):
         self.close_weight_transfer()
         self.http.close()
 
-    def __enter__(self) -> RolloutClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -718,7 +719,7 @@ class AsyncRolloutClient(_Transport, _Endpoints):
         await self.close_weight_transfer()
         await self.http.aclose()
 
-    async def __aenter__(self) -> AsyncRolloutClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -777,7 +778,7 @@ class Session(_SessionRecord):
                 return None
             raise
 
-    def __enter__(self) -> Session:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -801,7 +802,7 @@ class AsyncSession(_SessionRecord):
                 return None
             raise
 
-    async def __aenter__(self) -> AsyncSession:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc) -> None:

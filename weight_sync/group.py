@@ -40,7 +40,7 @@ import time
 
 import torch
 import torch.distributed as dist
-
+from typing_extensions import Self
 
 MASTER_POLL_S = 0.1
 
@@ -324,7 +324,7 @@ class WeightTransferGroup:
             del pg
         self._store = None
 
-    def __enter__(self) -> WeightTransferGroup:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

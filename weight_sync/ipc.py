@@ -28,10 +28,11 @@ import mmap
 import os
 import pickle
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from multiprocessing import shared_memory
-from typing import Callable, Iterable, Iterator
 
 import torch
+from typing_extensions import Self
 
 from weight_sync.protocol import dtype_name, parse_dtype
 
@@ -142,7 +143,7 @@ class SharedWeights:
             shm.close()
             shm.unlink()
 
-    def __enter__(self) -> SharedWeights:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from tqdm import tqdm
+from typing_extensions import Self
 
 from engine.config import EngineConfig
 from engine.default_model import resolve_model
@@ -344,7 +345,7 @@ class LLM:
         if self.output_processor.tracer is not None:  # the spans still batched go out now
             self.output_processor.tracer.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
