@@ -251,11 +251,6 @@ void tile(const float* x, int64_t sx, int64_t K, const float* w, const float* bi
           int64_t so, const char* pf, int64_t pf_step) {
   tile_v<R, 2, kL2>(x, sx, K, w, bias, cols, out, so, pf, pf_step);
 }
-template <int64_t R, bool kL2>
-void wide_tile(const float* x, int64_t sx, int64_t K, const float* w, const float* bias, int64_t cols, float* out,
-               int64_t so, const char* pf, int64_t pf_step) {
-  tile_v<R, 4, kL2>(x, sx, K, w, bias, cols, out, so, pf, pf_step);
-}
 
 #endif
 
@@ -268,10 +263,9 @@ constexpr std::array<TileFn, MR> make_tiles(std::integer_sequence<int64_t, Rs...
 constexpr std::array<TileFn, MR> kTiles[2] = {make_tiles<false>(std::make_integer_sequence<int64_t, MR>{}),
                                               make_tiles<true>(std::make_integer_sequence<int64_t, MR>{})};
 #if ROLLOUT_F32_PANEL == 256
-constexpr std::array<TileFn, kWideRows> kWideTiles[2] = {{&wide_tile<1, false>, &wide_tile<2, false>,
-                                                          &wide_tile<3, false>},
-                                                         {&wide_tile<1, true>, &wide_tile<2, true>,
-                                                          &wide_tile<3, true>}};
+constexpr std::array<TileFn, kWideRows> kWideTiles[2] = {
+    {&tile_v<1, 4, false>, &tile_v<2, 4, false>, &tile_v<3, 4, false>},
+    {&tile_v<1, 4, true>, &tile_v<2, 4, true>, &tile_v<3, 4, true>}};
 #endif
 
 }  // namespace

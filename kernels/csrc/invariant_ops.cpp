@@ -137,10 +137,10 @@ at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight,
     std::vector<float> wt(K * kCols);  // one block's weights, k-major (zeros past N)
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n = blk * kCols, cols = std::min(kCols, N - n);
-      for (int64_t c = 0; c < kCols; ++c) {
-        const float* row = wp + (n + c) * K;
-        for (int64_t k = 0; k < K; ++k) wt[k * kCols + c] = c < cols ? row[k] : 0.0f;
-      }
+      for (int64_t c = 0; c < cols; ++c)
+        for (int64_t k = 0; k < K; ++k) wt[k * kCols + c] = wp[(n + c) * K + k];
+      if (cols < kCols)  // the last block: its columns past N stay zero
+        for (int64_t k = 0; k < K; ++k) std::fill_n(&wt[k * kCols + cols], kCols - cols, 0.0f);
       for (int64_t m = 0; m < M; m += MR) {
         const int64_t R = std::min(MR, M - m);
         kTiles[R - 1](xp + m * sx, sx, K, wt.data(), b ? b + n : nullptr, cols, op + m * N + n, N);
