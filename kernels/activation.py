@@ -4,12 +4,14 @@
 
 in the dtype of gate_up: F.silu rounds its (float32-computed) result to the dtype, and the
 product is rounded again, exactly as HF's `act_fn(gate_proj(x)) * up_proj(x)`. The dispatcher
-runs the C++ op (kernels/csrc/fused_ops.cpp) on CPU when the extension builds, else the reference.
+runs the C++ op (kernels/csrc/fused_ops.cpp) on CPU when the extension builds, the Triton kernel
+(kernels/triton_activation.py) on CUDA when triton is installed, else the reference.
 """
 import torch
 import torch.nn.functional as F
 
 from . import cpu_ext
+from .norm import triton_available
 
 
 def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -24,4 +26,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         ext = cpu_ext.ops_for(gate_up.device, gate_up.dtype)
         if ext is not None:
             return ext.silu_and_mul(gate_up)
+        if gate_up.is_cuda and gate_up.is_contiguous() and triton_available():
+            from kernels import triton_activation
+
+            return triton_activation.silu_and_mul(gate_up)
     return silu_and_mul_ref(gate_up)
