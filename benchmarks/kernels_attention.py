@@ -8,6 +8,10 @@ Shape: the engine's (num_heads=9, num_kv_heads=3, head_dim=64, block_size=16), b
 at random; decode: every sequence at the same length; prefill: B prompts of L new tokens after
 C cached ones.
 Run from the repo root:  .venv/bin/python benchmarks/kernels_attention.py [--threads N]
+
+--device cuda instead times the Triton decode kernel (kernels/triton_attention.py) on a GPU at a
+~1B Llama's shape (32 query heads, 8 KV heads, head_dim 64, blocks of 16), bf16, for several key
+counts a step (block_n), microseconds a call from CUDA-graph replays, as a decode step runs it.
 Timings are only meaningful on an otherwise idle machine: with more busy threads than cores,
 every OpenMP-parallel call (torch's and ours) waits for descheduled threads (~100x slower).
 """
@@ -37,11 +41,49 @@ def make_inputs(B, seq_len, dtype, gen):
     return q, kv[0], kv[1], table, lens
 
 
+def cuda_decode():
+    import triton.testing
+
+    from kernels import triton_attention
+
+    h, kvh, d, bs = 32, 8, 64, 16
+    block_ns = (16, 32, 64, 128)
+    gen = torch.Generator().manual_seed(0)
+    print(torch.cuda.get_device_name(), f"torch {torch.__version__}; H={h} KVH={kvh} D={d} block_size={bs}, bf16")
+    print("us n=N: the decode kernel taking N keys a step; prefill: the prefill kernel on the same decode "
+          "(one program per KV head: each key read once for its 4 query heads)")
+    print(f"{'B':>4} {'seq':>5} " + " ".join(f"{f'us n={n}':>10}" for n in block_ns) + f" {'prefill':>10}")
+    for B in (1, 8, 32, 256):
+        for seq_len in (128, 512, 2048):
+            n_blk = (seq_len + bs - 1) // bs
+            kv = torch.randn(2, B * n_blk + 8, bs, kvh, d, generator=gen).to("cuda", torch.bfloat16)
+            table = torch.randperm(B * n_blk + 8, generator=gen)[:B * n_blk].reshape(B, n_blk).int().cuda()
+            q = torch.randn(B, h, d, generator=gen).to("cuda", torch.bfloat16)
+            lens = torch.full((B,), seq_len, dtype=torch.int32, device="cuda")
+            times = []
+            for n in block_ns:
+                def call(n=n):
+                    triton_attention.paged_decode_attention(q, kv[0], kv[1], table, lens, d ** -0.5, None, n)
+                call()
+                times.append(1e3 * triton.testing.do_bench_cudagraph(call, rep=50))
+            cu = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+
+            def prefill():
+                triton_attention.paged_prefill_attention(q, kv[0], kv[1], table, cu, lens, d ** -0.5)
+            prefill()
+            times.append(1e3 * triton.testing.do_bench_cudagraph(prefill, rep=50))
+            print(f"{B:>4} {seq_len:>5} " + " ".join(f"{t:>10.1f}" for t in times))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    if (threads := parser.parse_args().threads) is not None:
-        torch.set_num_threads(threads)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = parser.parse_args()
+    if args.device == "cuda":
+        return cuda_decode()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     ext = cpu_ext.load()
     gen = torch.Generator().manual_seed(0)
     scale = D ** -0.5

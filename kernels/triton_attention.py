@@ -3,7 +3,8 @@ window); the torch references are kernels/attention.py's `paged_decode_attention
 `paged_prefill_attention_ref`, with the same arguments and layouts (see that module's docstring).
 
 Decode (one query token per sequence): one program per (sequence, query head) walks the
-sequence's blocks with an online softmax in float32.
+sequence's keys, BLOCK_N at a time gathered through the block table, with an online softmax in
+float32.
 
 Prefill (any number of query tokens per sequence: prompt chunks, prefix-cache hits and decodes
 mixed): one program per (tile of a sequence's queries, kv head) takes the tile's queries for all
@@ -28,7 +29,8 @@ import triton.language as tl
 @triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, scale, window,
                          sq_b, sq_h, sk_block, sk_tok, sk_head, sv_block, sv_tok, sv_head, st_b,
-                         so_b, so_h, GROUP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr):
+                         so_b, so_h, GROUP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -37,22 +39,24 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, scal
     if window > 0:
         start = tl.maximum(length - window, 0)
     d = tl.arange(0, D)
-    tok = tl.arange(0, BS)
+    n = tl.arange(0, BLOCK_N)
     q = tl.load(q_ptr + b * sq_b + h * sq_h + d).to(tl.float32)
     m = -float("inf")
     denom = 0.0
     acc = tl.zeros([D], dtype=tl.float32)
-    for j in range(start // BS, tl.cdiv(length, BS)):
-        block = tl.load(table_ptr + b * st_b + j).to(tl.int64)
-        t = j * BS + tok
+    # BLOCK_N keys a step, each through its block's entry in the table: every step is a dependent
+    # chain of loads (table, then keys, then values), so fewer, wider steps (not one per block)
+    for first in range(start // BLOCK_N * BLOCK_N, length, BLOCK_N):
+        t = first + n
         valid = (t < length) & (t >= start)
-        k = tl.load(k_ptr + block * sk_block + tok[:, None] * sk_tok + kvh * sk_head + d[None, :],
+        block = tl.load(table_ptr + b * st_b + t // BS, mask=valid, other=0).to(tl.int64)
+        k = tl.load(k_ptr + block[:, None] * sk_block + (t % BS)[:, None] * sk_tok + kvh * sk_head + d[None, :],
                     mask=valid[:, None], other=0.0).to(tl.float32)
         s = tl.where(valid, tl.sum(k * q[None, :], axis=1) * scale, -float("inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
+        m_new = tl.maximum(m, tl.max(s, axis=0))  # finite: every step holds a key at or after `start`
         p = tl.exp(s - m_new)
         alpha = tl.exp(m - m_new)
-        v = tl.load(v_ptr + block * sv_block + tok[:, None] * sv_tok + kvh * sv_head + d[None, :],
+        v = tl.load(v_ptr + block[:, None] * sv_block + (t % BS)[:, None] * sv_tok + kvh * sv_head + d[None, :],
                     mask=valid[:, None], other=0.0).to(tl.float32)
         denom = denom * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
@@ -61,7 +65,17 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, scal
     tl.store(out_ptr + b * so_b + h * so_h + d, out.to(out_ptr.dtype.element_ty))
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, sliding_window=None):
+# Keys per step of the decode kernel (at least one cache block). On an H200 at a 1B Llama's shape
+# (benchmarks/kernels_attention.py --device cuda, CUDA-graph replays) 64 ran 2.0-3.0x faster than
+# one block of 16 a step from 1 to 256 sequences; 128 was faster still there at 1-8 sequences,
+# but slower inside the engine's decode step at batch 1 (5.4 against 4.3 us a layer: the keys
+# come cold from memory after the layer's matmuls).
+DECODE_BLOCK_N = 64
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, sliding_window=None,
+                           block_n: int | None = None):
+    """block_n: keys per step (a power of two; default max(DECODE_BLOCK_N, block_size))."""
     B, H, D = q.shape
     _, bs, KVH, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "contiguous head_dim"
@@ -70,7 +84,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, sl
         q, k_cache, v_cache, block_table, seq_lens, out, float(scale), int(sliding_window or 0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        out.stride(0), out.stride(1), GROUP=H // KVH, BS=bs, D=D)
+        out.stride(0), out.stride(1), GROUP=H // KVH, BS=bs, D=D, BLOCK_N=block_n or max(DECODE_BLOCK_N, bs))
     return out
 
 

@@ -8,7 +8,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import triton_attention, triton_norm  # noqa: E402
+from kernels import triton_activation, triton_attention, triton_norm  # noqa: E402
+from kernels.activation import silu_and_mul_ref  # noqa: E402
 from kernels.attention import paged_decode_attention_ref  # noqa: E402
 from kernels.norm import fused_add_rms_norm_ref  # noqa: E402
 
@@ -41,6 +42,23 @@ def test_fused_add_rms_norm(device, dtype, with_residual, H):
             assert torch.equal(new_res, ref_res)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("I", [48, 1536])
+def test_silu_and_mul(device, dtype, I):
+    """I = 1536 (the default model's) spans two blocks of the kernel, 48 one partial block."""
+    g = torch.Generator().manual_seed(I)
+    gate_up = (3 * torch.randn(5, 2 * I, generator=g)).to(device, dtype)
+    got, want = triton_activation.silu_and_mul(gate_up), silu_and_mul_ref(gate_up)
+    assert got.shape == want.shape == (5, I) and got.dtype == dtype
+    if dtype == torch.float32:  # Triton's exp is not libm's: a few ulps
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:  # the interpreter rounds float32 -> bf16 toward zero (a GPU to nearest): a step for each of
+        # the two roundings; on a GPU the exp's ulps may tip one rounding
+        steps = 1 if device == "cuda" else 2
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * steps * 2 ** -7 + 1e-6).all()
+
+
 def _paged_case(g, device, dtype, B=3, H=4, KVH=2, D=16, bs=4, num_blocks=24):
     k_cache = torch.randn(num_blocks, bs, KVH, D, generator=g).to(device, dtype)
     v_cache = torch.randn(num_blocks, bs, KVH, D, generator=g).to(device, dtype)
@@ -53,10 +71,13 @@ def _paged_case(g, device, dtype, B=3, H=4, KVH=2, D=16, bs=4, num_blocks=24):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_decode_attention(device, dtype, window):
+@pytest.mark.parametrize("block_n", [None, 4, 8], ids=["one-step", "a-block-a-step", "two-blocks-a-step"])
+def test_paged_decode_attention(device, dtype, window, block_n):
+    """Sequences of 1, 7 and 18 keys in blocks of 4: in one step (the default 64 keys), a block
+    a step, two blocks a step (a window start and a sequence end inside a step)."""
     g = torch.Generator().manual_seed(7)
     q, k_cache, v_cache, table, lens = _paged_case(g, device, dtype)
-    got = triton_attention.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.25, window)
+    got = triton_attention.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.25, window, block_n)
     want = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, 0.25, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
