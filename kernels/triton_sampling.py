@@ -52,6 +52,9 @@ def _greedy_kernel(x_ptr, ids_ptr, lp_ptr, V, stride, WITH_LOGPROBS: tl.constexp
         tl.store(lp_ptr + row, best - (m + tl.log(s)))
 
 
+GREEDY_BLOCK = 16384
+
+
 def greedy(logits: torch.Tensor, with_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """See kernels.sampling.greedy_ref: (N,) int64 ids and (N,) float32 logprobs (or None)."""
     N, V = logits.shape
@@ -59,8 +62,10 @@ def greedy(logits: torch.Tensor, with_logprobs: bool) -> tuple[torch.Tensor, tor
     ids = torch.empty(N, dtype=torch.int64, device=logits.device)
     lps = torch.empty(N, dtype=torch.float32, device=logits.device) if with_logprobs else ids
     if N:
+        # 16 warps over blocks of 16K: a 49K vocabulary in 3 steps, each a reduction across the
+        # program (12 steps of 4K with 4 warps: 15.6 instead of 6.1 us a row on an H200)
         _greedy_kernel[(N,)](logits, ids, lps, V, logits.stride(0), WITH_LOGPROBS=with_logprobs,
-                             BLOCK=min(4096, triton.next_power_of_2(V)))
+                             BLOCK=min(GREEDY_BLOCK, triton.next_power_of_2(V)), num_warps=16)
     return ids, (lps if with_logprobs else None)
 
 
