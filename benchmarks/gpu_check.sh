@@ -2,15 +2,17 @@
 # Everything a lent GPU machine must show (issue 27), in one call of the device tool, from the repo
 # root: correctness first (the compiled Triton kernels, tests/engine/test_cuda.py, the CUDA IPC push
 # test; in parallel, timing is not their point), then the timed runs alone on the GPU (decode with
-# and without CUDA graphs, throughput beside transformers on the default model's shape and a ~1B
-# Llama, the CUDA IPC push beside a device copy, three GRPO steps). Each step has a time limit and
+# and without CUDA graphs, the decode attention kernel, async scheduling's step time, throughput
+# beside transformers on the default model's shape and a ~1B Llama, the CUDA IPC push beside a
+# device copy, the 1B's decode step by kernel, three GRPO steps). Each step has a time limit and
 # the whole run a deadline (BUDGET_S); steps past it are reported skipped. Writes $OUT/gpu_check.log
 # (everything) and $OUT/summary.txt (a line or three per step), and prints the summary last.
+# ENGINES_1B picks throughput_1b's engines (default hf,ours,ours_async).
 #
 #   bash benchmarks/gpu_check.sh prepare         # here, first: .whl/ and .gpu/ to carry (git-ignored)
 #   bash benchmarks/gpu_check.sh                 # there: every step
-#   bash benchmarks/gpu_check.sh setup graphs    # some: setup triton tests ipc_test sleep graphs overlap ipc
-#                                                #       throughput profile grpo
+#   bash benchmarks/gpu_check.sh setup graphs    # some: setup triton tests ipc_test sleep graphs attention overlap
+#                                                #       ipc throughput (= throughput_135m throughput_1b) profile grpo
 #
 # The machine has torch, triton and transformers but not our serving dependencies: those travel as
 # wheels in .whl/ (`prepare` downloads the versions .venv has, for the image's Python 3.12). The
@@ -39,7 +41,8 @@ mkdir -p "$OUT"
 LOG=$OUT/gpu_check.log
 SUMMARY=$OUT/summary.txt
 DEADLINE=$(( $(date +%s) + ${BUDGET_S:-540} ))
-STEPS=${*:-setup triton tests ipc_test sleep graphs overlap ipc throughput profile grpo}
+STEPS=${*:-setup triton tests ipc_test sleep graphs attention overlap ipc throughput profile grpo}
+[[ " $STEPS " == *" throughput "* ]] && STEPS="$STEPS throughput_135m throughput_1b"
 # TRITON_INTERPRET=0: compiled kernels even where tests/conftest.py finds no /dev/nvidiactl
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false TRITON_INTERPRET=0
 export ROLLOUT_CACHE=/tmp/rollout-cache
@@ -80,7 +83,7 @@ if want setup; then
     run model_135m 120 $PY benchmarks/random_llama.py --preset smollm2-135m --dtype float32 --out "$MODEL" \
       --tokenizer .gpu/tokenizer
   fi
-  if [ ! -f "$BIG/config.json" ] && { want throughput || want profile; }; then
+  if [ ! -f "$BIG/config.json" ] && { want throughput_1b || want profile; }; then
     run model_1b 180 $PY benchmarks/random_llama.py --preset 1b --dtype bfloat16 --out "$BIG" --tokenizer .gpu/tokenizer
   fi
 fi
@@ -102,17 +105,17 @@ if want sleep; then GREP="^(sleep|FAILED|ERROR)" TAIL=2 run sleep 120 $PY -m pyt
 # timed, one at a time
 if want graphs; then TAIL=12 run graphs 150 $PY benchmarks/throughput.py --device cuda --engines ours,ours_eager \
   --dtypes bfloat16 --batches 1,64 --reps 2 --json "$OUT/graphs.json"; fi
+if want attention; then TAIL=14 run attention 90 $PY benchmarks/kernels_attention.py --device cuda; fi
 # async scheduling: the step-time change at batch 1 and 32, in process and through the core process
 if want overlap; then
   TAIL=14 run overlap 200 $PY benchmarks/throughput.py --device cuda --engines ours,ours_async,ours_mp,ours_mp_async \
     --dtypes bfloat16 --batches 1,32 --reps 2 --json "$OUT/overlap.json"; fi
 if want ipc; then TAIL=12 run ipc 120 $PY benchmarks/rl_cycle.py --device cuda --dtypes bfloat16 --reps 3; fi
-if want throughput; then
-  TAIL=14 run throughput_135m 200 $PY benchmarks/throughput.py --device cuda --engines hf,ours --dtypes bfloat16 \
-    --batches 1,32,128,256 --reps 1 --json "$OUT/throughput_135m.json"
-  TAIL=14 run throughput_1b 240 $PY benchmarks/throughput.py --device cuda --model "$BIG" --engines hf,ours \
-    --dtypes bfloat16 --batches 1,32,128,256 --reps 1 --json "$OUT/throughput_1b.json"
-fi
+if want throughput_135m; then TAIL=14 run throughput_135m 200 $PY benchmarks/throughput.py --device cuda --engines hf,ours \
+  --dtypes bfloat16 --batches 1,32,128,256 --reps 1 --json "$OUT/throughput_135m.json"; fi
+if want throughput_1b; then TAIL=16 run throughput_1b 240 $PY benchmarks/throughput.py --device cuda --model "$BIG" \
+  --engines "${ENGINES_1B:-hf,ours,ours_async}" --dtypes bfloat16 --batches 1,32,128,256 --reps 1 \
+  --json "$OUT/throughput_1b.json"; fi
 if want profile; then TAIL=45 run profile 120 $PY benchmarks/step_profile.py --device cuda --model "$BIG" --batch 1 \
   --tokens 256 --cprofile 25 --kernels 25; fi
 if want grpo; then TAIL=8 run grpo 180 $PY recipes/grpo_arithmetic.py --device cuda --steps 3; fi

@@ -70,6 +70,18 @@ def test_greedy_float32_on_cuda_matches_transformers(prompts, refs, enforce_eage
         llm.shutdown()
 
 
+def test_async_scheduling_on_cuda_matches_transformers(prompts, refs):
+    """Step N+1 scheduled while step N runs on the GPU (its decodes take N's samples on the device,
+    through the CUDA graphs): the same tokens as transformers, in a batch and alone."""
+    llm = LLM(dtype="float32", device="cuda", kv_cache_memory=512 << 20, async_scheduling=True, multiprocess=False)
+    try:
+        assert_matches(llm.generate(prompts, GREEDY, use_tqdm=False), refs, "async batch")
+        assert_matches(llm.generate(prompts[:1], GREEDY, use_tqdm=False), refs[:1], "async alone")
+        assert {1, 16} <= graph_sizes(llm)
+    finally:
+        llm.shutdown()
+
+
 def test_cuda_graphs_follow_a_weight_update_in_place(prompts, refs, default_model_path):
     """A push copies into the tensors the graphs read: the next steps decode with the new weights
     (a zeroed-then-restored update gives the reference again, a scaled one something else)."""
