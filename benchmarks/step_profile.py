@@ -89,6 +89,7 @@ def main():
     core_mod.EngineCore.step = step
     runner_mod.ModelRunner.execute_model = timed("execute", runner_mod.ModelRunner.execute_model)
     runner_mod.ModelRunner.sample = timed("sampling", runner_mod.ModelRunner.sample)
+    runner_mod.ModelRunner.samples_to_host = staticmethod(timed("sampling", runner_mod.ModelRunner.samples_to_host))
     runner_mod.ModelRunner._forward = timed("forward", runner_mod.ModelRunner._forward)  # (a graph replay on CUDA)
     model_mod.LlamaModel.compute_logits = timed("lm_head", model_mod.LlamaModel.compute_logits)
     model_mod.Linear.__call__ = timed("projections", model_mod.Linear.__call__)

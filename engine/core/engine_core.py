@@ -3,8 +3,10 @@
     schedule -> executor.execute_model (every worker) -> scheduler.update_from_output
 
 With async_scheduling the steps run in a thread of their own, one in flight while the next is
-scheduled (engine/core/scheduler.py: placeholders): step() schedules step N+1, waits for step N,
-starts N+1 and returns N's outputs, so scheduling and output handling overlap the forward pass.
+scheduled (engine/core/scheduler.py: placeholders): step() schedules step N+1, queues it (the
+step thread launches it as soon as it launched step N: N+1's placeholder tokens are N's samples,
+gathered on the device), reads N's samples back and returns N's outputs, so scheduling and output
+handling overlap the forward pass, and on a GPU the two steps' kernels run back to back.
 Every other public method but the request path (add_request, add_stream_input, abort_requests)
 and a few reads first finishes the step in flight (`_drains_first`; its outputs join the pending
 ones), and so does a Deferred's finish: no call ever runs beside a step.
@@ -276,11 +278,11 @@ class EngineCore:
                 outputs += self._apply(scheduler_output, self.executor.execute_model(scheduler_output))
             return outputs
         last, self._in_flight = self._in_flight, None
-        result = last[1].result() if last is not None else None
-        if scheduler_output is not None:  # (started before the last step's outputs are applied)
+        if scheduler_output is not None:  # queued before the last step's samples are read back: the
+            # step thread launches it as soon as it launched that one (its placeholders wait on the device)
             self._in_flight = (scheduler_output, self.executor.submit(scheduler_output))
         if last is not None:
-            outputs += self._apply(last[0], result)
+            outputs += self._apply(last[0], last[1].result())
         return outputs
 
     def drain(self) -> list[EngineCoreOutput]:

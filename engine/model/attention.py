@@ -16,6 +16,16 @@ import torch
 from kernels.attention import paged_decode_attention, paged_prefill_attention
 
 
+def device_tensor(data, dtype: torch.dtype, device) -> torch.Tensor:
+    """A small host list (or CPU tensor) as a tensor on `device`. On a GPU through pinned memory,
+    without waiting: a plain copy from pageable memory synchronizes the stream, so the step thread
+    of async scheduling would wait for the step before to finish instead of queueing the next."""
+    t = data.to(dtype) if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) int64
@@ -34,8 +44,8 @@ def step_metadata(md: AttentionMetadata, runs: list[tuple[list[int], int, int]],
     position, number of tokens): the decode kernel's when every run is one token, else the
     prefill kernel's."""
     width = max(len(b) for b, _, _ in runs)
-    table = torch.tensor([b + [0] * (width - len(b)) for b, _, _ in runs], dtype=torch.int32, device=device)
-    lens = torch.tensor([s + n for _, s, n in runs], dtype=torch.int32, device=device)
+    table = device_tensor([b + [0] * (width - len(b)) for b, _, _ in runs], torch.int32, device)
+    lens = device_tensor([s + n for _, s, n in runs], torch.int32, device)
     md.num_decodes = sum(n == 1 for _, _, n in runs)
     if md.num_decodes == len(runs):
         md.decode_block_table, md.decode_seq_lens = table, lens
@@ -44,7 +54,7 @@ def step_metadata(md: AttentionMetadata, runs: list[tuple[list[int], int, int]],
     for _, _, n in runs:
         cu.append(cu[-1] + n)
     md.block_table, md.seq_lens = table, lens
-    md.cu_q_lens = torch.tensor(cu, dtype=torch.int32, device=device)
+    md.cu_q_lens = device_tensor(cu, torch.int32, device)
 
 
 def per_token_decode_rows(md: AttentionMetadata, runs: list[tuple[list[int], int, int]], device) -> None:

@@ -48,6 +48,10 @@ class InprocExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
+    def launch_model(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Start a step; the function returned reads its samples back (see ModelRunner.launch)."""
+        return self.worker.launch_model(scheduler_output)
+
     def collective_rpc(self, method: str, args: list | None = None, kwargs: dict | None = None) -> list[Any]:
         return [worker_method(self.worker, method)(*(args or ()), **(kwargs or {}))]
 
@@ -110,8 +114,14 @@ class StepThreadExecutor:
             return fn(*args)
         return self._pool.submit(fn, *args).result()
 
-    def submit(self, scheduler_output: SchedulerOutput) -> "Future[ModelRunnerOutput]":
-        return self._pool.submit(self.inner.execute_model, scheduler_output)
+    def submit(self, scheduler_output: SchedulerOutput) -> "Future[ModelRunnerOutput] | LaunchedStep":
+        """Queue a step behind the ones before it. One worker in this process: the step thread only
+        launches it (ModelRunner.launch) and goes on to the next, and `result()` reads its samples
+        back in the caller's thread; with ranks in processes of their own, the whole step."""
+        launch = getattr(self.inner, "launch_model", None)
+        if launch is None:
+            return self._pool.submit(self.inner.execute_model, scheduler_output)
+        return LaunchedStep(self._pool.submit(launch, scheduler_output))
 
     def initialize_kv_cache(self) -> int:
         return self._call(self.inner.initialize_kv_cache)
@@ -122,6 +132,20 @@ class StepThreadExecutor:
     def shutdown(self) -> None:
         self._call(self.inner.shutdown)
         self._pool.shutdown()
+
+
+class LaunchedStep:
+    """A step that the step thread launched: result() waits for the launch, then for the step's
+    samples (in the caller's thread), once."""
+
+    def __init__(self, launched: "Future[Callable[[], ModelRunnerOutput]]"):
+        self._launched = launched
+        self._out: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._out is None:
+            self._out = self._launched.result()()
+        return self._out
 
 
 def _step_thread_setup(num_threads: int, device: str) -> None:

@@ -17,14 +17,16 @@ request that asks gets, at each of its sampling steps, the rows of the positions
 available since its previous one (on its first: from position 0, prefix-cache hits included).
 """
 import bisect
+import functools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.config import EngineConfig
 from engine.errors import EngineStateError
-from engine.model.attention import AttentionMetadata, per_token_decode_rows, step_metadata
+from engine.model.attention import AttentionMetadata, device_tensor, per_token_decode_rows, step_metadata
 from engine.model.decoder import LlamaModel
 from engine.model.parallel import TPGroup
 from engine.protocol import MMFeature, SamplingMask
@@ -111,7 +113,11 @@ class ModelRunner:
         self.encoder_cache_rows = 0
         self.encoder_cache_hits = self.encoder_cache_queries = 0
         self.cuda_graphs = self._decode_graphs()
-        self.last_sampled: dict[str, int] = {}  # the last step's tokens, by request
+        # the last step's sampled ids (on the device) and each request's row in them: an async step's
+        # placeholder tokens are gathered from these on the device, so the step can be launched
+        # before the last one's tokens reach the host (see launch)
+        self.last_ids: torch.Tensor | None = None
+        self.last_rows: dict[str, int] = {}
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for all-decode steps (engine/worker/cuda_graphs.py), where the step's forward
@@ -179,12 +185,25 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        out = self._execute_model(so)
-        self.last_sampled = out.sampled  # what the next step's placeholder tokens stand for
-        return out
+        return self.launch(so)()
+
+    def launch(self, so: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Start a step. When this returns the step's work is queued on the device but for reading
+        the samples back, which the returned function does (it waits for the device; any thread may
+        call it, once). With async scheduling the step thread launches the next step meanwhile, its
+        placeholder tokens gathered from this step's samples on the device, so a GPU runs the two
+        steps back to back instead of idling while the host turns tokens into inputs."""
+        read_back: list[Callable[[], None]] = []
+        out = self._execute_model(so, read_back)
+
+        def finish() -> ModelRunnerOutput:
+            for fn in read_back:
+                fn()
+            return out
+        return finish
 
     @torch.inference_mode()
-    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute_model(self, so: SchedulerOutput, read_back: list[Callable[[], None]]) -> ModelRunnerOutput:
         self.update_states(so)
         out = ModelRunnerOutput()
         if not so.scheduled:
@@ -205,34 +224,32 @@ class ModelRunner:
             return out
         with phase("compute_logits"):
             if len(inputs.logit_rows) < hidden.shape[0]:
-                hidden = hidden[torch.tensor(inputs.logit_rows, dtype=torch.int64, device=self.device)]
+                hidden = hidden[device_tensor(inputs.logit_rows, torch.int64, self.device)]
             logits = self.model.compute_logits(hidden)  # (len(logit_rows), V) in the model's dtype
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
             if inputs.samplers:
-                self.share_samples(inputs.samplers, out)
+                self.share_samples(inputs.samplers, sampled=False)
             return out
         with phase("sample"):
             if inputs.prompt_rows:
                 self.compute_prompt_logprobs(logits, inputs.prompt_rows, out)
             if inputs.samplers:
                 if len(inputs.sample_rows) < logits.shape[0]:
-                    logits = logits[torch.tensor(inputs.sample_rows, dtype=torch.int64)]
-                self.sample(logits, inputs.samplers, out)
-                self.share_samples(inputs.samplers, out)
+                    logits = logits[device_tensor(inputs.sample_rows, torch.int64, self.device)]
+                self.sample(logits, inputs.samplers, out, read_back)
+                self.share_samples(inputs.samplers, sampled=True)
         return out
 
-    def share_samples(self, samplers: list[ScheduledRequest], out: ModelRunnerOutput) -> None:
+    def share_samples(self, samplers: list[ScheduledRequest], sampled: bool) -> None:
         """Async scheduling with tensor parallelism: the next step's placeholders stand for this
-        step's tokens on every rank, and only rank 0 sampled them. One all-reduce of the ids
-        (zeros on the other ranks) as float32, exact below 2^24 (EngineConfig checks the vocabulary)."""
+        step's tokens on every rank, and only rank 0 (`sampled`) drew them. One all-reduce of the
+        ids (zeros on the other ranks) as float32, exact below 2^24 (EngineConfig checks the
+        vocabulary), on the device."""
         if not self.config.async_scheduling or self.tp is None or self.tp.size == 1:
             return
-        ids = torch.zeros(len(samplers), dtype=torch.float32)
-        if out.sampled:
-            ids = torch.tensor([out.sampled[sr.request_id] for sr in samplers], dtype=torch.float32)
-        ids = self.tp.all_reduce_(ids.to(self.device))
-        if not out.sampled:
-            out.sampled = {sr.request_id: int(t) for sr, t in zip(samplers, ids.tolist())}
+        ids = self.last_ids.float() if sampled else torch.zeros(len(samplers), dtype=torch.float32, device=self.device)
+        self.last_ids = self.tp.all_reduce_(ids).long()
+        self.last_rows = {sr.request_id: i for i, sr in enumerate(samplers)}
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         graphs, md, n = self.cuda_graphs, inputs.attn, inputs.input_ids.shape[0]
@@ -290,10 +307,14 @@ class ModelRunner:
                 inputs.samplers.append(sr)
                 logit_rows.append(row + n - 1)
 
+        placeholders: list[tuple[int, int]] = []  # (row, the last step's sample row that is its token)
         for sr in decodes:
             s, token = sr.start, sr.token_ids[0]
             want_logits(sr, len(positions), 1)
-            input_ids.append(self.last_sampled[sr.request_id] if token == PLACEHOLDER_TOKEN else token)
+            if token == PLACEHOLDER_TOKEN:
+                placeholders.append((len(input_ids), self.last_rows[sr.request_id]))
+                token = 0
+            input_ids.append(token)
             positions.append(s)
             slots.append(sr.block_ids[s // bs] * bs + s % bs)
         md = inputs.attn
@@ -306,16 +327,29 @@ class ModelRunner:
             bt = torch.tensor(sr.block_ids, dtype=torch.int64)
             pos = torch.arange(s, s + n)
             slot_parts.append(bt[pos // bs] * bs + pos % bs)
-        md.slot_mapping = torch.cat(slot_parts).to(dev) if len(slot_parts) > 1 else slot_parts[0].to(dev)
+        md.slot_mapping = device_tensor(torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0],
+                                        torch.int64, dev)
         if self.loras:
             inputs.lora = self._lora_batch(decodes + prefills)
         if self.model.vision is not None:
             inputs.mm = self._image_embeddings(decodes + prefills)
         runs = [(r.block_ids, r.start, len(r.token_ids)) for r in decodes + prefills]
         (per_token_decode_rows if self.config.batch_invariant else step_metadata)(md, runs, dev)
-        inputs.input_ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        inputs.positions = torch.tensor(positions, dtype=torch.int64, device=dev)
+        inputs.input_ids = device_tensor(input_ids, torch.int64, dev)
+        if placeholders:
+            self._fill_placeholders(inputs.input_ids, placeholders)
+        inputs.positions = device_tensor(positions, torch.int64, dev)
         return inputs
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, placeholders: list[tuple[int, int]]) -> None:
+        """Write the last step's sampled ids into the rows that wait for them, on the device (no
+        wait for the last step). Usually the rows are 0..n-1 on both sides: one copy."""
+        n = len(placeholders)
+        if all(row == i and src == i for i, (row, src) in enumerate(placeholders)):
+            input_ids[:n].copy_(self.last_ids[:n])
+            return
+        rows, srcs = (device_tensor(v, torch.int64, self.device) for v in zip(*placeholders))
+        input_ids[rows] = self.last_ids[srcs]
 
     # ---- routed experts -------------------------------------------------------------------
     def routed_experts(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
@@ -481,26 +515,46 @@ class ModelRunner:
             out.prompt_logprobs[rid] = (lps, top)
             state.num_prompt_logprobs = pos.stop
 
-    def sample(self, logits: torch.Tensor, samplers: list[ScheduledRequest], out: ModelRunnerOutput) -> None:
+    def sample(self, logits: torch.Tensor, samplers: list[ScheduledRequest], out: ModelRunnerOutput,
+               read_back: list[Callable[[], None]]) -> None:
+        """Draw the samplers' tokens into `out`. The copies to the host start here (on a GPU, into
+        pinned memory behind an event); what waits for them is appended to `read_back`, and reads
+        nothing the next step may change (it can run while that step is being prepared)."""
         states = [self.requests[sr.request_id] for sr in samplers]
         res = sample(logits, self._sampling_metadata(samplers, states), self.generator)
-        for sr, t in zip(samplers, res.token_ids.tolist()):
-            out.sampled[sr.request_id] = t
+        self.last_ids, self.last_rows = res.token_ids, {sr.request_id: i for i, sr in enumerate(samplers)}
         if res.kept_sets:
             for i, kept in res.kept_sets.items():
                 out.sampling_masks[samplers[i].request_id] = SamplingMask(*kept)
-        if res.logprobs is None:
+        ids, lps, top_ids, top_lps = (None if t is None else t.to("cpu", non_blocking=True)
+                                      for t in (res.token_ids, res.logprobs, res.top_ids, res.top_logprobs))
+        copied = None
+        if res.token_ids.is_cuda:
+            copied = torch.cuda.Event()
+            copied.record()
+        ks = [state.params.logprobs for state in states]
+        read_back.append(functools.partial(self.samples_to_host, out, samplers, ks, copied, ids, lps, top_ids, top_lps))
+
+    @staticmethod
+    def samples_to_host(out: ModelRunnerOutput, samplers: list[ScheduledRequest], ks: list[int | None],
+                        copied, ids: torch.Tensor, lps, top_ids, top_lps) -> None:
+        """sample()'s second half: wait for the copies (`copied`: a CUDA event, or None) and write the
+        tokens and the logprobs that were asked for (ks: each sampler's top-k, None for none) into `out`."""
+        if copied is not None:
+            copied.synchronize()
+        for sr, t in zip(samplers, ids.tolist()):
+            out.sampled[sr.request_id] = t
+        if lps is None:
             return
-        lps = res.logprobs.tolist()
-        top_ids = res.top_ids.tolist() if res.top_ids is not None else None
-        top_lps = res.top_logprobs.tolist() if res.top_ids is not None else None
-        for i, (sr, state) in enumerate(zip(samplers, states)):
-            k = state.params.logprobs
+        lp_list = lps.tolist()
+        top_id_list = top_ids.tolist() if top_ids is not None else None
+        top_lp_list = top_lps.tolist() if top_ids is not None else None
+        for i, (sr, k) in enumerate(zip(samplers, ks)):
             if k is None:
                 continue
-            out.logprobs[sr.request_id] = lps[i]
+            out.logprobs[sr.request_id] = lp_list[i]
             if k:
-                out.top_logprobs[sr.request_id] = list(zip(top_ids[i][:k], top_lps[i][:k]))
+                out.top_logprobs[sr.request_id] = list(zip(top_id_list[i][:k], top_lp_list[i][:k]))
 
     def _sampling_metadata(self, samplers: list[ScheduledRequest],
                            states: list[CachedRequestState]) -> SamplingMetadata:
@@ -509,21 +563,21 @@ class ModelRunner:
                               batch_invariant=self.config.batch_invariant)
         dev = self.device
         if not md.all_greedy:
-            md.temperature = torch.tensor([p.temperature or 1.0 for p in ps], dtype=torch.float32, device=dev)
+            md.temperature = device_tensor([p.temperature or 1.0 for p in ps], torch.float32, dev)
             if any(p.temperature == 0 for p in ps):
-                md.greedy = torch.tensor([p.temperature == 0 for p in ps], device=dev)
+                md.greedy = device_tensor([p.temperature == 0 for p in ps], torch.bool, dev)
             if any(p.top_k > 0 for p in ps):
-                md.top_k = torch.tensor([p.top_k for p in ps], dtype=torch.int64, device=dev)
+                md.top_k = device_tensor([p.top_k for p in ps], torch.int64, dev)
             if any(p.top_p < 1 for p in ps):
-                md.top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev)
+                md.top_p = device_tensor([p.top_p for p in ps], torch.float32, dev)
             if any(p.min_p > 0 for p in ps):
-                md.min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev)
+                md.min_p = device_tensor([p.min_p for p in ps], torch.float32, dev)
             md.generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
         want = [p.logprobs for p in ps if p.logprobs is not None]
         if want:
             md.max_num_logprobs = max(want)
             if any(p.logprobs is not None and p.logprobs_mode == "raw" for p in ps):
-                md.raw_logprobs = torch.tensor([p.logprobs_mode == "raw" for p in ps], device=dev)
+                md.raw_logprobs = device_tensor([p.logprobs_mode == "raw" for p in ps], torch.bool, dev)
         md.banned_tokens = {i: sr.banned_token_ids for i, sr in enumerate(samplers) if sr.banned_token_ids}
         masks = {i: p.return_sampling_mask == "ids" for i, p in enumerate(ps) if p.return_sampling_mask}
         if masks:

@@ -66,6 +66,10 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 
+    def launch_model(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """execute_model in two halves: start the step, and (the function returned) read its samples back."""
+        return self.model_runner.launch(scheduler_output)
+
     def idle_step(self) -> None:
         self.model_runner.idle_step()
 

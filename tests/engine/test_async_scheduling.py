@@ -401,6 +401,64 @@ def test_the_worker_is_built_and_called_in_the_step_thread(tiny_folder, default_
         core.shutdown()
 
 
+class LaunchRecorder:
+    """A worker extension that logs each step's launch and read-back. A read-back waits (up to a
+    second) for the next step's launch: the core queues step N+1 before it reads step N back, so
+    the step thread launches N+1 meanwhile (its placeholder tokens gathered on the device)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.log: list[tuple[str, int]] = []
+        self.launched = threading.Condition()
+
+    def launch_model(self, scheduler_output):
+        n = sum(1 for kind, _ in self.log if kind == "launch")
+        with self.launched:
+            self.log.append(("launch", n))
+            self.launched.notify_all()
+        finish = super().launch_model(scheduler_output)
+
+        def read_back():
+            with self.launched:
+                self.launched.wait_for(lambda: ("launch", n + 1) in self.log, timeout=1.0)
+            self.log.append(("read", n))
+            return finish()
+        return read_back
+
+    def step_log(self) -> list[tuple[str, int]]:
+        return list(self.log)
+
+
+def test_the_next_step_is_launched_before_the_last_one_is_read_back(tiny_folder, default_model_path):
+    """Step N+1 is launched while step N's samples are still on their way to the host (on a GPU
+    the two steps' kernels then run back to back), and the tokens are those of one step at a time."""
+    from engine.config import EngineConfig
+    from engine.core.engine_core import EngineCore
+
+    def run(async_scheduling: bool) -> tuple[list[int], list[tuple[str, int]]]:
+        core = EngineCore(EngineConfig(model=tiny_folder, tokenizer=default_model_path, dtype="float32",
+                                       kv_cache_memory=8 << 20, async_scheduling=async_scheduling,
+                                       worker_extension_cls="tests.engine.test_async_scheduling:LaunchRecorder"))
+        try:
+            core.add_request(EngineCoreRequest("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=6,
+                                                                              ignore_eos=True), None))
+            tokens = []
+            while core.has_work():
+                tokens += [t for o in core.step() for t in o.new_token_ids]
+            return tokens, core.collective_rpc("step_log")[0]
+        finally:
+            core.shutdown()
+
+    expected, _ = run(False)
+    tokens, log = run(True)
+    assert tokens == expected and len(tokens) == 6
+    reads = [n for kind, n in log if kind == "read"]
+    assert reads == list(range(len(reads)))
+    for n in reads:
+        if ("launch", n + 1) in log:
+            assert log.index(("launch", n + 1)) < log.index(("read", n)), log
+
+
 class FailsToLoad:
     """A worker extension whose worker cannot be built."""
 
