@@ -180,6 +180,9 @@ class ModelRunner:
     def free_kv_cache(self) -> None:
         self.drop_cuda_graphs()  # (sleep frees the cache first, then moves or drops the weights)
         self.kv_cache, self.kv_caches, self.routing = None, [], None
+        # (no placeholder outlives a sleep: the core drains the step in flight first; the ids would
+        # keep a block of device memory)
+        self.last_ids, self.last_rows = None, {}
         if self.model is not None:
             self.model.routing = None
 
