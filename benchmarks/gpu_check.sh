@@ -117,7 +117,9 @@ if want throughput_1b; then TAIL=16 run throughput_1b 240 $PY benchmarks/through
   --engines "${ENGINES_1B:-hf,ours,ours_async}" --dtypes bfloat16 --batches 1,32,128,256 --reps 1 \
   --json "$OUT/throughput_1b.json"; fi
 if want profile; then TAIL=45 run profile 120 $PY benchmarks/step_profile.py --device cuda --model "$BIG" --batch 1 \
-  --tokens 256 --cprofile 25 --kernels 25; fi
+  --tokens 256 --cprofile 25 --kernels 25
+  TAIL=16 run profile_async 90 $PY benchmarks/step_profile.py --device cuda --model "$BIG" --batch 1 --tokens 256 \
+    --async-scheduling --kernels 12; fi
 if want grpo; then TAIL=8 run grpo 180 $PY recipes/grpo_arithmetic.py --device cuda --steps 3; fi
 
 cat "$SUMMARY"

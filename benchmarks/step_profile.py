@@ -30,13 +30,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 TOTALS = defaultdict(float)
 
 
-def timed(label, fn):
+def timed(labels, fn):
+    """fn, adding its time to TOTALS under each of `labels` (one name, or a tuple)."""
+    labels = (labels,) if isinstance(labels, str) else labels
+
     def wrapper(*args, **kwargs):
         t = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            TOTALS[label] += time.perf_counter() - t
+            for label in labels:
+                TOTALS[label] += time.perf_counter() - t
     return wrapper
 
 
@@ -53,6 +57,8 @@ def main():
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also print the N kernels with most device time (CUDA)")
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="step N+1 launched before step N is read back (the parts then overlap: read the step time)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or int8 (CPU)")
     args = ap.parse_args()
     if args.kernels and args.device != "cuda":
@@ -68,6 +74,7 @@ def main():
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, multiprocess=False, enable_prefix_caching=False,
               enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
+              async_scheduling=args.async_scheduling,
               max_num_seqs=256, max_num_batched_tokens=8192,
               **(dict(kv_cache_memory=4 << 30) if args.device == "cuda" else {}))
     prompts = prompt_texts(llm.tokenizer, (QUESTIONS * 8)[:args.batch])
@@ -87,9 +94,11 @@ def main():
             decode_start.append(time.perf_counter())
         return out
     core_mod.EngineCore.step = step
-    runner_mod.ModelRunner.execute_model = timed("execute", runner_mod.ModelRunner.execute_model)
+    # a step is its launch, then reading its samples back (in the core's thread with async scheduling)
+    runner_mod.ModelRunner.launch = timed("execute", runner_mod.ModelRunner.launch)
     runner_mod.ModelRunner.sample = timed("sampling", runner_mod.ModelRunner.sample)
-    runner_mod.ModelRunner.samples_to_host = staticmethod(timed("sampling", runner_mod.ModelRunner.samples_to_host))
+    runner_mod.ModelRunner.samples_to_host = staticmethod(timed(("sampling", "execute"),
+                                                                runner_mod.ModelRunner.samples_to_host))
     runner_mod.ModelRunner._forward = timed("forward", runner_mod.ModelRunner._forward)  # (a graph replay on CUDA)
     model_mod.LlamaModel.compute_logits = timed("lm_head", model_mod.LlamaModel.compute_logits)
     model_mod.Linear.__call__ = timed("projections", model_mod.Linear.__call__)
@@ -126,20 +135,23 @@ def main():
     ]
     kv = "" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype} KV cache"
     print(f"decode step breakdown: batch {args.batch}, {args.dtype}{kv}, temperature {args.temperature}, "
-          f"{steps} steps, {wall / steps * 1e3:.1f} ms/step, {args.batch * steps / wall:.0f} tok/s")
+          f"{steps} steps, {wall / steps * 1e3:.2f} ms/step, {args.batch * steps / wall:.0f} tok/s")
+    if args.async_scheduling:
+        print("(async scheduling: the step thread's parts overlap the core's, so the last rows do not add up)")
     print(f"{'part':50s} {'ms/step':>8s} {'share':>6s}")
     for name, secs in rows:
         print(f"{name:50s} {secs / steps * 1e3:8.2f} {secs / wall * 100:5.1f}%")
     if args.cprofile:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
     if args.kernels:
-        kernel_table(llm, prompts, args)
+        kernel_table(llm, prompts, args, wall / steps)
     llm.shutdown()
 
 
-def kernel_table(llm, prompts, args):
+def kernel_table(llm, prompts, args, step_s: float):
     """torch.profiler over the decode steps of a short run (its prefill step included, then
-    subtracted by running the prefill alone): the kernels by device time, and launches a step."""
+    subtracted by running the prefill alone): the kernels by device time, and launches a step;
+    against `step_s`, the timed run's seconds a step: how much of a step the GPU is busy."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -157,8 +169,10 @@ def kernel_table(llm, prompts, args):
     rows = [(key, e.device_time_total - (one[key].device_time_total if key in one else 0),
              e.count - (one[key].count if key in one else 0)) for key, e in many.items()]
     rows = sorted((r for r in rows if r[2] > 0), key=lambda r: -r[1])
-    print(f"device time of {steps} decode steps by kernel: {sum(r[1] for r in rows) / steps:.0f} us a step, "
-          f"{sum(r[2] for r in rows) / steps:.0f} launches a step")
+    busy_us = sum(r[1] for r in rows) / steps
+    print(f"device time of {steps} decode steps by kernel: {busy_us:.0f} us a step, "
+          f"{sum(r[2] for r in rows) / steps:.0f} launches a step; the GPU busy {busy_us / (step_s * 1e6):.0%} "
+          f"of the timed run's {step_s * 1e3:.2f} ms step")
     for key, us, count in rows[:args.kernels]:
         print(f"  {us / steps:8.1f} us/step {count / steps:6.1f}/step  {key[:90]}")
 
