@@ -72,8 +72,9 @@ def _load_cuda(handle: str) -> torch.Tensor:
         t = _HandleUnpickler(io.BytesIO(base64.b64decode(handle))).load()
     except (pickle.UnpicklingError, EOFError, binascii.Error) as e:
         raise ValueError(f"bad CUDA IPC handle: {e}") from None
-    if not isinstance(t, torch.Tensor):
-        raise ValueError("a CUDA IPC handle must hold one tensor")
+    if not isinstance(t, torch.Tensor):  # the handle's content is wrong, not an argument's type: a
+        # bad push, refused as every bad push is (ValueError -> the caller's 400)
+        raise ValueError("a CUDA IPC handle must hold one tensor")  # noqa: TRY004
     return t
 
 

@@ -195,6 +195,24 @@ def test_shared_weights_reuse_their_segment_and_cast_in_the_copy():
             read_shared(dict(cast, shm=bad), torch.device("cpu"))
 
 
+def test_malformed_cuda_handles_are_refused_before_anything_is_copied():
+    """A CUDA IPC handle is a pickle: one that is not base64, names a global other than torch's
+    tensor rebuild, or holds something other than a tensor is refused as a bad push (ValueError)."""
+    import base64
+    import pickle
+
+    def handles(payload: str) -> dict:
+        return {"kind": "cuda", "tensors": [{"name": "w", "handle": payload}]}
+
+    def pickled(obj) -> str:
+        return base64.b64encode(pickle.dumps(obj)).decode()
+
+    for payload, why in (("not base64!", "bad CUDA IPC handle"), (pickled(print), "may not name builtins.print"),
+                         (pickled([1, 2]), "must hold one tensor")):
+        with pytest.raises(ValueError, match=why):
+            read_shared(handles(payload), torch.device("cpu"))
+
+
 def test_attaching_a_segment_starts_no_helper_process():
     """The engine reading a trainer's segment, and a trainer writing an engine's spare, map a
     segment another process made: that must not start multiprocessing's resource tracker (a
