@@ -4,12 +4,14 @@ per step, through
 
 bfloat16 (default):
   F.linear     torch's bf16 matmul (throughput.py's "floor"),
-  oneDNN       torch.ops.mkldnn on weights prepacked once (the engine's bf16 path on CPUs without
-               AVX-512 BF16),
+  oneDNN       torch.ops.mkldnn on weights prepacked once (the engine's bf16 path on CPUs with
+               none of the kernels below),
   dot          bf16_vnni_linear on weights packed by bf16_vnni_pack (the engine's bf16 path on
                CPUs with AVX-512 BF16 and no AMX),
   AMX          bf16_amx_linear on the same packed weights (the engine's path with AMX: Xeons from
-               Sapphire Rapids on);
+               Sapphire Rapids on),
+  panels       bf16_panel_linear on weights packed by bf16_panel_pack (float32 arithmetic on bf16
+               weights: the engine's bf16 path on CPUs with AVX-512 or AVX2 + FMA but no AVX-512 BF16);
 float32 (--dtype float32):
   F.linear, oneDNN as above (oneDNN: the engine's path on CPUs with neither AVX-512 nor AVX2),
   rows         invariant_linear on the plain weight (batch-invariant mode there: the panels'
@@ -71,8 +73,12 @@ def main():
         out = fn()
         return out, (time.perf_counter() - t) * 1e3
 
-    onednn, _ = timed_pack(lambda: [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights])
-    onednn, onednn_ms = timed_pack(lambda: [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights])
+    try:  # (oneDNN's bf16 linear needs AVX-512 or AVX-NE-CONVERT)
+        onednn, _ = timed_pack(lambda: [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights])
+        onednn, onednn_ms = timed_pack(lambda: [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights])
+    except RuntimeError as e:
+        print(f"oneDNN's prepacked linear is not available here: {str(e).splitlines()[0]}")
+        onednn, onednn_ms = None, float("nan")
     # ours: (column name, packed weights or None for the plain ones, kernel) where this CPU has them
     ours, pack_ms = [], float("nan")
     if ext is not None and dtype == torch.bfloat16 and ext.bf16_vnni_supported():
@@ -81,6 +87,10 @@ def main():
         ours.append(("dot", packed, ext.bf16_vnni_linear))
         if ext.bf16_amx_supported():
             ours.append(("AMX", packed, ext.bf16_amx_linear))
+    elif ext is not None and dtype == torch.bfloat16 and ext.f32_panel_supported():
+        packed = [ext.bf16_panel_pack(w) for w in weights]
+        packed, pack_ms = timed_pack(lambda: [ext.bf16_panel_pack(w, p) for w, p in zip(weights, packed)])
+        ours.append(("panels", packed, ext.bf16_panel_linear))
     if ext is not None and dtype == torch.float32:
         ours.append(("rows", None, lambda x, w, n: ext.invariant_linear(x, w, None)))
         if ext.f32_panel_supported():
@@ -88,25 +98,25 @@ def main():
             packed, pack_ms = timed_pack(lambda: [ext.f32_panel_pack(w, p) for w, p in zip(weights, packed)])
             ours.append(("panels", packed, ext.f32_panel_linear))
     print(f"pack 121 weights: oneDNN reorder {onednn_ms:.0f} ms, ours in place {pack_ms:.0f} ms")
-    names = [name for name, _, _ in ours]
-    print(f"{'rows':>5} | {'F.linear ms':>11} | {'oneDNN ms':>9} | " + " | ".join(f"{n + ' ms':>9}" for n in names)
-          + " | best of ours vs oneDNN")
+    # the engine's path where ours is missing: oneDNN's prepacked linear, else F.linear
+    baselines = [("F.linear", None, lambda x, w, n: F.linear(x, w))]
+    if onednn is not None:
+        baselines.append(("oneDNN", onednn, lambda x, p, n: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [],
+                                                                                               "")))
+    columns = baselines + ours
+    print(f"{'rows':>5} | " + " | ".join(f"{n + ' ms':>11}" for n, _, _ in columns)
+          + f" | best of ours vs {baselines[-1][0]}")
     for m in args.rows:
         xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in (H, INTER)}
         def step_of(fn, packed):
             return lambda: [fn(xs[w.shape[1]], w if p is None else p, w.shape[0])
                             for w, p in zip(weights, packed or [None] * len(weights))]
 
-        t_lin, t_dnn, *times = ms_per_step(
-            [lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
-             lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                      for w, p in zip(weights, onednn)],
-             *(step_of(fn, packed) for _, packed, fn in ours)], args.reps)
-        cols = " | ".join(f"{t:>9.1f}" for t in times)
-        ratio = f"{t_dnn / min(times):.2f}x" if times else "-"
-        print(f"{m:>5} | {t_lin:>11.1f} | {t_dnn:>9.1f} | {cols} | {ratio}")
+        times = ms_per_step([step_of(fn, packed) for _, packed, fn in columns], args.reps)
+        ratio = f"{times[len(baselines) - 1] / min(times[len(baselines):]):.2f}x" if ours else "-"
+        print(f"{m:>5} | " + " | ".join(f"{t:>11.1f}" for t in times) + f" | {ratio}")
     if not ours:
-        print("(no kernel of ours for this dtype on this CPU: the engine uses oneDNN here)")
+        print(f"(no kernel of ours for this dtype on this CPU: the engine uses {baselines[-1][0]} here)")
 
 
 if __name__ == "__main__":

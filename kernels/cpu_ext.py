@@ -3,6 +3,8 @@ they apply.
 
 `load()` compiles `csrc/paged_attention.cpp`, `csrc/fused_ops.cpp`, `csrc/invariant_ops.cpp`,
 `csrc/vnni_linear.cpp`, `csrc/amx_linear.cpp` (the bf16 matmuls, packed once for both),
+`csrc/f32_linear.cpp` (float32 arithmetic on packed float32 or bf16 weights: the float32
+matmul, and the bf16 one on CPUs without AVX-512 BF16),
 `csrc/moe.cpp` (kernels/moe.py's experts), `csrc/shm_comm.cpp`
 (kernels/shm_comm.py's collectives) and their bindings (`csrc/bindings.cpp`, the one
 PYBIND11_MODULE; `csrc/ops.h` declares every op) into one extension module on first use

@@ -39,7 +39,10 @@ from weight_sync.names import expert_names, router_name, split_experts
 # AVX-512 BF16 (kernels/csrc/vnni_linear.cpp: on an EPYC 2x oneDNN at 1-8 rows, 1.3x at 16, even
 # at 512) and, where AMX exists, the same bf16 panels through kernels/csrc/amx_linear.cpp (on a
 # 2-core Xeon as fast as vnni_linear at 1-2 rows, 1.5-4x it from 8 rows on; 1.5-2x oneDNN's AMX
-# GEMM up to 32 rows, even with it at 64-256, 0.9x at prefill's 1024-4096). Ours are packed in
+# GEMM up to 32 rows, even with it at 64-256, 0.9x at prefill's 1024-4096); bf16 on the other
+# CPUs with AVX-512 or AVX2 + FMA, as float32 panels of bf16 weights (f32_linear.cpp's
+# bf16_panel_linear: float32 FMAs on weights widened in registers; on an AVX2 EPYC, where oneDNN
+# has no bf16 linear, 1.6x F.linear at 1 row, 6-8x from 8 rows on). Ours are packed in
 # place by a weight update; oneDNN's copy can only be made in fresh memory, whose page faults
 # made its reorder most of a float32 update (~0.25 s of the default model's). Elsewhere oneDNN's
 # prepacked GEMM takes every step.
@@ -92,10 +95,12 @@ class Linear:
             amx = ext.bf16_amx_supported() and k % 32 == 0
             self.panel_linear = ext.bf16_amx_linear if amx else ext.bf16_vnni_linear
             self.panel_max = EVERY_STEP if amx or not cpu_ext.cpu_has("amx_bf16") else BF16_VNNI_MAX_ROWS_WITH_AMX
-        elif ext is not None and dtype == torch.float32 and ext.f32_panel_supported():
+        elif ext is not None and dtype in (torch.float32, torch.bfloat16) and ext.f32_panel_supported():
             shape = ((n + 31) // 32, k, 32)  # panels of 32 columns, k-major
-            self.panels = ext.f32_panel_pack(self.weight, old if old is not None and old.shape == shape else None)
-            self.panel_linear, self.panel_max = ext.f32_panel_linear, EVERY_STEP
+            pack, self.panel_linear = ((ext.f32_panel_pack, ext.f32_panel_linear) if dtype == torch.float32
+                                       else (ext.bf16_panel_pack, ext.bf16_panel_linear))
+            self.panels = pack(self.weight, old if old is not None and old.shape == shape else None)
+            self.panel_max = EVERY_STEP
         if self.panel_max == EVERY_STEP:
             return
         if onednn:

@@ -72,13 +72,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "K % 32 == 0", py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
         release_gil());
   m.def("f32_panel_supported", &rollout_f32::f32_panel_supported,
-        "whether f32_panel_linear is built for this CPU (AVX-512)");
+        "whether f32_panel_linear and bf16_panel_linear are built for this CPU (AVX-512 or AVX2 + FMA)");
   m.def("f32_panel_pack", &rollout_f32::f32_panel_pack,
         "weight (N, K) float32 -> (ceil(N/32), K, 32): the layout f32_panel_linear reads (written into `out` "
         "when given)", py::arg("weight"), py::arg("out") = py::none(), release_gil());
   m.def("f32_panel_linear", &rollout_f32::f32_panel_linear,
         "x (M, K) @ weight.T + bias in float32 from f32_panel_pack(weight); each output one FMA chain in k "
         "order", py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
+        release_gil());
+  m.def("bf16_panel_pack", &rollout_f32::bf16_panel_pack,
+        "weight (N, K) bfloat16 -> (ceil(N/32), K, 32) bfloat16: the layout bf16_panel_linear reads (written "
+        "into `out` when given; where f32_panel_supported)", py::arg("weight"), py::arg("out") = py::none(),
+        release_gil());
+  m.def("bf16_panel_linear", &rollout_f32::bf16_panel_linear,
+        "x (M, K) @ weight.T + bias in bfloat16 from bf16_panel_pack(weight): float32 FMA chains in k order, "
+        "rounded once", py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
         release_gil());
   m.def("fused_experts", &rollout_moe::fused_experts,
         "x (T, H), w13 (E, 2I, H), w2 (E, H, I), topk_ids (T, k), topk_weights (T, k) -> (T, H): each "

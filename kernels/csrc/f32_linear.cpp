@@ -19,6 +19,18 @@
 // one half of a panel (12 accumulators, two weight loads and 6 broadcasts per k), the halves one
 // after the other; a tile of up to 3 rows spans the whole panel (4 chains a row in flight, both
 // cache lines of a k step read together: 15-25% faster than two half tiles at 1-2 rows).
+//
+// The same tiles serve bf16 on CPUs without AVX-512 BF16 (vnni_linear.cpp needs it, and oneDNN's
+// bf16 linear needs AVX-512 or AVX-NE-CONVERT: on an AVX2 CPU torch's bf16 matmul ran 5-8x slower
+// than its float32 one):
+//
+//   bf16_panel_pack(weight (N, K) bf16, out=None) -> packed (ceil(N/32), K, 32) bf16
+//   bf16_panel_linear(x (M, K) bf16, packed, N, bias (N,) bf16 | None) -> (M, N) bf16
+//
+// The weights stay bf16 in memory (half the bytes a decode step streams) and are widened to
+// float32 in registers: a k step is one 64-byte line, its columns stored in pairs so that one
+// load, a shift and a mask give two vectors. x is widened once per call; the sums are the float32
+// kernel's FMA chains, rounded to bf16 once at the end.
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -164,10 +176,98 @@ at::Tensor f32_panel_pack(const at::Tensor& weight, const std::optional<at::Tens
 #if ROLLOUT_F32_PANEL
 namespace {
 
+// The bf16 panel layout: a k step is one 64-byte line of 32 columns, each vector-sized group of
+// columns stored as pairs (c, c + L) of bf16 (L = the vector's lanes: 16 with AVX-512, 8 with
+// AVX2), so one load of 2L bf16 gives two vectors of floats by a shift and a mask, no shuffles:
+// bf16 bits are a float's top half. Position q of a k step holds column kBf16Col[q].
+#if ROLLOUT_F32_PANEL == 512
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+constexpr std::array<int64_t, kPanel> bf16_columns() {
+  std::array<int64_t, kPanel> col{};
+  for (int64_t q = 0; q < kPanel; ++q) {
+    const int64_t group = q / (2 * kLanes), j = q % (2 * kLanes);
+    col[q] = group * 2 * kLanes + j / 2 + (j % 2) * kLanes;
+  }
+  return col;
+}
+constexpr std::array<int64_t, kPanel> kBf16Col = bf16_columns();
+
+// An 8 x 8 transpose of 16-bit values: r[i] holds row i's 8 values; afterwards r[j] holds column j.
+inline void transpose8x8_epi16(__m128i r[8]) {
+  __m128i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm_unpacklo_epi16(r[i], r[i + 1]);
+    t[i + 1] = _mm_unpackhi_epi16(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm_unpacklo_epi32(t[i], t[i + 2]);
+    u[i + 1] = _mm_unpackhi_epi32(t[i], t[i + 2]);
+    u[i + 2] = _mm_unpacklo_epi32(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm_unpackhi_epi32(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[2 * j] = _mm_unpacklo_epi64(u[j], u[4 + j]);
+    r[2 * j + 1] = _mm_unpackhi_epi64(u[j], u[4 + j]);
+  }
+}
+
+}  // namespace
+#endif
+
+at::Tensor bf16_panel_pack(const at::Tensor& weight, const std::optional<at::Tensor>& out) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2,
+              "bf16_panel_pack: a bfloat16 (N, K) CPU tensor");
+#if ROLLOUT_F32_PANEL
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), NP = (N + kPanel - 1) / kPanel;
+  at::Tensor packed;
+  if (out.has_value()) {
+    packed = *out;
+    TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                    packed.sizes() == at::IntArrayRef({NP, K, kPanel}),
+                "bf16_panel_pack: out must be a contiguous bfloat16 (", NP, ", ", K, ", ", kPanel, ") CPU tensor");
+  } else {
+    packed = at::empty({NP, K, kPanel}, w.options());
+  }
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t cols = std::min(kPanel, N - p * kPanel);
+      const uint16_t* rows = src + p * kPanel * K;
+      uint16_t* d = dst + p * K * kPanel;
+      int64_t k = 0;
+      if (cols == kPanel) {  // full panels: 8 k at a time, each 8 positions of a step one transpose
+        __m128i r[8];
+        for (; k + 8 <= K; k += 8) {
+          for (int64_t q = 0; q < kPanel; q += 8) {
+            for (int64_t i = 0; i < 8; ++i)
+              r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + kBf16Col[q + i] * K + k));
+            transpose8x8_epi16(r);
+            for (int64_t j = 0; j < 8; ++j) _mm_storeu_si128(reinterpret_cast<__m128i*>(d + (k + j) * kPanel + q), r[j]);
+          }
+        }
+      }
+      for (; k < K; ++k)  // (the rest: scalar; columns past N are zeros)
+        for (int64_t q = 0; q < kPanel; ++q) d[k * kPanel + q] = kBf16Col[q] < cols ? rows[kBf16Col[q] * K + k] : 0;
+    }
+  });
+  return packed;
+#else
+  TORCH_CHECK(false, "bf16_panel_pack: this CPU has neither AVX-512 nor AVX2 + FMA (see f32_panel_supported)");
+#endif
+}
+
+#if ROLLOUT_F32_PANEL
+namespace {
+
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of itself a lone pass over a panel prefetches
 
 // One k step's prefetch: the line at p, and the next one too when the step is 128 bytes (a
-// panel's k row); into L2 when kL2 (the fast rate of one or two passes a panel).
+// float32 panel's k row); into L2 when kL2 (the fast rate of one or two passes a panel).
 template <bool kL2>
 inline void prefetch_step(const char* p, int64_t step) {
   if constexpr (kL2) {
@@ -180,93 +280,144 @@ inline void prefetch_step(const char* p, int64_t step) {
 }
 
 #if ROLLOUT_F32_PANEL == 512
-constexpr int64_t MR = 12;  // rows of x per register tile (x 32 columns: 24 accumulators)
-constexpr int64_t kTileCols = 32;
-
-// out[i, 0:cols] for i < R rows of x (row stride sx) from one panel (K x 32 floats, 128 bytes
-// per k); each k also prefetches pf + k * pf_step (and the next line when the step is 128).
-template <int64_t R, bool kL2>
-void tile(const float* x, int64_t sx, int64_t K, const float* w, const float* bias, int64_t cols, float* out,
-          int64_t so, const char* pf, int64_t pf_step) {
-  __m512 acc[R][2];
-  for (int64_t i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 w0 = _mm512_loadu_ps(w + k * kPanel), w1 = _mm512_loadu_ps(w + k * kPanel + 16);
-    prefetch_step<kL2>(pf + k * pf_step, pf_step);
-    for (int64_t i = 0; i < R; ++i) {
-      const __m512 xv = _mm512_set1_ps(x[i * sx + k]);
-      acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
-    }
-  }
-  for (int64_t half = 0; half < 2; ++half) {
-    const int64_t c = std::min<int64_t>(16, cols - 16 * half);
-    if (c <= 0) break;
-    const __mmask16 mask = c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << c) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * half) : _mm512_setzero_ps();
-    for (int64_t i = 0; i < R; ++i) _mm512_mask_storeu_ps(out + i * so + 16 * half, mask, _mm512_add_ps(acc[i][half], b));
-  }
+typedef __m512 Vec;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm512_store_ps(p, v); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vload_pair(const uint16_t* p, Vec& lo, Vec& hi) {  // 2L bf16 in the pair layout -> 2 vectors
+  const __m512i u = _mm512_loadu_si512(p);
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
+constexpr int64_t MR = 12;  // rows of x per register tile (x 32 columns: 24 accumulators)
+constexpr int64_t kTileVecs = 2;  // a tile spans the whole panel
 #else
+typedef __m256 Vec;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm256_store_ps(p, v); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vload_pair(const uint16_t* p, Vec& lo, Vec& hi) {
+  const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
 constexpr int64_t MR = 6;  // rows of x per register tile (x 16 columns: 12 accumulators)
-constexpr int64_t kTileCols = 16;
-constexpr int64_t kWideRows = 3;  // up to this many rows a tile spans the whole panel (x 32 columns)
+constexpr int64_t kTileVecs = 2;  // a tile spans half a panel ...
+constexpr int64_t kWideRows = 3;  // ... but up to this many rows the whole panel (x 32 columns)
+#endif
 
-// out[i, 0:cols] (cols <= 8 * V) for i < R rows of x from V vectors of a panel's columns (w: the
-// first, 128 bytes per k): half a panel (V = 2), or all of it (V = 4) for few rows, whose tile
-// then reads both cache lines of a k step and keeps 4 independent chains a row in flight. pf !=
-// null: each k also prefetches pf + k * pf_step, for the whole panel; a second half passes null.
-template <int64_t R, int64_t V, bool kL2>
-void tile_v(const float* x, int64_t sx, int64_t K, const float* w, const float* bias, int64_t cols, float* out,
-            int64_t so, const char* pf, int64_t pf_step) {
-  // acc[V * i + v]: row i's columns 8v .. 8v + 7. The loops over it are unrolled by pragma: left
+// V vectors of one k step's columns from w (the tile's first column): float32 loads, or bf16 pairs
+template <int64_t V>
+inline void load_step(const float* w, Vec wv[V]) {
+#pragma GCC unroll 4
+  for (int64_t v = 0; v < V; ++v) wv[v] = vload(w + kLanes * v);
+}
+template <int64_t V>
+inline void load_step(const uint16_t* w, Vec wv[V]) {
+#pragma GCC unroll 2
+  for (int64_t v = 0; v < V; v += 2) vload_pair(w + kLanes * v, wv[v], wv[v + 1]);
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+template <typename OT>
+inline OT from_float(float v) { return OT(v); }  // bf16: rounded to nearest even, as torch rounds
+
+// out[i, 0:cols] (cols <= L * V) for i < R rows of x (float32, row stride sx) from V vectors of a
+// panel's columns (w: the first; a k step is kPanel weights): half a panel (AVX2, V = 2), or all
+// of it (AVX-512; AVX2 with V = 4 for few rows, whose tile then reads both cache lines of a float32
+// k step and keeps 4 independent chains a row in flight). pf != null: each k also prefetches
+// pf + k * pf_step, for the whole panel; a second half passes null.
+template <int64_t R, int64_t V, bool kL2, typename WT, typename OT>
+void tile_v(const float* x, int64_t sx, int64_t K, const WT* w, const OT* bias, int64_t cols, OT* out, int64_t so,
+            const char* pf, int64_t pf_step) {
+  // acc[V * i + v]: row i's columns Lv .. Lv + L - 1. The loops over it are unrolled by pragma: left
   // to itself GCC 12 makes its zeroing a memset and then stores every accumulator to the stack
   // after each FMA (half the speed).
-  __m256 acc[V * R];
-#pragma GCC unroll 16
-  for (int64_t i = 0; i < V * R; ++i) acc[i] = _mm256_setzero_ps();
+  Vec acc[V * R];
+#pragma GCC unroll 24
+  for (int64_t i = 0; i < V * R; ++i) acc[i] = vzero();
   for (int64_t k = 0; k < K; ++k) {
-    __m256 wv[V];
-#pragma GCC unroll 4
-    for (int64_t v = 0; v < V; ++v) wv[v] = _mm256_loadu_ps(w + k * kPanel + 8 * v);
+    Vec wv[V];
+    load_step<V>(w + k * kPanel, wv);
     if (pf) prefetch_step<kL2>(pf + k * pf_step, pf_step);
 #pragma GCC unroll 16
     for (int64_t i = 0; i < R; ++i) {
-      const __m256 xv = _mm256_broadcast_ss(x + i * sx + k);
+      const Vec xv = vbroadcast(x + i * sx + k);
 #pragma GCC unroll 4
-      for (int64_t v = 0; v < V; ++v) acc[V * i + v] = _mm256_fmadd_ps(xv, wv[v], acc[V * i + v]);
+      for (int64_t v = 0; v < V; ++v) acc[V * i + v] = vfma(xv, wv[v], acc[V * i + v]);
     }
   }
   // (Through a buffer: masked stores of the accumulators also sent them to memory in the loop.)
-  alignas(32) float buf[R][8 * V];
+  alignas(64) float buf[R][kLanes * V];
 #pragma GCC unroll 16
   for (int64_t i = 0; i < R; ++i)
 #pragma GCC unroll 4
-    for (int64_t v = 0; v < V; ++v) _mm256_store_ps(buf[i] + 8 * v, acc[V * i + v]);
+    for (int64_t v = 0; v < V; ++v) vstore(buf[i] + kLanes * v, acc[V * i + v]);
   for (int64_t i = 0; i < R; ++i)
-    for (int64_t c = 0; c < cols; ++c) out[i * so + c] = buf[i][c] + (bias ? bias[c] : 0.0f);
-}
-template <int64_t R, bool kL2>
-void tile(const float* x, int64_t sx, int64_t K, const float* w, const float* bias, int64_t cols, float* out,
-          int64_t so, const char* pf, int64_t pf_step) {
-  tile_v<R, 2, kL2>(x, sx, K, w, bias, cols, out, so, pf, pf_step);
+    for (int64_t c = 0; c < cols; ++c) out[i * so + c] = from_float<OT>(buf[i][c] + (bias ? to_float(bias[c]) : 0.0f));
 }
 
-#endif
-
-using TileFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, int64_t, float*, int64_t,
-                        const char*, int64_t);
-template <bool kL2, int64_t... Rs>
-constexpr std::array<TileFn, MR> make_tiles(std::integer_sequence<int64_t, Rs...>) {
-  return {&tile<Rs + 1, kL2>...};
-}
-constexpr std::array<TileFn, MR> kTiles[2] = {make_tiles<false>(std::make_integer_sequence<int64_t, MR>{}),
-                                              make_tiles<true>(std::make_integer_sequence<int64_t, MR>{})};
+template <typename WT, typename OT>
+struct Tiles {
+  using Fn = void (*)(const float*, int64_t, int64_t, const WT*, const OT*, int64_t, OT*, int64_t, const char*,
+                      int64_t);
+  template <int64_t V, bool kL2, int64_t... Rs>
+  static constexpr std::array<Fn, sizeof...(Rs)> make(std::integer_sequence<int64_t, Rs...>) {
+    return {&tile_v<Rs + 1, V, kL2, WT, OT>...};
+  }
+  static constexpr std::array<Fn, MR> kTiles[2] = {make<kTileVecs, false>(std::make_integer_sequence<int64_t, MR>{}),
+                                                   make<kTileVecs, true>(std::make_integer_sequence<int64_t, MR>{})};
 #if ROLLOUT_F32_PANEL == 256
-constexpr std::array<TileFn, kWideRows> kWideTiles[2] = {
-    {&tile_v<1, 4, false>, &tile_v<2, 4, false>, &tile_v<3, 4, false>},
-    {&tile_v<1, 4, true>, &tile_v<2, 4, true>, &tile_v<3, 4, true>}};
+  static constexpr std::array<Fn, kWideRows> kWide[2] = {make<4, false>(std::make_integer_sequence<int64_t, kWideRows>{}),
+                                                         make<4, true>(std::make_integer_sequence<int64_t, kWideRows>{})};
 #endif
+};
+
+// x (M, K) float32 rows (stride sx) @ the packed panels (NP of them, K x 32 weights of type WT) -> out (M, N).
+template <typename WT, typename OT>
+void panel_matmul(const float* xp, int64_t sx, int64_t M, int64_t K, const WT* wp, int64_t N, const OT* bp, OT* op) {
+  using T = Tiles<WT, OT>;
+  const int64_t NP = (N + kPanel - 1) / kPanel, panel = K * kPanel;
+  const int64_t step_bytes = kPanel * static_cast<int64_t>(sizeof(WT)), panel_bytes = K * step_bytes;
+  // The prefetch schedule of vnni_linear.cpp: one pass (<= MR rows, a pure weight stream)
+  // prefetches kPrefetchBytes ahead of itself; with several, pass j prefetches the j-th slice
+  // of the thread's next panel while this one's arithmetic runs.
+  const int64_t passes = (M + MR - 1) / MR, slice_step = step_bytes / passes;
+  auto run = [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
+      const char* here = reinterpret_cast<const char*>(wp + p * panel);
+      for (int64_t m = 0, j = 0; m < M; m += MR, ++j) {
+        const int64_t R = std::min(MR, M - m);
+        const bool ahead = passes == 1 || (j == 0 && p == p0);
+        const char* pf = ahead ? here + kPrefetchBytes
+                         : p + 1 < p1 ? here + panel_bytes + j * panel_bytes / passes
+                         : here;
+        const int64_t pf_step = ahead ? step_bytes : slice_step;
+#if ROLLOUT_F32_PANEL == 256
+        if (R <= kWideRows) {  // few rows: the whole panel in one tile
+          T::kWide[passes <= 2][R - 1](xp + m * sx, sx, K, wp + p * panel, bp ? bp + p * kPanel : nullptr, cols,
+                                       op + m * N + p * kPanel, N, pf, pf_step);
+          continue;
+        }
+#endif
+        constexpr int64_t tile_cols = kLanes * kTileVecs;
+        const auto fn = T::kTiles[passes <= 2][R - 1];
+        for (int64_t c = 0; c < cols; c += tile_cols)  // (AVX2: the panel's two halves; the first prefetches)
+          fn(xp + m * sx, sx, K, wp + p * panel + c, bp ? bp + p * kPanel + c : nullptr,
+             std::min(tile_cols, cols - c), op + m * N + p * kPanel + c, N, c == 0 ? pf : nullptr, pf_step);
+      }
+    }
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, NP * panel_bytes / (1 << 16)));
+  if (threads <= 1) run(0, NP);
+  else at::parallel_for(0, NP, (NP + threads - 1) / threads, run);
+}
 
 }  // namespace
 #endif
@@ -277,7 +428,7 @@ at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& packed, int64
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
                   (x.size(1) <= 1 || x.stride(1) == 1),
               "f32_panel_linear: x must be a float32 (M, K) CPU tensor with a contiguous last dim");
-  const int64_t M = x.size(0), K = x.size(1), sx = x.stride(0), NP = (N + kPanel - 1) / kPanel;
+  const int64_t M = x.size(0), K = x.size(1), NP = (N + kPanel - 1) / kPanel;
   TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
                   packed.sizes() == at::IntArrayRef({NP, K, kPanel}),
               "f32_panel_linear: packed must come from f32_panel_pack of an (", N, ", ", K, ") weight");
@@ -289,45 +440,46 @@ at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& packed, int64
   }
   at::Tensor out = at::Tensor(at::detail::empty_cpu({M, N}, at::kFloat));
   if (M == 0 || N == 0) return out;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t panel = K * kPanel, panel_bytes = panel * 4;
-  // The prefetch schedule of vnni_linear.cpp: one pass (<= MR rows, a pure weight stream)
-  // prefetches kPrefetchBytes ahead of itself; with several, pass j prefetches the j-th slice
-  // of the thread's next panel while this one's arithmetic runs.
-  const int64_t passes = (M + MR - 1) / MR, slice_step = 128 / passes;
-  auto run = [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
-      const char* here = reinterpret_cast<const char*>(wp + p * panel);
-      for (int64_t m = 0, j = 0; m < M; m += MR, ++j) {
-        const int64_t R = std::min(MR, M - m);
-        const bool ahead = passes == 1 || (j == 0 && p == p0);
-        const char* pf = ahead ? here + kPrefetchBytes
-                         : p + 1 < p1 ? here + panel_bytes + j * panel_bytes / passes
-                         : here;
-#if ROLLOUT_F32_PANEL == 256
-        if (R <= kWideRows) {  // few rows: the whole panel in one tile
-          kWideTiles[passes <= 2][R - 1](xp + m * sx, sx, K, wp + p * panel, bp ? bp + p * kPanel : nullptr, cols,
-                                         op + m * N + p * kPanel, N, pf, ahead ? 128 : slice_step);
-          continue;
-        }
-#endif
-        const TileFn fn = kTiles[passes <= 2][R - 1];
-        for (int64_t c = 0; c < cols; c += kTileCols)  // (AVX2: the panel's two halves; the first prefetches)
-          fn(xp + m * sx, sx, K, wp + p * panel + c, bp ? bp + p * kPanel + c : nullptr,
-             std::min(kTileCols, cols - c), op + m * N + p * kPanel + c, N, c == 0 ? pf : nullptr,
-             ahead ? 128 : slice_step);
-      }
-    }
-  };
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, NP * panel_bytes / (1 << 16)));
-  if (threads <= 1) run(0, NP);
-  else at::parallel_for(0, NP, (NP + threads - 1) / threads, run);
+  panel_matmul(x.data_ptr<float>(), x.stride(0), M, K, packed.data_ptr<float>(), N, bp, out.data_ptr<float>());
   return out;
 #else
   TORCH_CHECK(false, "f32_panel_linear: this CPU has neither AVX-512 nor AVX2 + FMA (see f32_panel_supported)");
+#endif
+}
+
+at::Tensor bf16_panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                             const std::optional<at::Tensor>& bias) {
+#if ROLLOUT_F32_PANEL
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+                  (x.size(1) <= 1 || x.stride(1) == 1),
+              "bf16_panel_linear: x must be a bfloat16 (M, K) CPU tensor with a contiguous last dim");
+  const int64_t M = x.size(0), K = x.size(1), NP = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.sizes() == at::IntArrayRef({NP, K, kPanel}),
+              "bf16_panel_linear: packed must come from bf16_panel_pack of an (", N, ", ", K, ") weight");
+  const at::BFloat16* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->size(0) == N &&
+                    bias->stride(0) == 1,
+                "bf16_panel_linear: bias must be a contiguous bfloat16 (N,) tensor");
+    bp = bias->data_ptr<at::BFloat16>();
+  }
+  at::Tensor out = at::Tensor(at::detail::empty_cpu({M, N}, at::kBFloat16));
+  if (M == 0 || N == 0) return out;
+  // x in float32 once (exact: bf16 is a float's top half), so the tiles broadcast floats
+  at::Tensor xf = at::Tensor(at::detail::empty_cpu({M, K}, at::kFloat));
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  uint32_t* xd = reinterpret_cast<uint32_t*>(xf.data_ptr<float>());
+  const int64_t sx = x.stride(0);
+  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t k = 0; k < K; ++k) xd[m * K + k] = static_cast<uint32_t>(xs[m * sx + k]) << 16;
+  });
+  panel_matmul(xf.data_ptr<float>(), K, M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), N,
+               bp, out.data_ptr<at::BFloat16>());
+  return out;
+#else
+  TORCH_CHECK(false, "bf16_panel_linear: this CPU has neither AVX-512 nor AVX2 + FMA (see f32_panel_supported)");
 #endif
 }
 

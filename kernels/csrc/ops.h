@@ -71,6 +71,9 @@ bool f32_panel_supported();
 at::Tensor f32_panel_pack(const at::Tensor& weight, const std::optional<at::Tensor>& out);
 at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                             const std::optional<at::Tensor>& bias);
+at::Tensor bf16_panel_pack(const at::Tensor& weight, const std::optional<at::Tensor>& out);
+at::Tensor bf16_panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                             const std::optional<at::Tensor>& bias);
 }  // namespace rollout_f32
 
 // moe.cpp
