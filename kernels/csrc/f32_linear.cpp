@@ -195,22 +195,23 @@ constexpr std::array<int64_t, kPanel> bf16_columns() {
 }
 constexpr std::array<int64_t, kPanel> kBf16Col = bf16_columns();
 
-// An 8 x 8 transpose of 16-bit values: r[i] holds row i's 8 values; afterwards r[j] holds column j.
-inline void transpose8x8_epi16(__m128i r[8]) {
-  __m128i t[8], u[8];
+// Two 8 x 8 transposes of 16-bit values, one per 128-bit lane: r[i] holds row i's 8 + 8 values;
+// afterwards r[j] holds column j of each lane's block.
+inline void transpose8x8_epi16(__m256i r[8]) {
+  __m256i t[8], u[8];
   for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm_unpacklo_epi16(r[i], r[i + 1]);
-    t[i + 1] = _mm_unpackhi_epi16(r[i], r[i + 1]);
+    t[i] = _mm256_unpacklo_epi16(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi16(r[i], r[i + 1]);
   }
   for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm_unpacklo_epi32(t[i], t[i + 2]);
-    u[i + 1] = _mm_unpackhi_epi32(t[i], t[i + 2]);
-    u[i + 2] = _mm_unpacklo_epi32(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm_unpackhi_epi32(t[i + 1], t[i + 3]);
+    u[i] = _mm256_unpacklo_epi32(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi32(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi32(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi32(t[i + 1], t[i + 3]);
   }
   for (int j = 0; j < 4; ++j) {
-    r[2 * j] = _mm_unpacklo_epi64(u[j], u[4 + j]);
-    r[2 * j + 1] = _mm_unpackhi_epi64(u[j], u[4 + j]);
+    r[2 * j] = _mm256_unpacklo_epi64(u[j], u[4 + j]);
+    r[2 * j + 1] = _mm256_unpackhi_epi64(u[j], u[4 + j]);
   }
 }
 
@@ -240,16 +241,31 @@ at::Tensor bf16_panel_pack(const at::Tensor& weight, const std::optional<at::Ten
       const uint16_t* rows = src + p * kPanel * K;
       uint16_t* d = dst + p * K * kPanel;
       int64_t k = 0;
-      if (cols == kPanel) {  // full panels: 8 k at a time, each 8 positions of a step one transpose
-        __m128i r[8];
-        for (; k + 8 <= K; k += 8) {
+      if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % 32 == 0) {
+        // full panels, 16 k at a time: each 8 positions of a step two transposes (one per lane),
+        // gathered in a 1 KB block whose 16 lines then go out as streamed stores (the packed copy is
+        // not read again soon; a store that skips the cache skips reading the line first)
+        alignas(64) uint16_t block[16][kPanel];
+        __m256i r[8];
+        for (; k + 16 <= K; k += 16) {
           for (int64_t q = 0; q < kPanel; q += 8) {
-            for (int64_t i = 0; i < 8; ++i)
-              r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + kBf16Col[q + i] * K + k));
+            for (int64_t i = 0; i < 8; ++i) {
+              const uint16_t* row = rows + kBf16Col[q + i] * K + k;
+              r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+              __builtin_prefetch(row + 128);  // 32 rows read side by side: more streams than the prefetcher follows
+            }
             transpose8x8_epi16(r);
-            for (int64_t j = 0; j < 8; ++j) _mm_storeu_si128(reinterpret_cast<__m128i*>(d + (k + j) * kPanel + q), r[j]);
+            for (int64_t j = 0; j < 8; ++j) {
+              _mm_store_si128(reinterpret_cast<__m128i*>(block[j] + q), _mm256_castsi256_si128(r[j]));
+              _mm_store_si128(reinterpret_cast<__m128i*>(block[8 + j] + q), _mm256_extracti128_si256(r[j], 1));
+            }
           }
+          for (int64_t j = 0; j < 16; ++j)
+            for (int64_t h = 0; h < kPanel; h += 16)
+              _mm256_stream_si256(reinterpret_cast<__m256i*>(d + (k + j) * kPanel + h),
+                                  _mm256_load_si256(reinterpret_cast<const __m256i*>(block[j] + h)));
         }
+        _mm_sfence();
       }
       for (; k < K; ++k)  // (the rest: scalar; columns past N are zeros)
         for (int64_t q = 0; q < kPanel; ++q) d[k * kPanel + q] = kBf16Col[q] < cols ? rows[kBf16Col[q] * K + k] : 0;
