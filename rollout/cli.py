@@ -81,8 +81,8 @@ def _add_dashboard_parser(sub) -> argparse.ArgumentParser:
 
 def _add_dtype_device(group) -> None:
     group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="weights and KV cache; auto = bfloat16 on GPU and on CPUs with native bf16 matmul "
-                            "(AVX-512 BF16 / AMX), float32 otherwise")
+                       help="weights and KV cache; auto = bfloat16 on GPU and on CPUs with fast bf16 matmuls "
+                            "(AMX, AVX-512, AVX2 + FMA with the C++ kernels built), float32 otherwise")
     group.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
 
 

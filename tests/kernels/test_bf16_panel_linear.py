@@ -95,3 +95,26 @@ def _pairs(plain: torch.Tensor, lanes: int) -> torch.Tensor:
     """Columns c and c + lanes side by side, in each group of 2 * lanes."""
     groups = plain.reshape(*plain.shape[:2], 32 // (2 * lanes), 2, lanes)
     return groups.transpose(-1, -2).reshape(plain.shape)
+
+
+def test_auto_dtype_serves_bf16_where_bf16_is_fast(ext, tmp_path, monkeypatch):
+    """dtype "auto" on a CPU: bf16 with native bf16 matmuls or these panels (AVX2 + FMA / AVX-512,
+    kernels built), float32 where neither runs (torch's own bf16 matmul on AVX2 is 5-8x slower than
+    its float32 one) and in batch-invariant mode."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from engine.config import EngineConfig
+    from kernels import cpu_ext
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    native = cpu_ext.cpu_has("amx_bf16") or cpu_ext.cpu_has("avx512_bf16")
+    panels = ext is not None and ext.f32_panel_supported()
+    assert panels == (cpu_ext.cpu_has("avx512f") or (cpu_ext.cpu_has("avx2") and cpu_ext.cpu_has("fma")))
+    auto = EngineConfig(model=str(tmp_path), device="cpu")
+    assert auto.dtype == ("bfloat16" if native or panels else "float32")
+    assert EngineConfig(model=str(tmp_path), device="cpu", batch_invariant=True).dtype == "float32"
+    monkeypatch.setattr(cpu_ext, "load", lambda: None)  # no compiler: the panels are missing
+    want = "bfloat16" if native else "float32"
+    assert EngineConfig(model=str(tmp_path), device="cpu").dtype == want
