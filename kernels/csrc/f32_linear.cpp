@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <utility>
 
 #if defined(__AVX512F__)
@@ -129,20 +130,29 @@ inline void transpose(BlockRow r[8]) {
 }  // namespace
 #endif
 
+namespace {
+
+const char* dtype_name(at::ScalarType t) { return t == at::kFloat ? "float32" : "bfloat16"; }
+
+// The (ceil(N/32), K, 32) tensor a pack of w (N, K) writes: `out` when given (a repack in place), else fresh.
+at::Tensor panels_for(const char* fn, const at::Tensor& w, const std::optional<at::Tensor>& out) {
+  const int64_t NP = (w.size(0) + kPanel - 1) / kPanel, K = w.size(1);
+  if (!out.has_value()) return at::empty({NP, K, kPanel}, w.options());
+  TORCH_CHECK(out->device().is_cpu() && out->scalar_type() == w.scalar_type() && out->is_contiguous() &&
+                  out->sizes() == at::IntArrayRef({NP, K, kPanel}),
+              fn, ": out must be a contiguous ", dtype_name(w.scalar_type()), " (", NP, ", ", K, ", ", kPanel,
+              ") CPU tensor");
+  return *out;
+}
+
+}  // namespace
+
 at::Tensor f32_panel_pack(const at::Tensor& weight, const std::optional<at::Tensor>& out) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
               "f32_panel_pack: a float32 (N, K) CPU tensor");
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), NP = (N + kPanel - 1) / kPanel;
-  at::Tensor packed;
-  if (out.has_value()) {
-    packed = *out;
-    TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
-                    packed.sizes() == at::IntArrayRef({NP, K, kPanel}),
-                "f32_panel_pack: out must be a contiguous float32 (", NP, ", ", K, ", ", kPanel, ") CPU tensor");
-  } else {
-    packed = at::empty({NP, K, kPanel}, w.options());
-  }
+  at::Tensor packed = panels_for("f32_panel_pack", w, out);
   const float* src = w.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
@@ -224,15 +234,7 @@ at::Tensor bf16_panel_pack(const at::Tensor& weight, const std::optional<at::Ten
 #if ROLLOUT_F32_PANEL
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), NP = (N + kPanel - 1) / kPanel;
-  at::Tensor packed;
-  if (out.has_value()) {
-    packed = *out;
-    TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                    packed.sizes() == at::IntArrayRef({NP, K, kPanel}),
-                "bf16_panel_pack: out must be a contiguous bfloat16 (", NP, ", ", K, ", ", kPanel, ") CPU tensor");
-  } else {
-    packed = at::empty({NP, K, kPanel}, w.options());
-  }
+  at::Tensor packed = panels_for("bf16_panel_pack", w, out);
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
   at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
@@ -389,8 +391,9 @@ struct Tiles {
   static constexpr std::array<Fn, MR> kTiles[2] = {make<kTileVecs, false>(std::make_integer_sequence<int64_t, MR>{}),
                                                    make<kTileVecs, true>(std::make_integer_sequence<int64_t, MR>{})};
 #if ROLLOUT_F32_PANEL == 256
-  static constexpr std::array<Fn, kWideRows> kWide[2] = {make<4, false>(std::make_integer_sequence<int64_t, kWideRows>{}),
-                                                         make<4, true>(std::make_integer_sequence<int64_t, kWideRows>{})};
+  static constexpr std::array<Fn, kWideRows> kWide[2] = {
+      make<4, false>(std::make_integer_sequence<int64_t, kWideRows>{}),
+      make<4, true>(std::make_integer_sequence<int64_t, kWideRows>{})};
 #endif
 };
 
@@ -435,29 +438,50 @@ void panel_matmul(const float* xp, int64_t sx, int64_t M, int64_t K, const WT* w
   else at::parallel_for(0, NP, (NP + threads - 1) / threads, run);
 }
 
+// x (M, K) @ weight.T + bias from the packed panels; x, weights, bias and output all float (or all
+// at::BFloat16: x is widened to float32 once, exactly, so the tiles broadcast floats).
+template <typename T>
+at::Tensor panel_linear(const char* fn, const char* pack, const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                        const std::optional<at::Tensor>& bias) {
+  constexpr at::ScalarType st = std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == st && x.dim() == 2 && (x.size(1) <= 1 || x.stride(1) == 1),
+              fn, ": x must be a ", dtype_name(st), " (M, K) CPU tensor with a contiguous last dim");
+  const int64_t M = x.size(0), K = x.size(1), NP = (N + kPanel - 1) / kPanel;
+  TORCH_CHECK(packed.scalar_type() == st && packed.is_contiguous() &&
+                  packed.sizes() == at::IntArrayRef({NP, K, kPanel}),
+              fn, ": packed must come from ", pack, " of an (", N, ", ", K, ") weight");
+  const T* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == st && bias->dim() == 1 && bias->size(0) == N && bias->stride(0) == 1,
+                fn, ": bias must be a contiguous ", dtype_name(st), " (N,) tensor");
+    bp = bias->data_ptr<T>();
+  }
+  at::Tensor out = at::Tensor(at::detail::empty_cpu({M, N}, st));
+  if (M == 0 || N == 0) return out;
+  if constexpr (std::is_same_v<T, float>) {
+    panel_matmul(x.data_ptr<float>(), x.stride(0), M, K, packed.data_ptr<float>(), N, bp, out.data_ptr<float>());
+  } else {
+    at::Tensor xf = at::Tensor(at::detail::empty_cpu({M, K}, at::kFloat));
+    const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    uint32_t* xd = reinterpret_cast<uint32_t*>(xf.data_ptr<float>());
+    const int64_t sx = x.stride(0);
+    at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t k = 0; k < K; ++k) xd[m * K + k] = static_cast<uint32_t>(xs[m * sx + k]) << 16;
+    });
+    panel_matmul(xf.data_ptr<float>(), K, M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+                 N, bp, out.data_ptr<at::BFloat16>());
+  }
+  return out;
+}
+
 }  // namespace
 #endif
 
 at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                             const std::optional<at::Tensor>& bias) {
 #if ROLLOUT_F32_PANEL
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
-                  (x.size(1) <= 1 || x.stride(1) == 1),
-              "f32_panel_linear: x must be a float32 (M, K) CPU tensor with a contiguous last dim");
-  const int64_t M = x.size(0), K = x.size(1), NP = (N + kPanel - 1) / kPanel;
-  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
-                  packed.sizes() == at::IntArrayRef({NP, K, kPanel}),
-              "f32_panel_linear: packed must come from f32_panel_pack of an (", N, ", ", K, ") weight");
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N && bias->stride(0) == 1,
-                "f32_panel_linear: bias must be a contiguous float32 (N,) tensor");
-    bp = bias->data_ptr<float>();
-  }
-  at::Tensor out = at::Tensor(at::detail::empty_cpu({M, N}, at::kFloat));
-  if (M == 0 || N == 0) return out;
-  panel_matmul(x.data_ptr<float>(), x.stride(0), M, K, packed.data_ptr<float>(), N, bp, out.data_ptr<float>());
-  return out;
+  return panel_linear<float>("f32_panel_linear", "f32_panel_pack", x, packed, N, bias);
 #else
   TORCH_CHECK(false, "f32_panel_linear: this CPU has neither AVX-512 nor AVX2 + FMA (see f32_panel_supported)");
 #endif
@@ -466,34 +490,7 @@ at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& packed, int64
 at::Tensor bf16_panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                              const std::optional<at::Tensor>& bias) {
 #if ROLLOUT_F32_PANEL
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
-                  (x.size(1) <= 1 || x.stride(1) == 1),
-              "bf16_panel_linear: x must be a bfloat16 (M, K) CPU tensor with a contiguous last dim");
-  const int64_t M = x.size(0), K = x.size(1), NP = (N + kPanel - 1) / kPanel;
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.sizes() == at::IntArrayRef({NP, K, kPanel}),
-              "bf16_panel_linear: packed must come from bf16_panel_pack of an (", N, ", ", K, ") weight");
-  const at::BFloat16* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->size(0) == N &&
-                    bias->stride(0) == 1,
-                "bf16_panel_linear: bias must be a contiguous bfloat16 (N,) tensor");
-    bp = bias->data_ptr<at::BFloat16>();
-  }
-  at::Tensor out = at::Tensor(at::detail::empty_cpu({M, N}, at::kBFloat16));
-  if (M == 0 || N == 0) return out;
-  // x in float32 once (exact: bf16 is a float's top half), so the tiles broadcast floats
-  at::Tensor xf = at::Tensor(at::detail::empty_cpu({M, K}, at::kFloat));
-  const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  uint32_t* xd = reinterpret_cast<uint32_t*>(xf.data_ptr<float>());
-  const int64_t sx = x.stride(0);
-  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t k = 0; k < K; ++k) xd[m * K + k] = static_cast<uint32_t>(xs[m * sx + k]) << 16;
-  });
-  panel_matmul(xf.data_ptr<float>(), K, M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), N,
-               bp, out.data_ptr<at::BFloat16>());
-  return out;
+  return panel_linear<at::BFloat16>("bf16_panel_linear", "bf16_panel_pack", x, packed, N, bias);
 #else
   TORCH_CHECK(false, "bf16_panel_linear: this CPU has neither AVX-512 nor AVX2 + FMA (see f32_panel_supported)");
 #endif
