@@ -35,6 +35,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import msgspec
@@ -303,17 +304,36 @@ def _pack(tensors: list[torch.Tensor], b: Bucket, buf: torch.Tensor) -> None:
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """dst.copy_(src) (returns dst), but a plain single-threaded memcpy for CPU -> CPU without a cast.
+    """dst.copy_(src) (returns dst), on one thread for CPU -> CPU: a plain memcpy without a cast,
+    torch's copy (a cast, a strided slice) inside `_one_thread` otherwise.
 
     Packing is memory-bound, and one thread already outruns loopback TCP; torch's OpenMP copy
     collapses several-fold when the cores are oversubscribed (trainer, engine and gloo's threads
-    on one box), measured in benchmarks/weight_transfer.py."""
-    if dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and src.is_contiguous() \
-            and dst.is_contiguous():
+    on one box), measured in benchmarks/weight_transfer.py (an fp32 -> bf16 push on 2 cores:
+    ~60% of the raw transport with two threads casting, ~75% with one)."""
+    if dst.device.type != "cpu" or src.device.type != "cpu":
+        dst.copy_(src)
+    elif dst.dtype == src.dtype and src.is_contiguous() and dst.is_contiguous():
         np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
     else:
-        dst.copy_(src)
+        with _one_thread():
+            dst.copy_(src)
     return dst
+
+
+@contextmanager
+def _one_thread():
+    """torch's CPU ops in this block run on the calling thread alone (OpenMP's team size is per
+    thread; the old size comes back after)."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 class WeightReceiver:

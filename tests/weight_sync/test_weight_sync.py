@@ -31,7 +31,16 @@ from weight_sync import (
     read_shared,
     weights_checksum,
 )
-from weight_sync.protocol import ALIGN, GLOO_MAX_BUCKET_BYTES, PushHeader, TensorMeta, check_header, plan_buckets
+from weight_sync.protocol import (
+    ALIGN,
+    GLOO_MAX_BUCKET_BYTES,
+    PushHeader,
+    TensorMeta,
+    _copy,
+    _one_thread,
+    check_header,
+    plan_buckets,
+)
 
 CTX = mp.get_context("spawn")
 BUCKET = 300_000  # forces many buckets, and cuts lm_head (4 MiB) into pieces
@@ -489,6 +498,23 @@ def test_bucket_plan_covers_every_byte_once_within_the_cap():
     # one bucket for everything when the cap allows it, per dtype
     header.bucket_bytes = 1 << 30
     assert [b.dtype for b in plan_buckets(header)] == ["float32", "bfloat16"]
+
+
+def test_pack_copies_cast_on_one_thread_and_keep_the_callers_thread_count():
+    """`_copy` (packing and unpacking) casts and copies strided slices with torch on one thread, so
+    an fp32 -> bf16 push does not fight gloo's threads for the cores; the result is torch's cast."""
+    threads = torch.get_num_threads()
+    src = torch.randn(1000, 300, generator=torch.Generator().manual_seed(0)) * 1e3
+    src[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.0e38])
+    cast = _copy(torch.empty(src.shape, dtype=torch.bfloat16), src)
+    exact = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(cast, src.bfloat16(), **exact)
+    torch.testing.assert_close(_copy(torch.empty(1000, 100), src[:, ::3]), src[:, ::3], **exact)
+    torch.testing.assert_close(_copy(torch.empty_like(src), src), src, **exact)
+    assert torch.get_num_threads() == threads
+    with _one_thread():
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == threads
 
 
 def test_check_header_reports_every_problem():
