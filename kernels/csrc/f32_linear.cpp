@@ -69,13 +69,13 @@ bool f32_panel_supported() {
 #if ROLLOUT_F32_PANEL
 namespace {
 
-// Packing moves kBlock x kBlock blocks of floats, transposed in registers, with streamed stores
-// (the packed copy is not read again soon, and a store that skips the cache skips reading the
-// line first).
+// Packing moves kBlock x kBlock blocks of floats, transposed in registers (see f32_panel_pack).
 #if ROLLOUT_F32_PANEL == 512
 constexpr int64_t kBlock = 16;
 typedef __m512 BlockRow;
 inline BlockRow load_row(const float* p) { return _mm512_loadu_ps(p); }
+inline BlockRow load_block_row(const float* p) { return _mm512_load_ps(p); }
+inline void store_row(float* p, BlockRow v) { _mm512_store_ps(p, v); }
 inline void stream_row(float* p, BlockRow v) { _mm512_stream_ps(p, v); }
 
 // rows in r, columns out
@@ -106,6 +106,8 @@ inline void transpose(BlockRow r[16]) {
 constexpr int64_t kBlock = 8;
 typedef __m256 BlockRow;
 inline BlockRow load_row(const float* p) { return _mm256_loadu_ps(p); }
+inline BlockRow load_block_row(const float* p) { return _mm256_load_ps(p); }
+inline void store_row(float* p, BlockRow v) { _mm256_store_ps(p, v); }
 inline void stream_row(float* p, BlockRow v) { _mm256_stream_ps(p, v); }
 
 inline void transpose(BlockRow r[8]) {
@@ -162,14 +164,24 @@ at::Tensor f32_panel_pack(const at::Tensor& weight, const std::optional<at::Tens
       float* d = dst + p * K * kPanel;
       int64_t k = 0;
 #if ROLLOUT_F32_PANEL
-      if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % sizeof(BlockRow) == 0) {  // full panels
+      if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % sizeof(BlockRow) == 0) {
+        // full panels, kBlock k at a time: each kBlock x kBlock block transposed in registers into a
+        // block of kBlock whole k steps in L1, which then goes out as streamed stores in order (the
+        // packed copy is not read again soon; a store that skips the cache skips reading the line
+        // first, and whole lines in order keep the write-combining buffers from flushing halves)
+        alignas(64) float block[kBlock * kPanel];
         BlockRow r[kBlock];
         for (; k + kBlock <= K; k += kBlock) {
           for (int64_t h = 0; h < kPanel / kBlock; ++h) {
-            for (int64_t i = 0; i < kBlock; ++i) r[i] = load_row(rows + (h * kBlock + i) * K + k);
+            for (int64_t i = 0; i < kBlock; ++i) {
+              const float* row = rows + (h * kBlock + i) * K + k;
+              r[i] = load_row(row);
+              __builtin_prefetch(row + 64);  // 32 rows read side by side: more streams than the prefetcher follows
+            }
             transpose(r);
-            for (int64_t j = 0; j < kBlock; ++j) stream_row(d + (k + j) * kPanel + h * kBlock, r[j]);
+            for (int64_t j = 0; j < kBlock; ++j) store_row(block + j * kPanel + h * kBlock, r[j]);
           }
+          for (int64_t i = 0; i < kBlock * kPanel; i += kBlock) stream_row(d + k * kPanel + i, load_block_row(block + i));
         }
         _mm_sfence();
       }
