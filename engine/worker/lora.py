@@ -10,7 +10,8 @@ gate/up into one matmul each, and so does an adapter: per decoder layer and fuse
 ("qkv", "o", "gate_up", "down") it keeps one Fused(At, Bt): At = [A_q; A_k; A_v].T (in, sum r)
 and Bt the block-diagonal (sum r, out) of the scaled B_m.T placed at each module's output
 columns, so a projection's whole delta is two matmuls, (x @ At) @ Bt, added in place. (Zero blocks
-cost a few FLOPs; fewer, larger calls are what matters on a CPU.)
+cost a few FLOPs; fewer, larger calls are what matters on a CPU.) On CPUs whose model linears run
+on our float32 panels, both matmuls do too (PanelDelta).
 
 Registered vs resident (as in vLLM): add_lora registers an adapter with the engine core
 (engine/core/lora_registry.py; checked now, a bad one refused) until remove_lora; at most
@@ -46,6 +47,7 @@ from safetensors.torch import load_file
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
 from engine.model.parallel import Partition
+from kernels import cpu_ext
 
 
 class LoRARequest(msgspec.Struct, frozen=True):
@@ -61,10 +63,42 @@ _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\
 _ADAPTER_SEGMENT = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")
 
 
+class PanelDelta:
+    """(x @ At) @ Bt in float32 through the C++ float32 panels (kernels/csrc/f32_linear.cpp), where
+    the model's own linears run on panels too (_panel_kernels). torch's matmuls at these shapes
+    (a few rank columns) cost more than the projection they add to: in bf16 without AVX-512 BF16
+    (no oneDNN bf16) an adapter took a batch-32 step to ~0.2x of the base model's speed, and in
+    float32 to ~0.65-0.9x. The delta comes back in float32 and is rounded once, by the add into y."""
+
+    __slots__ = ("ext", "A", "B", "rank", "width")
+
+    def __init__(self, ext, At: torch.Tensor, Bt: torch.Tensor):
+        self.ext, self.rank, self.width = ext, At.shape[1], Bt.shape[1]
+        self.A = ext.f32_panel_pack(At.T.float().contiguous(), None)  # A (rank, in) as a linear's weight
+        self.B = ext.f32_panel_pack(Bt.T.float().contiguous(), None)  # B (out, rank)
+
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        xa = self.ext.f32_panel_linear(x.float(), self.A, self.rank, None)
+        if mask is not None:
+            xa.masked_fill_(mask, 0.0)
+        return self.ext.f32_panel_linear(xa, self.B, self.width, None)
+
+
+def _panel_kernels(dtype: torch.dtype, device: torch.device):
+    """The C++ kernels where this model's LoRA deltas go through PanelDelta, else None: float32,
+    and bf16 where its linears run on bf16_panel_linear (no AVX-512 BF16: see
+    engine.model.decoder.Linear.pack)."""
+    ext = cpu_ext.ops_for(device, dtype) if dtype in (torch.bfloat16, torch.float32) else None
+    if ext is None or not ext.f32_panel_supported():
+        return None
+    return ext if dtype == torch.float32 or not ext.bf16_vnni_supported() else None
+
+
 @dataclass
 class Fused:
     At: torch.Tensor  # (in, sum of the modules' ranks)
     Bt: torch.Tensor  # (sum of ranks, out of the fused projection): block-diagonal, scaled
+    panels: PanelDelta | None = None  # where set, the delta goes through it (see PanelDelta)
 
 
 @dataclass
@@ -188,8 +222,8 @@ def build_adapter(request: LoRARequest, tensors: dict[str, torch.Tensor], rank: 
         A = _rank_slice(module, "A", tensors[prefix + "A.weight"], mc, part)
         B = _rank_slice(module, "B", tensors[prefix + "B.weight"], mc, part)
         parts[layer].setdefault(MODULES[module], []).append((shapes[module][0], A, B * scale))
-    widths = fused_widths(mc, part)
-    fused = [{name: _fuse(ps, widths[name], dtype, device) for name, ps in layer.items()} for layer in parts]
+    widths, ext = fused_widths(mc, part), _panel_kernels(dtype, device)
+    fused = [{name: _fuse(ps, widths[name], dtype, device, ext) for name, ps in layer.items()} for layer in parts]
     return Adapter(request, fused, tensors, rank, scale)
 
 
@@ -198,14 +232,15 @@ def fused_widths(mc: ModelConfig, part: Partition | None = None) -> dict[str, in
     return {"qkv": q + 2 * kv, "o": H, "gate_up": 2 * inter, "down": H}
 
 
-def _fuse(parts: list, width: int, dtype, device) -> Fused:
+def _fuse(parts: list, width: int, dtype, device, ext) -> Fused:
     At = torch.cat([A for _, A, _ in parts]).T  # (in, R)
     Bt = torch.zeros(At.shape[1], width)
     r0 = 0
     for row, A, B in parts:
         Bt[r0:r0 + A.shape[0], row:row + B.shape[0]] = B.T
         r0 += A.shape[0]
-    return Fused(At.to(device, dtype).contiguous(), Bt.to(device, dtype).contiguous())
+    At, Bt = At.to(device, dtype).contiguous(), Bt.to(device, dtype).contiguous()
+    return Fused(At, Bt, PanelDelta(ext, At, Bt) if ext is not None else None)
 
 
 class LoRABatch:
@@ -222,27 +257,44 @@ class LoRABatch:
     def __init__(self, adapters: list[Adapter], row_owner: torch.Tensor | None, stacks: dict):
         self.adapters = adapters  # those in this step
         self.row_owner = row_owner  # (T, 1) index into adapters (-1: the base model); None: adapters[0] everywhere
-        self.stacks = stacks  # (layer, name) -> (At_all, Bt_all, column owner (1, R_all)) for these adapters
+        self.stacks = stacks  # (layer, name) -> Stacked (or None: no adapter of the step has it) for these adapters
 
     def apply(self, layer: int, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
         if self.row_owner is None:
             f = self.adapters[0].fused[layer].get(name)
-            if f is not None:
+            if f is None:
+                return
+            if f.panels is not None:
+                y.add_(f.panels(x))
+            else:
                 y.addmm_(x @ f.At, f.Bt)
             return
-        stack = self.stacks.get((layer, name))
+        key = (layer, name)
+        if key not in self.stacks:
+            self.stacks[key] = self._stack(layer, name)
+        stack = self.stacks[key]
         if stack is None:
-            stack = self.stacks[(layer, name)] = self._stack(layer, name)
-        At, Bt, owner = stack
-        if At is None:
             return
-        xa = (x @ At).masked_fill_(owner != self.row_owner, 0.0)
-        y.addmm_(xa, Bt)
+        mask = stack.owner != self.row_owner
+        if stack.panels is not None:
+            y.add_(stack.panels(x, mask))
+        else:
+            y.addmm_((x @ stack.At).masked_fill_(mask, 0.0), stack.Bt)
 
-    def _stack(self, layer: int, name: str):
+    def _stack(self, layer: int, name: str) -> "Stacked | None":
         parts = [(i, a.fused[layer][name]) for i, a in enumerate(self.adapters) if name in a.fused[layer]]
         if not parts:
-            return None, None, None
+            return None
         owner = torch.cat([torch.full((f.At.shape[1],), i, dtype=torch.int64) for i, f in parts])
-        return (torch.cat([f.At for _, f in parts], dim=1), torch.cat([f.Bt for _, f in parts]),
-                owner.to(parts[0][1].At.device)[None, :])
+        At, Bt = torch.cat([f.At for _, f in parts], dim=1), torch.cat([f.Bt for _, f in parts])
+        ext = parts[0][1].panels.ext if parts[0][1].panels is not None else None
+        return Stacked(At, Bt, owner.to(At.device)[None, :], PanelDelta(ext, At, Bt) if ext is not None else None)
+
+
+@dataclass
+class Stacked:
+    """The adapters of a step side by side, for one layer's fused projection (LoRABatch)."""
+    At: torch.Tensor  # (in, R_all)
+    Bt: torch.Tensor  # (R_all, out)
+    owner: torch.Tensor  # (1, R_all): the index of the adapter each column of x @ At belongs to
+    panels: PanelDelta | None

@@ -1,6 +1,7 @@
 """LoRA adapters from PEFT folders: three adapters and the base model in one batch, each greedy
-token-exact against PEFT on transformers (float32, random LoRA weights that change the outputs);
-the prefix cache keyed by adapter; bad adapters refused with nothing changed; max_loras eviction
+token-exact against PEFT on transformers (float32, random LoRA weights that change the outputs), and
+in bf16 as close to PEFT in float32 as PEFT in bf16 is; the deltas through the float32 panels against
+float64; the prefix cache keyed by adapter; bad adapters refused with nothing changed; max_loras eviction
 (least recently used, never a pinned one)."""
 import copy
 import json
@@ -13,7 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import LLM, EngineStateError, InvalidRequestError, SamplingParams
-from engine.worker.lora import LoRARequest
+from engine.worker.lora import LoRARequest, PanelDelta
+from kernels import cpu_ext
+from tests.engine.hf_reference import hf_prompt_logprobs
 from weight_sync import SharedWeights
 
 TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -73,6 +76,55 @@ def test_three_adapters_and_the_base_in_one_batch_equal_peft(models, default_mod
         assert got[(0, len(PROMPTS[1]))] == alone
         assert len({tuple(v) for k, v in got.items() if k[1] == len(PROMPTS[1])}) > 1  # the adapters matter
         assert llm.list_loras() == [1, 2, 3]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.skipif(not (cpu_ext.load() and cpu_ext.load().f32_panel_supported()),
+                    reason="the float32 panels need AVX-512 or AVX2 + FMA and the C++ kernels")
+def test_panel_delta_is_the_float64_delta_rounded_once():
+    """PanelDelta (LoRA on CPUs whose model linears run on the float32 panels), in bf16: y + (x @ At)
+    @ Bt in float32 and one rounding, for one adapter and for a stack of adapters masked per row,
+    against the same math in float64 (bf16 inputs are exact in both)."""
+    ext, g = cpu_ext.load(), torch.Generator().manual_seed(0)
+    shapes = [(1, 64, 4, 96), (5, 576, 48, 960), (33, 1536, 16, 576), (70, 64, 1, 40)]  # rows, in, rank, out
+    for rows, hidden, rank, width in shapes:
+        x = torch.randn(rows, hidden, generator=g).bfloat16()
+        At = (torch.randn(hidden, rank, generator=g) * 0.1).bfloat16()
+        Bt = (torch.randn(rank, width, generator=g) * 0.1).bfloat16()
+        y = torch.randn(rows, width, generator=g).bfloat16()
+        owner = torch.randint(0, 3, (1, rank), generator=g)
+        row_owner = torch.randint(-1, 3, (rows, 1), generator=g)
+        delta = PanelDelta(ext, At, Bt)
+        for mask in (None, owner != row_owner):
+            got = y.clone().add_(delta(x, mask))
+            keep = 1.0 if mask is None else (~mask).double()
+            exact_delta = ((x.double() @ At.double()) * keep) @ Bt.double()
+            exact = y.double() + exact_delta
+            # float64's sum rounded to bf16, but for the float32 sums' error (~2^-24 of the terms'
+            # size; it shows where y and the delta cancel) and values a hair from a rounding boundary
+            off = (got.double() - exact.bfloat16().double()).abs()
+            assert got.dtype == torch.bfloat16 and (off > 0).float().mean() < 0.01
+            assert (off <= exact.abs() * 2 ** -7 + (y.double().abs() + exact_delta.abs()) * 2 ** -16).all()
+
+
+def test_bf16_adapters_and_the_base_in_one_batch_stay_as_close_to_peft_as_peft_in_bf16(models, default_model_path):
+    """In bf16 (where this CPU has no AVX-512 BF16, the deltas go through PanelDelta): three
+    adapters and the base model in one batch, each row's prompt logprobs against PEFT in float32
+    no further off than PEFT's own bf16 run is (plus a bf16 step)."""
+    folder, base, adapters = models
+    llm = LLM(folder, tokenizer=default_model_path, multiprocess=False, dtype="bfloat16", enable_lora=True)
+    try:
+        loras = [None] + [LoRARequest(f"a{k}", k + 1, path) for k, (path, _) in enumerate(adapters)]
+        params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+        outs = llm.generate([{"prompt_token_ids": PROMPTS[1]}] * len(loras), params, use_tqdm=False,
+                            lora_request=loras)
+        for r, o in zip(loras, outs):
+            model = base if r is None else adapters[r.lora_int_id - 1][1]
+            ref = torch.tensor(hf_prompt_logprobs(model, PROMPTS[1]))
+            peft_bf16 = torch.tensor(hf_prompt_logprobs(copy.deepcopy(model).to(torch.bfloat16), PROMPTS[1]))
+            ours = torch.tensor(o.prompt_logprobs[1:])
+            assert (ours - ref).abs().max() <= 2 * (peft_bf16 - ref).abs().max() + 0.02, r
     finally:
         llm.shutdown()
 
