@@ -181,7 +181,9 @@ class LlamaModel:
         self.score = Linear(mc.num_labels, H, False, dtype, device) if mc.num_labels else None
         if self.lm_head is not None and mc.tie_word_embeddings:
             self.lm_head.weight = self.embed
-        self.vision = VisionEncoder(mc.vision, H, dtype, device) if mc.vision else None
+        slow_bf16 = dtype == torch.bfloat16 and device.type == "cpu" and not _mkldnn_ok(dtype)
+        self.vision = (VisionEncoder(mc.vision, H, dtype, device, torch.float32 if slow_bf16 else None)
+                       if mc.vision else None)
         inv_freq, attention_factor = rope_inv_freq(D, mc.rope_theta, mc.rope_scaling)
         self.cos_sin = rope_cos_sin_cache(inv_freq, attention_factor, max_len).to(device)  # (L, 2, D/2) fp32
         self.ops = LayerOps(device, dtype, D)

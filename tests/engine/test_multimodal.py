@@ -1,9 +1,11 @@
 """A vision-language model (Idefics3 / SmolVLM family: SigLIP-style vision tower, pixel-shuffle
 connector, Llama decoder) on a tiny random-weight config: greedy tokens exactly equal to
-transformers' in float32 with one and two images per prompt and in a batch; the encoder cache
+transformers' in float32 with one and two images per prompt and in a batch; the tower in bf16 (in
+float32 where torch's bf16 matmul is slow) against transformers' float32; the encoder cache
 hits on a repeated image and is empty after a weight push; prefix caching tells two images
 apart although their placeholder tokens are the same; bad image input is refused."""
 import base64
+import copy
 import io
 
 import pytest
@@ -14,6 +16,7 @@ from transformers import (AutoTokenizer, Idefics3Config, Idefics3ForConditionalG
                           Idefics3Processor)
 
 from engine import LLM, InvalidRequestError, SamplingParams
+from engine.model.decoder import _mkldnn_ok
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
@@ -80,6 +83,35 @@ def test_images_token_exact_vs_transformers(vlm):
     other = llm.generate({"prompt": "Look: <image> what?", "multi_modal_data": {"image": dog}}, GREEDY,
                          use_tqdm=False)[0].outputs[0].token_ids
     assert other != outs[0].outputs[0].token_ids
+
+
+def test_bf16_encodes_images_as_transformers_does(vlm):
+    """bf16 on a CPU whose torch bf16 matmul is slow (no oneDNN bf16: AVX2) encodes in float32: the
+    tower's output is transformers' float32 one on the same bf16-rounded weights, rounded once;
+    elsewhere it computes in bf16 (within bf16's error of it). A bf16 chat with an image runs."""
+    _, model, processor, folder = vlm
+    llm = LLM(str(folder), multiprocess=False, dtype="bfloat16", kv_cache_memory=32 << 20)
+    try:
+        encoder = llm.client.core.executor.worker.model.vision
+        widened = not _mkldnn_ok(torch.bfloat16)
+        assert encoder.compute_dtype == (torch.float32 if widened else torch.bfloat16)
+        inputs = processor(text=["<image>"], images=[[random_image(48, 40, 1)]], return_tensors="pt")
+        same_weights = copy.deepcopy(model).to(torch.bfloat16).float()
+        with torch.no_grad():
+            ref = same_weights.model.get_image_features(pixel_values=inputs["pixel_values"],
+                                                        pixel_attention_mask=inputs["pixel_attention_mask"])
+        ref = torch.cat(list(ref.pooler_output)).flatten(0, -2)
+        got = encoder.encode(inputs["pixel_values"][0])
+        assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+        if widened:
+            assert ((got.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-6).all()
+        else:
+            assert (got.float() - ref).abs().max() <= 0.05 * ref.abs().max()
+        out = llm.generate({"prompt": "Look: <image> what?", "multi_modal_data": {"image": random_image(48, 40, 1)}},
+                           GREEDY, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == GREEDY.max_tokens
+    finally:
+        llm.shutdown()
 
 
 def test_encoder_cache_and_prefix_cache_know_images(vlm):
