@@ -309,8 +309,8 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
 
     Packing is memory-bound, and one thread already outruns loopback TCP; torch's OpenMP copy
     collapses several-fold when the cores are oversubscribed (trainer, engine and gloo's threads
-    on one box), measured in benchmarks/weight_transfer.py (an fp32 -> bf16 push on 2 cores:
-    ~60% of the raw transport with two threads casting, ~75% with one)."""
+    on one box), measured in benchmarks/weight_transfer.py (its float32>bfloat16 rows: a push
+    that casts)."""
     if dst.device.type != "cpu" or src.device.type != "cpu":
         dst.copy_(src)
     elif dst.dtype == src.dtype and src.is_contiguous() and dst.is_contiguous():

@@ -25,7 +25,7 @@ ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "ge
 
 class VisionEncoder:
     """`compute_dtype`: what the tower computes in (default: the weights' dtype). A bf16 model on a
-    CPU whose torch bf16 matmul is slow (no oneDNN bf16: AVX2, AVX-512 without BF16) encodes in
+    CPU whose torch bf16 matmul is slow (no oneDNN bf16, as on AVX2-only CPUs) encodes in
     float32, ~6x faster there at a tile's 1024 rows: the weights are widened per call (a cost
     small beside the matmuls) and the output rounded once to the model's dtype."""
 

@@ -15,13 +15,14 @@ on our float32 panels, both matmuls do too (PanelDelta).
 
 Registered vs resident (as in vLLM): add_lora registers an adapter with the engine core
 (engine/core/lora_registry.py; checked now, a bad one refused) until remove_lora; at most
-max_loras are resident in the worker (list_loras), pinned ones (pin_lora, and every pushed adapter: its weights exist nowhere else) among them. A
-request may name any registered adapter whatever its residency: the scheduler admits a request
-only while the running requests' adapters and the pinned ones fit in max_loras (otherwise it
-waits for a slot), and before each step the core loads the step's evicted adapters from their
-folders, evicting the least recently used one that is neither pinned nor running. A request for an
-unregistered id is an InvalidRequestError ("not loaded"); one that could never get a slot (every
-slot pinned) is an EngineStateError, and so is a pin that would leave requests no slot.
+max_loras are resident in the worker (list_loras), pinned ones (pin_lora, and every pushed adapter:
+its weights exist nowhere else) among them. A request may name any registered adapter whatever its
+residency: the scheduler admits a request only while the running requests' adapters and the pinned
+ones fit in max_loras (otherwise it waits for a slot), and before each step the core loads the
+step's evicted adapters from their folders, evicting the least recently used one that is neither
+pinned nor running. A request for an unregistered id is an InvalidRequestError ("not loaded"); one
+that could never get a slot (every slot pinned) is an EngineStateError, and so is a pin that would
+leave requests no slot.
 
 With tensor parallelism each rank fuses its slice of an adapter, cut like its base projection
 (engine/model/parallel.py): lora_B by output rows where the projection is column-parallel (q, k, v,
@@ -66,8 +67,8 @@ _ADAPTER_SEGMENT = re.compile(r"\.lora_([AB])\.[^.]+\.weight$")
 class PanelDelta:
     """(x @ At) @ Bt in float32 through the C++ float32 panels (kernels/csrc/f32_linear.cpp), where
     the model's own linears run on panels too (_panel_kernels). torch's matmuls at these shapes
-    (a few rank columns) cost more than the projection they add to: in bf16 without AVX-512 BF16
-    (no oneDNN bf16) an adapter took a batch-32 step to ~0.2x of the base model's speed, and in
+    (a few rank columns) cost more than the projection they add to: in bf16 on an AVX2 CPU (no
+    oneDNN bf16 there) an adapter took a batch-32 step to ~0.2x of the base model's speed, and in
     float32 to ~0.65-0.9x. The delta comes back in float32 and is rounded once, by the add into y."""
 
     __slots__ = ("ext", "A", "B", "rank", "width")
@@ -130,9 +131,9 @@ def _rank_slice(module: str, ab: str, t: torch.Tensor, mc: ModelConfig, part: Pa
     if part is None or not part.sharded:
         return t
     D = mc.head_dim
-    rows = {"q_proj": (part.q_heads[0] * D, part.q_heads[1] * D), "k_proj": (part.kv_heads[0] * D, part.kv_heads[1] * D),
-            "v_proj": (part.kv_heads[0] * D, part.kv_heads[1] * D), "gate_proj": part.intermediate,
-            "up_proj": part.intermediate}
+    kv = (part.kv_heads[0] * D, part.kv_heads[1] * D)
+    rows = {"q_proj": (part.q_heads[0] * D, part.q_heads[1] * D), "k_proj": kv, "v_proj": kv,
+            "gate_proj": part.intermediate, "up_proj": part.intermediate}
     cols = {"o_proj": (part.q_heads[0] * D, part.q_heads[1] * D), "down_proj": part.intermediate}
     if ab == "B" and module in rows:
         return t.narrow(0, *rows[module])

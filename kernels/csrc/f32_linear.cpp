@@ -176,12 +176,13 @@ at::Tensor f32_panel_pack(const at::Tensor& weight, const std::optional<at::Tens
             for (int64_t i = 0; i < kBlock; ++i) {
               const float* row = rows + (h * kBlock + i) * K + k;
               r[i] = load_row(row);
-              __builtin_prefetch(row + 64);  // 32 rows read side by side: more streams than the prefetcher follows
+              __builtin_prefetch(row + 64);  // 32 rows read side by side: more than the prefetcher follows
             }
             transpose(r);
             for (int64_t j = 0; j < kBlock; ++j) store_row(block + j * kPanel + h * kBlock, r[j]);
           }
-          for (int64_t i = 0; i < kBlock * kPanel; i += kBlock) stream_row(d + k * kPanel + i, load_block_row(block + i));
+          for (int64_t i = 0; i < kBlock * kPanel; i += kBlock)
+            stream_row(d + k * kPanel + i, load_block_row(block + i));
         }
         _mm_sfence();
       }
