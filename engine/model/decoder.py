@@ -54,6 +54,13 @@ BF16_VNNI_MAX_ROWS_WITH_AMX = 8
 EVERY_STEP = 1 << 62  # a panel_max that no step reaches
 
 
+def f32_panels_serve(ext, dtype: torch.dtype) -> bool:
+    """Whether linears of this dtype run on the float32 panels (f32_linear.cpp; `ext`: the C++
+    kernels or None): float32, and bf16 where AVX-512 BF16's own kernel does not take it."""
+    return (ext is not None and dtype in (torch.float32, torch.bfloat16) and ext.f32_panel_supported()
+            and not (dtype == torch.bfloat16 and ext.bf16_vnni_supported()))
+
+
 class Linear:
     """y = x @ weight.T (+ bias) through, in this order of preference: our kernel on our packed
     copy (`panels`, steps of <= panel_max rows); a oneDNN-prepacked copy (`packed`); the
@@ -95,7 +102,7 @@ class Linear:
             amx = ext.bf16_amx_supported() and k % 32 == 0
             self.panel_linear = ext.bf16_amx_linear if amx else ext.bf16_vnni_linear
             self.panel_max = EVERY_STEP if amx or not cpu_ext.cpu_has("amx_bf16") else BF16_VNNI_MAX_ROWS_WITH_AMX
-        elif ext is not None and dtype in (torch.float32, torch.bfloat16) and ext.f32_panel_supported():
+        elif f32_panels_serve(ext, dtype):
             shape = ((n + 31) // 32, k, 32)  # panels of 32 columns, k-major
             pack, self.panel_linear = ((ext.f32_panel_pack, ext.f32_panel_linear) if dtype == torch.float32
                                        else (ext.bf16_panel_pack, ext.bf16_panel_linear))

@@ -47,6 +47,7 @@ from safetensors.torch import load_file
 
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
+from engine.model.decoder import f32_panels_serve
 from engine.model.parallel import Partition
 from kernels import cpu_ext
 
@@ -86,13 +87,10 @@ class PanelDelta:
 
 
 def _panel_kernels(dtype: torch.dtype, device: torch.device):
-    """The C++ kernels where this model's LoRA deltas go through PanelDelta, else None: float32,
-    and bf16 where its linears run on bf16_panel_linear (no AVX-512 BF16: see
-    engine.model.decoder.Linear.pack)."""
-    ext = cpu_ext.ops_for(device, dtype) if dtype in (torch.bfloat16, torch.float32) else None
-    if ext is None or not ext.f32_panel_supported():
-        return None
-    return ext if dtype == torch.float32 or not ext.bf16_vnni_supported() else None
+    """The C++ kernels where this model's LoRA deltas go through PanelDelta (where its linears
+    run on the float32 panels), else None."""
+    ext = cpu_ext.ops_for(device, dtype)
+    return ext if f32_panels_serve(ext, dtype) else None
 
 
 @dataclass
