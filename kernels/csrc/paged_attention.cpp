@@ -18,17 +18,18 @@
 // whole, contiguous) or, with fewer sequences than 4 per thread, per (sequence, kv head). Each
 // of at::get_num_threads() OpenMP threads takes one contiguous run of items holding about its
 // share of the tokens, so it knows what it reads next: a prefetch cursor runs kPrefetchAhead
-// tokens ahead of pass 1 through its items, into L2, one token's rows per token scored (the
-// cache is cold in a decode step: the matmuls before flushed it, and blocks are scattered). The
-// G = H / KVH query heads of a kv head are done together so each K/V row is loaded (and
-// widened) once. Tokens are walked in chunks of <= L rows of one block (L = the vector's lanes).
-// Pass 1 computes the scores q_g . k_i (L horizontal sums at a time) into a per-thread row;
-// then a softmax with max subtraction; pass 2 accumulates p_gi * v_i. Each head's arithmetic is
-// the same whatever the item shape, so results do not depend on the batch (batch-invariant mode
-// relies on it). All math is float32 (bf16 is widened on load; int8 codes are widened, and a K
-// row's scale multiplies its scores, a V row's its widened values), written with GCC/Clang
-// vector extensions of the target's width (16 floats with AVX-512, 8 with AVX2), so
-// -march=native picks the instructions.
+// tokens ahead of pass 1 through its items, into L2, one kv head's rows per (token, kv head)
+// scored (the cache is cold in a decode step: the matmuls before flushed it, and blocks are
+// scattered). The G = H / KVH query heads of a kv head are done together so each K/V row is
+// loaded (and widened) once; where registers allow (AVX-512), their q rows and accumulators stay
+// in registers for a chunk. Tokens are walked in chunks of <= L rows of one block (L = the
+// vector's lanes). Pass 1 computes the scores q_g . k_i (L horizontal sums at a time) into a
+// per-thread row; then a softmax with max subtraction; pass 2 accumulates p_gi * v_i. Each
+// head's arithmetic is the same whatever the item shape or path, so results do not depend on
+// the batch (batch-invariant mode relies on it). All math is float32 (bf16 is widened on load;
+// int8 codes are widened, and a K row's scale multiplies its scores, a V row's its widened
+// values), written with GCC/Clang vector extensions of the target's width (16 floats with
+// AVX-512, 8 with AVX2), so -march=native picks the instructions.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -128,6 +129,92 @@ inline vfloat vexp(vfloat x) {
 // slower from a cold cache; 16-64 tokens into L2 measured the same).
 constexpr int64_t kPrefetchAhead = 32;
 
+// The target's vector registers. A kv head's G query heads keep their q rows (pass 1) or their
+// accumulators (pass 2) in registers, beside one widened cache row, where (G + 1) * NV + 1 of
+// them fit: AVX-512 at head_dim 64 up to G = 6, at 128 up to G = 2. Elsewhere (AVX2's 16 hold
+// neither) the passes go through memory: q rows reloaded per token, V rows widened into a buffer.
+#if defined(__AVX512F__)
+constexpr int64_t kRegs = 32;
+#else
+constexpr int64_t kRegs = 16;
+#endif
+constexpr int64_t kMaxGroup = 6;
+
+// Calls fn.template operator()<GC>() with GC = G as a compile-time constant (1 .. kMaxGroup).
+template <typename Fn>
+inline void with_group(int64_t G, Fn&& fn) {
+  switch (G) {
+    case 1: return fn(std::integral_constant<int64_t, 1>{});
+    case 2: return fn(std::integral_constant<int64_t, 2>{});
+    case 3: return fn(std::integral_constant<int64_t, 3>{});
+    case 4: return fn(std::integral_constant<int64_t, 4>{});
+    case 5: return fn(std::integral_constant<int64_t, 5>{});
+    case 6: return fn(std::integral_constant<int64_t, 6>{});
+    default: break;
+  }
+}
+
+// Pass 1 over one chunk of one kv head: part[g * L + i] = q_g . k_i (lane sums pending) for cnt
+// tokens whose rows start at `rows`, tok_stride apart; the G query rows (qv, NV vectors each) sit
+// in registers for the chunk. Same FMA chain per output as the loop through memory.
+template <typename C, int64_t kMaxNV, typename Prefetch>
+inline void pass1_in_registers(const vfloat* qv, vfloat* part, const C* rows, int64_t tok_stride, int64_t cnt,
+                               int64_t G, int64_t NV, int64_t D, Prefetch&& advance_prefetch) {
+  constexpr bool kCodes = std::is_same_v<C, int8_t>;
+  with_group(G, [&](auto gc) {
+    constexpr int64_t GC = decltype(gc)::value;
+    vfloat qr[GC][kMaxNV];
+    for (int64_t g = 0; g < GC; ++g)
+      for (int64_t c = 0; c < kMaxNV; ++c)
+        if (c < NV) qr[g][c] = qv[g * NV + c];
+    for (int64_t i = 0; i < cnt; ++i) {
+      advance_prefetch(1);
+      const C* row = rows + i * tok_stride;
+      vfloat k[kMaxNV];
+      for (int64_t c = 0; c < kMaxNV; ++c)
+        if (c < NV) k[c] = load(row + c * L);
+      const float ks = kCodes ? row_scale(reinterpret_cast<const int8_t*>(row), D) : 1.0f;
+      for (int64_t g = 0; g < GC; ++g) {
+        vfloat dot = qr[g][0] * k[0];
+        for (int64_t c = 1; c < kMaxNV; ++c)
+          if (c < NV) dot += qr[g][c] * k[c];
+        part[g * L + i] = kCodes ? dot * ks : dot;
+      }
+    }
+  });
+}
+
+// Pass 2 over one chunk of one kv head: acc[g * NV + c] += sum_i p[g * s_stride + i] * v_i[c] for
+// cnt tokens whose V rows start at `rows`, tok_stride apart: each row widened once, in registers,
+// for the G heads, whose accumulators sit in registers for the chunk. Same FMA chain per output
+// as the loop through vbuf.
+template <typename C, int64_t kMaxNV>
+inline void pass2_in_registers(vfloat* acc, const float* p, int64_t s_stride, const C* rows, int64_t tok_stride,
+                               int64_t cnt, int64_t G, int64_t NV, int64_t D) {
+  constexpr bool kCodes = std::is_same_v<C, int8_t>;
+  with_group(G, [&](auto gc) {
+    constexpr int64_t GC = decltype(gc)::value;
+    vfloat a[GC][kMaxNV];
+    for (int64_t g = 0; g < GC; ++g)
+      for (int64_t c = 0; c < kMaxNV; ++c)
+        if (c < NV) a[g][c] = acc[g * NV + c];
+    for (int64_t i = 0; i < cnt; ++i) {
+      const C* row = rows + i * tok_stride;
+      const float vs = kCodes ? row_scale(reinterpret_cast<const int8_t*>(row), D) : 1.0f;
+      vfloat v[kMaxNV];
+      for (int64_t c = 0; c < kMaxNV; ++c)
+        if (c < NV) v[c] = kCodes ? load(row + c * L) * vs : load(row + c * L);
+      for (int64_t g = 0; g < GC; ++g) {
+        const float pi = p[g * s_stride + i];
+        for (int64_t c = 0; c < kMaxNV; ++c)
+          if (c < NV) a[g][c] += pi * v[c];
+      }
+    }
+    for (int64_t g = 0; g < GC; ++g)
+      for (int64_t c = 0; c < NV; ++c) acc[g * NV + c] = a[g][c];
+  });
+}
+
 // NV = D / L vectors per head row; a compile-time NV (> 0) lets the row loops unroll into
 // registers, NV = 0 reads it from D at run time.
 // T: q's and out's dtype; C: the cache's (T, or int8_t for rows of codes and a scale).
@@ -149,6 +236,7 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
   const int64_t GH = hpi * G;  // query heads per item
   const int64_t n_items = B * (KVH / hpi);
   const int64_t s_stride = (max_len / L + 2) * L;  // a score row, with room for a full-vector store
+  const bool in_registers = NV_FIXED > 0 && G <= kMaxGroup && (G + 1) * NV + 1 <= kRegs;
 
   const int64_t ipb = KVH / hpi;  // items per sequence
   auto item_range = [&](int64_t item, int64_t& lo) {  // an item's window: tokens [lo, return value)
@@ -169,9 +257,10 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
       return std::lower_bound(cum.begin(), cum.end(), cum[n_items] * i / team) - cum.begin();
     };
     const int64_t first = split(tid), last = tid + 1 == team ? n_items : split(tid + 1);
-    // The prefetch cursor: token pf_t of pf_item, offset pf_off of its block pf_blocks[pf_j]. Kept
+    // The prefetch cursor: kv head pf_h (of the item's hpi) of token pf_t of pf_item, at offset
+    // pf_off of its block pf_blocks[pf_j]; a step prefetches that head's K and V rows. Kept
     // incrementally: a division per token (block and offset) costs as much as scoring it.
-    int64_t pf_item = first, pf_t = 0, pf_len = 0, pf_j = 0, pf_off = 0, pf_head = 0;
+    int64_t pf_item = first, pf_t = 0, pf_len = 0, pf_j = 0, pf_off = 0, pf_head = 0, pf_h = 0;
     const int32_t* pf_blocks = block_table;
     auto start_prefetch_item = [&] {
       pf_len = item_range(pf_item, pf_t);
@@ -180,21 +269,23 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
       pf_head = pf_item % ipb * hpi * RD;
     };
     if (pf_item < last) start_prefetch_item();
-    auto advance_prefetch = [&](int64_t budget) {  // K and V rows of the next `budget` tokens
+    auto advance_prefetch = [&](int64_t budget) {  // K and V rows of the next `budget` (token, kv head)s
       while (budget > 0 && pf_item < last) {
         if (pf_t >= pf_len) {
           if (++pf_item >= last) break;
           start_prefetch_item();
           continue;
         }
-        const int64_t off = pf_blocks[pf_j] * blk_stride + pf_off * tok_stride + pf_head;
-        for (int64_t c = 0; c < hpi * RD; c += 64 / int64_t(sizeof(C)))
+        const int64_t off = pf_blocks[pf_j] * blk_stride + pf_off * tok_stride + pf_head + pf_h * RD;
+        for (int64_t c = 0; c < RD; c += 64 / int64_t(sizeof(C)))
           __builtin_prefetch(k_cache + off + c, 0, 1), __builtin_prefetch(v_cache + off + c, 0, 1);  // into L2
-        ++pf_t, --budget;
+        --budget;
+        if (++pf_h < hpi) continue;
+        pf_h = 0, ++pf_t;
         if (++pf_off == bs) pf_off = 0, ++pf_j;
       }
     };
-    advance_prefetch(kPrefetchAhead);
+    advance_prefetch(kPrefetchAhead * hpi);
     for (int64_t item = first; item < last; ++item) {
       const int64_t b = item / ipb, kvh0 = item % ipb * hpi;
       const int64_t len = seq_lens[b];
@@ -220,20 +311,26 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
 
       // Pass 1: scores[r * s_stride + i] = q_r . k_i (r = hh * G + g), L tokens per vector store.
       for_each_chunk([&](int64_t i0, int64_t cnt, int64_t offset) {
-        for (int64_t i = 0; i < cnt; ++i) {
-          // One token's rows per token done: a burst of a whole chunk's prefetches (192 lines)
-          // overflowed the miss buffers and stalled the loop (~20% slower).
-          advance_prefetch(1);
-          for (int64_t hh = 0; hh < hpi; ++hh) {
-            const C* row = k_cache + offset + i * tok_stride + hh * RD;
-            vfloat k[kMaxNV];
-            for (int64_t c = 0; c < NV; ++c) k[c] = load(row + c * L);
-            const float ks = kCodes ? row_scale(reinterpret_cast<const int8_t*>(row), D) : 1.0f;
-            for (int64_t g = 0; g < G; ++g) {
-              const vfloat* qr = &qv[(hh * G + g) * NV];
-              vfloat dot = qr[0] * k[0];
-              for (int64_t c = 1; c < NV; ++c) dot += qr[c] * k[c];
-              part[(hh * G + g) * L + i] = kCodes ? dot * ks : dot;
+        if (in_registers) {
+          for (int64_t hh = 0; hh < hpi; ++hh)  // each walk prefetches one kv head's rows per token
+            pass1_in_registers<C, kMaxNV>(qv.data() + hh * G * NV, part.data() + hh * G * L, k_cache + offset + hh * RD,
+                                          tok_stride, cnt, G, NV, D, advance_prefetch);
+        } else {
+          for (int64_t i = 0; i < cnt; ++i) {
+            // One token's rows per token done: a burst of a whole chunk's prefetches (192 lines)
+            // overflowed the miss buffers and stalled the loop (~20% slower).
+            advance_prefetch(hpi);
+            for (int64_t hh = 0; hh < hpi; ++hh) {
+              const C* row = k_cache + offset + i * tok_stride + hh * RD;
+              vfloat k[kMaxNV];
+              for (int64_t c = 0; c < NV; ++c) k[c] = load(row + c * L);
+              const float ks = kCodes ? row_scale(reinterpret_cast<const int8_t*>(row), D) : 1.0f;
+              for (int64_t g = 0; g < G; ++g) {
+                const vfloat* qr = &qv[(hh * G + g) * NV];
+                vfloat dot = qr[0] * k[0];
+                for (int64_t c = 1; c < NV; ++c) dot += qr[c] * k[c];
+                part[(hh * G + g) * L + i] = kCodes ? dot * ks : dot;
+              }
             }
           }
         }
@@ -257,34 +354,43 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
         inv_sum[r] = 1.0f / reduce(sum, plus);
       }
 
-      // Pass 2: acc_r = sum_i p_ri * v_i (bf16 and int8 rows are widened once into vbuf).
+      // Pass 2: acc_r = sum_i p_ri * v_i: in registers where they fit (each V row widened once for
+      // its G heads), else each row widened once into vbuf and read from there per head.
       std::fill(acc.begin(), acc.end(), vfloat{});
-      for_each_chunk([&](int64_t i0, int64_t cnt, int64_t offset) {
-        const float* rows;
-        int64_t row_stride;
-        if constexpr (kIsFloat) {
-          rows = v_cache + offset, row_stride = tok_stride;
-        } else {
-          for (int64_t i = 0; i < cnt; ++i)
-            for (int64_t hh = 0; hh < hpi; ++hh) {
-              const C* row = v_cache + offset + i * tok_stride + hh * RD;
-              const float vs = kCodes ? row_scale(reinterpret_cast<const int8_t*>(row), D) : 1.0f;
-              for (int64_t c = 0; c < NV; ++c)
-                vbuf[(i * hpi + hh) * NV + c] = kCodes ? load(row + c * L) * vs : load(row + c * L);
-            }
-          rows = reinterpret_cast<const float*>(vbuf.data()), row_stride = hpi * D;
-        }
-        for (int64_t hh = 0, r = 0; hh < hpi; ++hh)  // query head r = hh * G + g reads kv head hh's rows
-          for (int64_t g = 0; g < G; ++g, ++r) {
-            const float* p = &scores[r * s_stride + i0];
-            const float* vr = rows + hh * D;
-            vfloat a[kMaxNV];
-            for (int64_t c = 0; c < NV; ++c) a[c] = acc[r * NV + c];
+      if (in_registers) {
+        for_each_chunk([&](int64_t i0, int64_t cnt, int64_t offset) {
+          for (int64_t hh = 0; hh < hpi; ++hh)
+            pass2_in_registers<C, kMaxNV>(acc.data() + hh * G * NV, scores.data() + hh * G * s_stride + i0, s_stride,
+                                          v_cache + offset + hh * RD, tok_stride, cnt, G, NV, D);
+        });
+      } else {
+        for_each_chunk([&](int64_t i0, int64_t cnt, int64_t offset) {
+          const float* rows;
+          int64_t row_stride;
+          if constexpr (kIsFloat) {
+            rows = v_cache + offset, row_stride = tok_stride;
+          } else {
             for (int64_t i = 0; i < cnt; ++i)
-              for (int64_t c = 0; c < NV; ++c) a[c] += p[i] * load(vr + i * row_stride + c * L);
-            for (int64_t c = 0; c < NV; ++c) acc[r * NV + c] = a[c];
+              for (int64_t hh = 0; hh < hpi; ++hh) {
+                const C* row = v_cache + offset + i * tok_stride + hh * RD;
+                const float vs = kCodes ? row_scale(reinterpret_cast<const int8_t*>(row), D) : 1.0f;
+                for (int64_t c = 0; c < NV; ++c)
+                  vbuf[(i * hpi + hh) * NV + c] = kCodes ? load(row + c * L) * vs : load(row + c * L);
+              }
+            rows = reinterpret_cast<const float*>(vbuf.data()), row_stride = hpi * D;
           }
-      });
+          for (int64_t hh = 0, r = 0; hh < hpi; ++hh)  // query head r = hh * G + g reads kv head hh's rows
+            for (int64_t g = 0; g < G; ++g, ++r) {
+              const float* p = &scores[r * s_stride + i0];
+              const float* vr = rows + hh * D;
+              vfloat a[kMaxNV];
+              for (int64_t c = 0; c < NV; ++c) a[c] = acc[r * NV + c];
+              for (int64_t i = 0; i < cnt; ++i)
+                for (int64_t c = 0; c < NV; ++c) a[c] += p[i] * load(vr + i * row_stride + c * L);
+              for (int64_t c = 0; c < NV; ++c) acc[r * NV + c] = a[c];
+            }
+        });
+      }
 
       T* o = out + (b * H + kvh0 * G) * D;
       for (int64_t r = 0; r < GH; ++r)
