@@ -123,6 +123,8 @@ def check_close(out, ref, dtype):
     (37, 9, 3, 64, 16, 600),      # whole sequences per item (the default model's shape)
     (37, 8, 2, 128, 32, 300),
     (12, 6, 2, 96, 16, 100),      # the generic head_dim path
+    (9, 12, 2, 64, 16, 300),      # G = 6: the largest group kept in registers (AVX-512)
+    (9, 14, 2, 64, 16, 300),      # G = 7: through memory
 ])
 def test_decode_over_int8_rows(ext, dtype, sliding_window, B, num_heads, num_kv_heads, head_dim, block_size,
                                max_len):

@@ -49,6 +49,11 @@ def check_close(out, ref, dtype):
     (5, 6, 2, 64, 32, 33),         # short sequences, lengths near block edges
     (3, 4, 1, 96, 16, 100),        # generic head_dim path (not 64 / 128)
     (12, 6, 2, 96, 16, 100),       # generic head_dim, several kv heads per work item
+    # With AVX-512 a kv head's G query rows and accumulators stay in registers up to G = 6 at
+    # head_dim 64 and G = 2 at 128; a larger G takes the loops through memory.
+    (9, 12, 2, 64, 16, 300),       # G = 6 in registers
+    (9, 14, 2, 64, 16, 300),       # G = 7 through memory
+    (9, 4, 2, 128, 16, 300),       # head_dim 128, G = 2 in registers
 ])
 def test_matches_reference(ext, dtype, sliding_window, B, num_heads, num_kv_heads, head_dim,
                            block_size, max_len):
