@@ -21,8 +21,8 @@
 // tokens ahead of pass 1 through its items, into L2, one kv head's rows per (token, kv head)
 // scored (the cache is cold in a decode step: the matmuls before flushed it, and blocks are
 // scattered). The G = H / KVH query heads of a kv head are done together so each K/V row is
-// loaded (and widened) once; where registers allow (AVX-512), their q rows and accumulators stay
-// in registers for a chunk. Tokens are walked in chunks of <= L rows of one block (L = the
+// loaded (and widened) once; where registers allow (AVX-512), their accumulators (and, over an
+// int8 cache, their q rows) stay in registers for a chunk. Tokens are walked in chunks of <= L rows of one block (L = the
 // vector's lanes). Pass 1 computes the scores q_g . k_i (L horizontal sums at a time) into a
 // per-thread row; then a softmax with max subtraction; pass 2 accumulates p_gi * v_i. Each
 // head's arithmetic is the same whatever the item shape or path, so results do not depend on
@@ -311,7 +311,10 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
 
       // Pass 1: scores[r * s_stride + i] = q_r . k_i (r = hh * G + g), L tokens per vector store.
       for_each_chunk([&](int64_t i0, int64_t cnt, int64_t offset) {
-        if (in_registers) {
+        // q in registers means one walk of the chunk per kv head: for int8 rows that beat the walk
+        // below 1.1-1.25x from a cold cache, for float and bf16 rows (twice or four times the
+        // bytes) it lost by as much, so they keep reading each token's rows whole.
+        if (in_registers && kCodes) {
           for (int64_t hh = 0; hh < hpi; ++hh)  // each walk prefetches one kv head's rows per token
             pass1_in_registers<C, kMaxNV>(qv.data() + hh * G * NV, part.data() + hh * G * L, k_cache + offset + hh * RD,
                                           tok_stride, cnt, G, NV, D, advance_prefetch);
