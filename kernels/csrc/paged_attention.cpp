@@ -22,14 +22,14 @@
 // scored (the cache is cold in a decode step: the matmuls before flushed it, and blocks are
 // scattered). The G = H / KVH query heads of a kv head are done together so each K/V row is
 // loaded (and widened) once; where registers allow (AVX-512), their accumulators (and, over an
-// int8 cache, their q rows) stay in registers for a chunk. Tokens are walked in chunks of <= L rows of one block (L = the
-// vector's lanes). Pass 1 computes the scores q_g . k_i (L horizontal sums at a time) into a
-// per-thread row; then a softmax with max subtraction; pass 2 accumulates p_gi * v_i. Each
-// head's arithmetic is the same whatever the item shape or path, so results do not depend on
-// the batch (batch-invariant mode relies on it). All math is float32 (bf16 is widened on load;
-// int8 codes are widened, and a K row's scale multiplies its scores, a V row's its widened
-// values), written with GCC/Clang vector extensions of the target's width (16 floats with
-// AVX-512, 8 with AVX2), so -march=native picks the instructions.
+// int8 cache, their q rows) stay in registers for a chunk. Tokens are walked in chunks of <= L
+// rows of one block (L = the vector's lanes). Pass 1 computes the scores q_g . k_i (L horizontal
+// sums at a time) into a per-thread row; then a softmax with max subtraction; pass 2 accumulates
+// p_gi * v_i. Each head's arithmetic is the same whatever the item shape or path, so results do
+// not depend on the batch (batch-invariant mode relies on it). All math is float32 (bf16 is
+// widened on load; int8 codes are widened, and a K row's scale multiplies its scores, a V row's
+// its widened values), written with GCC/Clang vector extensions of the target's width (16
+// floats with AVX-512, 8 with AVX2), so -march=native picks the instructions.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
