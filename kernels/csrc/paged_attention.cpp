@@ -157,27 +157,24 @@ inline void with_group(int64_t G, Fn&& fn) {
 // Pass 1 over one chunk of one kv head: part[g * L + i] = q_g . k_i (lane sums pending) for cnt
 // tokens whose rows start at `rows`, tok_stride apart; the G query rows (qv, NV vectors each) sit
 // in registers for the chunk. Same FMA chain per output as the loop through memory.
-template <typename C, int64_t kMaxNV, typename Prefetch>
+template <typename C, int64_t NV, typename Prefetch>
 inline void pass1_in_registers(const vfloat* qv, vfloat* part, const C* rows, int64_t tok_stride, int64_t cnt,
-                               int64_t G, int64_t NV, int64_t D, Prefetch&& advance_prefetch) {
+                               int64_t G, Prefetch&& advance_prefetch) {
   constexpr bool kCodes = std::is_same_v<C, int8_t>;
   with_group(G, [&](auto gc) {
     constexpr int64_t GC = decltype(gc)::value;
-    vfloat qr[GC][kMaxNV];
+    vfloat qr[GC][NV];
     for (int64_t g = 0; g < GC; ++g)
-      for (int64_t c = 0; c < kMaxNV; ++c)
-        if (c < NV) qr[g][c] = qv[g * NV + c];
+      for (int64_t c = 0; c < NV; ++c) qr[g][c] = qv[g * NV + c];
     for (int64_t i = 0; i < cnt; ++i) {
       advance_prefetch(1);
       const C* row = rows + i * tok_stride;
-      vfloat k[kMaxNV];
-      for (int64_t c = 0; c < kMaxNV; ++c)
-        if (c < NV) k[c] = load(row + c * L);
-      const float ks = kCodes ? row_scale(reinterpret_cast<const int8_t*>(row), D) : 1.0f;
+      vfloat k[NV];
+      for (int64_t c = 0; c < NV; ++c) k[c] = load(row + c * L);
+      const float ks = kCodes ? row_scale(reinterpret_cast<const int8_t*>(row), NV * L) : 1.0f;
       for (int64_t g = 0; g < GC; ++g) {
         vfloat dot = qr[g][0] * k[0];
-        for (int64_t c = 1; c < kMaxNV; ++c)
-          if (c < NV) dot += qr[g][c] * k[c];
+        for (int64_t c = 1; c < NV; ++c) dot += qr[g][c] * k[c];
         part[g * L + i] = kCodes ? dot * ks : dot;
       }
     }
@@ -188,26 +185,23 @@ inline void pass1_in_registers(const vfloat* qv, vfloat* part, const C* rows, in
 // cnt tokens whose V rows start at `rows`, tok_stride apart: each row widened once, in registers,
 // for the G heads, whose accumulators sit in registers for the chunk. Same FMA chain per output
 // as the loop through vbuf.
-template <typename C, int64_t kMaxNV>
+template <typename C, int64_t NV>
 inline void pass2_in_registers(vfloat* acc, const float* p, int64_t s_stride, const C* rows, int64_t tok_stride,
-                               int64_t cnt, int64_t G, int64_t NV, int64_t D) {
+                               int64_t cnt, int64_t G) {
   constexpr bool kCodes = std::is_same_v<C, int8_t>;
   with_group(G, [&](auto gc) {
     constexpr int64_t GC = decltype(gc)::value;
-    vfloat a[GC][kMaxNV];
+    vfloat a[GC][NV];
     for (int64_t g = 0; g < GC; ++g)
-      for (int64_t c = 0; c < kMaxNV; ++c)
-        if (c < NV) a[g][c] = acc[g * NV + c];
+      for (int64_t c = 0; c < NV; ++c) a[g][c] = acc[g * NV + c];
     for (int64_t i = 0; i < cnt; ++i) {
       const C* row = rows + i * tok_stride;
-      const float vs = kCodes ? row_scale(reinterpret_cast<const int8_t*>(row), D) : 1.0f;
-      vfloat v[kMaxNV];
-      for (int64_t c = 0; c < kMaxNV; ++c)
-        if (c < NV) v[c] = kCodes ? load(row + c * L) * vs : load(row + c * L);
+      const float vs = kCodes ? row_scale(reinterpret_cast<const int8_t*>(row), NV * L) : 1.0f;
+      vfloat v[NV];
+      for (int64_t c = 0; c < NV; ++c) v[c] = kCodes ? load(row + c * L) * vs : load(row + c * L);
       for (int64_t g = 0; g < GC; ++g) {
         const float pi = p[g * s_stride + i];
-        for (int64_t c = 0; c < kMaxNV; ++c)
-          if (c < NV) a[g][c] += pi * v[c];
+        for (int64_t c = 0; c < NV; ++c) a[g][c] += pi * v[c];
       }
     }
     for (int64_t g = 0; g < GC; ++g)
@@ -236,6 +230,8 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
   const int64_t GH = hpi * G;  // query heads per item
   const int64_t n_items = B * (KVH / hpi);
   const int64_t s_stride = (max_len / L + 2) * L;  // a score row, with room for a full-vector store
+  // the register passes take NV at compile time (kRegNV, only used when NV_FIXED > 0)
+  constexpr int64_t kRegNV = NV_FIXED > 0 ? NV_FIXED : 1;
   const bool in_registers = NV_FIXED > 0 && G <= kMaxGroup && (G + 1) * NV + 1 <= kRegs;
 
   const int64_t ipb = KVH / hpi;  // items per sequence
@@ -316,8 +312,8 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
         // bytes) it lost by as much, so they keep reading each token's rows whole.
         if (in_registers && kCodes) {
           for (int64_t hh = 0; hh < hpi; ++hh)  // each walk prefetches one kv head's rows per token
-            pass1_in_registers<C, kMaxNV>(qv.data() + hh * G * NV, part.data() + hh * G * L, k_cache + offset + hh * RD,
-                                          tok_stride, cnt, G, NV, D, advance_prefetch);
+            pass1_in_registers<C, kRegNV>(qv.data() + hh * G * NV, part.data() + hh * G * L, k_cache + offset + hh * RD,
+                                          tok_stride, cnt, G, advance_prefetch);
         } else {
           for (int64_t i = 0; i < cnt; ++i) {
             // One token's rows per token done: a burst of a whole chunk's prefetches (192 lines)
@@ -363,8 +359,8 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
       if (in_registers) {
         for_each_chunk([&](int64_t i0, int64_t cnt, int64_t offset) {
           for (int64_t hh = 0; hh < hpi; ++hh)
-            pass2_in_registers<C, kMaxNV>(acc.data() + hh * G * NV, scores.data() + hh * G * s_stride + i0, s_stride,
-                                          v_cache + offset + hh * RD, tok_stride, cnt, G, NV, D);
+            pass2_in_registers<C, kRegNV>(acc.data() + hh * G * NV, scores.data() + hh * G * s_stride + i0, s_stride,
+                                          v_cache + offset + hh * RD, tok_stride, cnt, G);
         });
       } else {
         for_each_chunk([&](int64_t i0, int64_t cnt, int64_t offset) {
