@@ -8,6 +8,8 @@ preparation, and scheduling + output assembly.
     python benchmarks/step_profile.py --dtype float32 --batch 128 --kv-cache-dtype int8
     python benchmarks/step_profile.py --device cuda --model FOLDER --batch 1 --cprofile 30
 
+On a CPU the decoder layers of a decode step are one C++ call (engine/model/decoder.py's
+DecodePlan), timed as one row; --enforce-eager runs them op by op from Python, as split above.
 On CUDA the forward pass of a decode step is one CUDA-graph replay, so the split is the host's:
 the kernels run asynchronously and the host waits for them where sampling reads the tokens back
 ("sampling" holds that wait). --cprofile N adds the N functions with the most own time over the
@@ -56,7 +58,8 @@ def main():
                     help="also print the N functions with most own time")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also print the N kernels with most device time (CUDA)")
-    ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="op by op: no CUDA graphs; on a CPU no C++ layer loop (the split by op needs it)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="step N+1 launched before step N is read back (the parts then overlap: read the step time)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or int8 (CPU)")
@@ -121,12 +124,14 @@ def main():
         profiler.disable()
     steps = args.tokens - 1  # decode steps: the first token comes from the prefill step
     lm_head_in_projections = TOTALS["lm_head"]  # compute_logits calls Linear too
+    per_op = TOTALS["projections"] > lm_head_in_projections  # else the C++ decode plan ran the layers
     rows = [
         ("matmuls: projections", TOTALS["projections"] - lm_head_in_projections),
         ("matmuls: LM head", TOTALS["lm_head"]),
         ("attention (paged decode / prefill kernels)", TOTALS["attention"]),
         ("norms, rotary + KV write, SiLU*up", TOTALS["small fused ops"]),
-        ("rest of forward (embedding, views, Python)",
+        ("rest of forward (embedding, views, Python)" if per_op
+         else "decoder layers, one C++ call (see --enforce-eager)",
          TOTALS["forward"] - (TOTALS["projections"] - lm_head_in_projections) - TOTALS["attention"]
          - TOTALS["small fused ops"]),
         ("sampling (+ logprobs)", TOTALS["sampling"]),
@@ -139,7 +144,7 @@ def main():
     if args.async_scheduling:
         print("(async scheduling: the step thread's parts overlap the core's, so the last rows do not add up)")
     print(f"{'part':50s} {'ms/step':>8s} {'share':>6s}")
-    for name, secs in rows:
+    for name, secs in rows if per_op else rows[1:2] + rows[4:]:
         print(f"{name:50s} {secs / steps * 1e3:8.2f} {secs / wall * 100:5.1f}%")
     if args.cprofile:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)

@@ -10,9 +10,9 @@ cache.
 
 Engines: hf = transformers generate (left-padded batch); ours = LLM with the engine core in
 process; ours_mp = LLM through the engine-core process (the default); ours_dp2 = LLM with two
-engine-core replicas (data parallelism; the cores split between them); ours_eager = ours without
-CUDA graphs (on a CPU the same as ours); ours_async, ours_mp_async = ours, ours_mp with
-async_scheduling (step N+1 scheduled while step N runs, in a thread of its own); ours_int8kv = ours with
+engine-core replicas (data parallelism; the cores split between them); ours_eager = ours op by op
+(enforce_eager: no CUDA graphs; on a CPU no C++ decode layer loop); ours_async, ours_mp_async =
+ours, ours_mp with async_scheduling (step N+1 scheduled while step N runs, in a thread of its own); ours_int8kv = ours with
 kv_cache_dtype "int8" (8-bit keys and values, a scale per token and kv head; CPU); ours_bi = ours in
 batch-invariant mode (float32 only: fixed-order matmuls and per-token attention); async = AsyncLLM, one
 concurrent generate() per prompt, DELTA outputs, which also reports the frontend's median
@@ -108,7 +108,7 @@ def run_ours_dp2(dtype, batches, reps, device, model):
 
 
 def run_ours_eager(dtype, batches, reps, device, model):
-    """CUDA: every step launched kernel by kernel, no CUDA graphs (what the graphs buy)."""
+    """Every step op by op: no CUDA graphs, on a CPU no C++ layer loop (what each buys)."""
     return run_ours(dtype, batches, reps, device, model, enforce_eager=True)
 
 

@@ -179,8 +179,10 @@ class EngineConfig:
     batch_invariant: a token's logits and logprobs do not depend on the rest of the batch (fixed
         reduction orders; float32 on CPU; see engine/model/batch_invariant.py for the guarantee and
         the recompute a trainer runs to get the same bits). dtype "auto" becomes float32.
-    enforce_eager: on CUDA, run every step eagerly; by default all-decode steps of a dense model on
-        one GPU replay CUDA graphs captured per padded batch size (engine/worker/cuda_graphs.py).
+    enforce_eager: run every step op by op from Python. By default all-decode steps of a dense model
+        on one GPU replay CUDA graphs captured per padded batch size (engine/worker/cuda_graphs.py),
+        and on a CPU run their decoder layers in one C++ call (engine/model/decoder.py's DecodePlan;
+        the same ops, the same bits).
     async_scheduling: schedule step N+1 while step N runs (a worker thread runs the steps): the
         scheduler, output handling and the core's IO overlap the forward pass, which matters where
         a step is short and the host's share of it large (a GPU). Step N+1's decodes take step N's

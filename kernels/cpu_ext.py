@@ -6,7 +6,8 @@ they apply.
 `csrc/f32_linear.cpp` (float32 arithmetic on packed float32 or bf16 weights: the float32
 matmul, and the bf16 one on CPUs without AVX-512 BF16),
 `csrc/moe.cpp` (kernels/moe.py's experts), `csrc/shm_comm.cpp`
-(kernels/shm_comm.py's collectives) and their bindings (`csrc/bindings.cpp`, the one
+(kernels/shm_comm.py's collectives), `csrc/decode_layers.cpp` (a decode step's decoder layers in
+one call: engine/model/decoder.py's DecodePlan) and their bindings (`csrc/bindings.cpp`, the one
 PYBIND11_MODULE; `csrc/ops.h` declares every op) into one extension module on first use
 (~10-60 s, once per source version) into
 `$ROLLOUT_CACHE/torch_extensions/<name>/` (default `~/.cache/rollout/...`) and returns the
@@ -41,7 +42,7 @@ logger = logging.getLogger("kernels")
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "invariant_ops.cpp",
             _CSRC / "vnni_linear.cpp", _CSRC / "amx_linear.cpp", _CSRC / "f32_linear.cpp", _CSRC / "moe.cpp",
-            _CSRC / "shm_comm.cpp", _CSRC / "bindings.cpp"]
+            _CSRC / "shm_comm.cpp", _CSRC / "decode_layers.cpp", _CSRC / "bindings.cpp"]
 _HEADERS = [_CSRC / "ops.h", _CSRC / "vec.h"]  # included by the sources: part of the hash
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)

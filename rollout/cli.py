@@ -118,7 +118,8 @@ def _add_model_args(group) -> None:
                        help="a token's logprobs do not depend on the batch, bit for bit (float32 on CPU; a trainer "
                             "recomputes the same bits with engine.model.batch_invariant.InvariantScorer)")
     group.add_argument("--enforce-eager", action="store_true",
-                       help="CUDA: no CUDA graphs for decode steps (each step's kernels launched one by one)")
+                       help="every step op by op: no CUDA graphs for decode steps, and on a CPU no C++ layer "
+                            "loop (the same results)")
     group.add_argument("--async-scheduling", action="store_true",
                        help="schedule the next step while this one runs (the host's share of a step overlaps the "
                             "forward pass: for short GPU steps; not with expert parallelism)")

@@ -195,6 +195,13 @@ class LlamaModel:
         self.cos_sin = rope_cos_sin_cache(inv_freq, attention_factor, max_len).to(device)  # (L, 2, D/2) fp32
         self.ops = LayerOps(device, dtype, D)
         self.batch_invariant = batch_invariant
+        # An all-decode step's layers run in one C++ call (kernels/csrc/decode_layers.cpp) where the
+        # model's every op is a C++ kernel: the same ops, in the same order, without the Python between
+        # them (at batch 1 that Python cost about a tenth of a step). The plan is made on first use and
+        # again after every repack and for every new KV cache. use_decode_plan = False (the engine's
+        # enforce_eager) keeps the op-by-op loop below.
+        self.use_decode_plan = True
+        self.drop_decode_plan()
         if batch_invariant:
             self._use_invariant_kernels()
         self._hf = self._hf_name_map()
@@ -433,6 +440,7 @@ class LlamaModel:
         self.repack()
 
     def drop_packed(self) -> None:
+        self.drop_decode_plan()
         for lin in self._linears():
             lin.pack(None, False)
 
@@ -443,8 +451,39 @@ class LlamaModel:
         enable = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)
         ext = cpu_ext.ops_for(self.device, self.dtype) if enable else None
         onednn = enable and not self.batch_invariant and _mkldnn_ok(self.dtype)
+        self.drop_decode_plan()  # it holds the packed tensors
         for lin in self._linears() if linears is None else linears:
             lin.pack(ext, onednn)
+
+    def drop_decode_plan(self) -> None:
+        """Forget the decode plan, which holds the packed weights and the KV cache (they are about to
+        change or go): the next all-decode step makes a new one."""
+        self._plan, self._plan_kv, self._plan_rows = None, None, 0
+
+    def _decode_plan(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        """The C++ plan of an all-decode step over these caches (made and kept on first use), or
+        None where one of its ops is not a C++ kernel here (no kernels, another device, tensor
+        parallelism, a mixture of experts, a projection without our packed copy)."""
+        if self._plan_kv is kv_caches:
+            return self._plan
+        self._plan, self._plan_kv, self._plan_rows = None, kv_caches, 0
+        ext, ops = cpu_ext.ops_for(self.device, self.dtype), self.ops
+        if (ext is None or self.tp is not None or ops.decode_attention is None
+                or ops.add_norm is not ext.fused_add_rms_norm or ops.rope_and_cache is not ext.rope_and_cache
+                or ops.silu_and_mul is not ext.silu_and_mul or any(layer.moe is not None for layer in self.layers)):
+            return None
+        kinds = {ext.bf16_vnni_linear: 0, ext.bf16_amx_linear: 1, ext.f32_panel_linear: 2, ext.bf16_panel_linear: 3}
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if any(lin.panels is None or lin.panel_linear not in kinds for lin in linears):
+            return None
+        plan = ext.DecodePlan(self.num_heads, self.num_kv_heads, self.mc.head_dim, self.mc.rms_norm_eps,
+                              self.scale, self.mc.sliding_window or 0, self.cos_sin, self.norm)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            plan.add_layer([layer.input_norm, layer.q_norm, layer.k_norm, layer.post_norm],
+                           [(lin.panels, lin.weight.shape[0], lin.bias, kinds[lin.panel_linear])
+                            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)], k_cache, v_cache)
+        self._plan, self._plan_rows = plan, min(lin.panel_max for lin in linears)
+        return plan
 
     @property
     def embed_name(self) -> str:
@@ -497,6 +536,10 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed) if tp is None else self._embed_sharded(input_ids)  # (T, H)
         if mm is not None:
             h.index_copy_(0, mm[0], mm[1].to(h.dtype))
+        elif decode is not None and lora is None and self.use_decode_plan:
+            plan = self._decode_plan(kv_caches)
+            if plan is not None and T <= self._plan_rows:
+                return plan.run(h, positions, slots, table, lens)
         residual = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x, residual = add_norm(h, residual, layer.input_norm, eps)

@@ -11,7 +11,7 @@ Graphs are captured lazily, the first time a size is needed (a warm-up run on a 
 the capture), so start-up pays nothing for sizes a workload never reaches. They read the weights
 and the KV cache at the addresses they had then: weight updates copy into those tensors in place
 (engine/worker/weight_buffers.py), and whatever moves them (sleep, a new model, a new cache) drops
-the graphs through ModelRunner.drop_cuda_graphs().
+the graphs through ModelRunner.drop_step_captures().
 """
 import bisect
 

@@ -129,15 +129,20 @@ class ModelRunner:
             return None
         return DecodeGraphs(c.max_num_seqs, -(-c.max_model_len // self.block_size), self.device)
 
-    def drop_cuda_graphs(self) -> None:
-        """Forget the captured graphs: the weights or the KV cache they read are about to move."""
+    def drop_step_captures(self) -> None:
+        """Forget what holds the weights and the KV cache from one step to the next (the CUDA graphs,
+        the CPU decode plan): those tensors are about to move or go."""
         if self.cuda_graphs is not None:
             self.cuda_graphs.clear()
+        if self.model is not None:
+            self.model.drop_decode_plan()
 
     def new_model(self) -> LlamaModel:
         """The model's tensors, zero (load_weights or a weight push fills them)."""
         c = self.config
-        return LlamaModel(c.model_config, self.dtype, self.device, c.max_model_len, c.batch_invariant, self.tp, self.ep)
+        model = LlamaModel(c.model_config, self.dtype, self.device, c.max_model_len, c.batch_invariant, self.tp, self.ep)
+        model.use_decode_plan = not c.enforce_eager
+        return model
 
     # ---- KV cache -----------------------------------------------------------------------
     def kv_cache_blocks(self) -> int:
@@ -162,7 +167,7 @@ class ModelRunner:
         """Allocate the cache (`num_blocks`, or as many as kv_cache_blocks() the first time);
         returns the number of blocks. Pages are touched only as used (CPU)."""
         mc, bs = self.config.model_config, self.block_size
-        self.drop_cuda_graphs()
+        self.drop_step_captures()
         if num_blocks is not None:
             self.num_blocks = num_blocks
         if not self.num_blocks:
@@ -178,7 +183,7 @@ class ModelRunner:
         return self.num_blocks
 
     def free_kv_cache(self) -> None:
-        self.drop_cuda_graphs()  # (sleep frees the cache first, then moves or drops the weights)
+        self.drop_step_captures()  # (sleep frees the cache first, then moves or drops the weights)
         self.kv_cache, self.kv_caches, self.routing = None, [], None
         # (no placeholder outlives a sleep: the core drains the step in flight first; the ids would
         # keep a block of device memory)

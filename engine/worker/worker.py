@@ -423,7 +423,7 @@ class Worker:
         WorkerBase.apply_model; `fn` is an import path (engine/worker/functions.py), never code."""
         if self.model is None:
             raise EngineStateError("the weights were dropped (sleep level 2): wake_up(['weights']) first")
-        self.model_runner.drop_cuda_graphs()  # fn may rebind tensors the graphs read
+        self.model_runner.drop_step_captures()  # fn may rebind tensors the graphs and the plan read
         return import_function(fn)(self.model)
 
     # ---- sleep / wake -----------------------------------------------------------------------

@@ -94,6 +94,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "add nothing); float32 or bfloat16 (see kernels/moe.py)",
         py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("topk_ids"), py::arg("topk_weights"),
         release_gil());
+  using rollout_layers::DecodePlan;
+  py::class_<DecodePlan>(m, "DecodePlan",
+                         "A decode step's dense decoder layers in one call (engine/model/decoder.py)")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor, at::Tensor>(),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"),
+           py::arg("sliding_window"), py::arg("cos_sin"), py::arg("final_norm"))
+      .def("add_layer", &DecodePlan::add_layer,
+           "norms [input, q_norm or None, k_norm or None, post]; linears [(panels, n, bias or None, kind)] of "
+           "qkv, o, gate_up, down (kind: 0 bf16_vnni_linear, 1 bf16_amx_linear, 2 f32_panel_linear, "
+           "3 bf16_panel_linear)", py::arg("norms"), py::arg("linears"), py::arg("k_cache"), py::arg("v_cache"))
+      .def("run", &DecodePlan::run, "h (T, H) of an all-decode step -> the final-normed hidden states",
+           py::arg("h"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_table"),
+           py::arg("seq_lens"), release_gil())
+      .def_property_readonly("num_layers", &DecodePlan::num_layers);
   // The GIL is released while a call waits for its peers: they may be threads of this process.
   using rollout_shm::ShmComm;
   py::class_<ShmComm>(m, "ShmComm",

@@ -1,6 +1,7 @@
 // The C++ CPU ops of the extension module, declared once: defined in paged_attention.cpp,
-// fused_ops.cpp, invariant_ops.cpp, vnni_linear.cpp, amx_linear.cpp, f32_linear.cpp, moe.cpp and shm_comm.cpp, bound to Python in
-// bindings.cpp (the module's only PYBIND11_MODULE).
+// fused_ops.cpp, decode_layers.cpp, invariant_ops.cpp, vnni_linear.cpp, amx_linear.cpp,
+// f32_linear.cpp, moe.cpp and shm_comm.cpp, bound to Python in bindings.cpp (the module's only
+// PYBIND11_MODULE).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -10,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 // paged_attention.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -81,6 +83,45 @@ namespace rollout_moe {
 at::Tensor fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                          const at::Tensor& topk_ids, const at::Tensor& topk_weights);
 }  // namespace rollout_moe
+
+// decode_layers.cpp: a decode step's dense decoder layers in one call, the same ops in the same
+// order as engine/model/decoder.py's loop (bit for bit). Holds references to the model's tensors.
+namespace rollout_layers {
+class DecodePlan {
+ public:
+  enum Kind : int64_t { kVnni = 0, kAmx = 1, kF32Panels = 2, kBf16Panels = 3 };  // which kernel reads a panel
+  struct Linear {
+    at::Tensor panels;
+    int64_t n;
+    std::optional<at::Tensor> bias;
+    Kind kind;
+  };
+  DecodePlan(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+             int64_t sliding_window, at::Tensor cos_sin, at::Tensor final_norm);
+  // norms: [input, q_norm or None, k_norm or None, post]; linears: (panels, N, bias, kind) of
+  // [qkv, o, gate_up, down]
+  void add_layer(const std::vector<std::optional<at::Tensor>>& norms,
+                 const std::vector<std::tuple<at::Tensor, int64_t, std::optional<at::Tensor>, int64_t>>& linears,
+                 at::Tensor k_cache, at::Tensor v_cache);
+  // h (T, H): the embedded tokens of an all-decode step -> the final-normed hidden states (T, H)
+  at::Tensor run(const at::Tensor& h, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                 const at::Tensor& block_table, const at::Tensor& seq_lens) const;
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  struct Layer {
+    at::Tensor input_norm, post_norm;
+    std::optional<at::Tensor> q_norm, k_norm;
+    Linear qkv, o, gate_up, down;
+    at::Tensor k_cache, v_cache;
+  };
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+  int64_t window_;
+  at::Tensor cos_sin_, final_norm_;
+  std::vector<Layer> layers_;
+};
+}  // namespace rollout_layers
 
 // shm_comm.cpp: collectives over one /dev/shm segment shared by the ranks of one machine
 // (kernels/shm_comm.py states the contract). Not thread-safe: one caller thread per object.
