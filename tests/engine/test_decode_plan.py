@@ -5,6 +5,8 @@ models with each variation the plan carries (Qwen2's q/k/v biases, Qwen3's q/k n
 sliding window), and again after what must make a fresh plan: a weight push, a partial one, a
 sleep and wake (which must not leave the freed KV cache and packed weights alive in an old plan).
 test_tiny_models.py and test_llm_vs_hf.py hold the plan to transformers."""
+import contextlib
+
 import pytest
 import torch
 
@@ -17,6 +19,16 @@ from kernels import cpu_ext
 pytestmark = pytest.mark.skipif(cpu_ext.load() is None, reason="the C++ CPU kernels did not build here")
 
 PARAMS = engine.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+
+@contextlib.contextmanager
+def tiny_llm(folder, **config):
+    llm = engine.LLM(str(folder), kv_cache_memory=64 << 20, block_size=16, tokenizer=str(default_model_path()),
+                     multiprocess=False, enable_prefix_caching=False, **config)
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
 
 
 def model_of(llm):
@@ -52,24 +64,18 @@ def folders(tmp_path_factory):
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8")])
 def test_plan_matches_the_python_loop(folders, name, dtype, kv):
-    llm = engine.LLM(str(folders[name]), dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=64 << 20, block_size=16,
-                     tokenizer=str(default_model_path()), multiprocess=False, enable_prefix_caching=False)
-    try:
+    with tiny_llm(folders[name], dtype=dtype, kv_cache_dtype=kv) as llm:
         prompts = make_prompts()
         same_both_ways(llm, prompts)  # five sequences a step, the longest past Mistral's window
         same_both_ways(llm, prompts[:1])
-    finally:
-        llm.shutdown()
 
 
 def test_plan_follows_pushes_and_sleep(folders):
-    llm = engine.LLM(str(folders["qwen3"]), dtype="bfloat16", kv_cache_memory=64 << 20, block_size=16,
-                     tokenizer=str(default_model_path()), multiprocess=False, enable_prefix_caching=False)
-    try:
+    with tiny_llm(folders["qwen3"], dtype="bfloat16") as llm:
         prompts = make_prompts()
         before = same_both_ways(llm, prompts)
         plan = model_of(llm)._plan
-        # every tensor pushed (the spare swapped in whole), then only the layers' projections and norms
+        # every tensor pushed (the spare swapped in whole), then layer 0's alone (copied in)
         g = torch.Generator().manual_seed(5)
         named = [(n, (v.float() * (1 + 0.2 * torch.randn(v.shape, generator=g))).to(v.dtype))
                  for n, v in model_of(llm).hf_views()]
@@ -85,27 +91,17 @@ def test_plan_follows_pushes_and_sleep(folders):
         assert model_of(llm)._plan is None, "a plan kept through sleep holds the freed KV cache and packed weights"
         llm.wake_up()
         assert same_both_ways(llm, prompts) == partial
-    finally:
-        llm.shutdown()
 
 
 def test_no_plan_for_a_mixture_of_experts(tmp_path):
     build_model("qwen3_moe", tmp_path)
-    llm = engine.LLM(str(tmp_path), dtype="float32", kv_cache_memory=64 << 20, block_size=16,
-                     tokenizer=str(default_model_path()), multiprocess=False)
-    try:
+    with tiny_llm(tmp_path, dtype="float32") as llm:
         llm.generate(make_prompts()[:2], PARAMS, use_tqdm=False)
         model = model_of(llm)
         assert model.use_decode_plan and model._plan_kv is not None and model._plan is None
-    finally:
-        llm.shutdown()
 
 
 def test_enforce_eager_keeps_the_python_loop(folders):
-    llm = engine.LLM(str(folders["qwen2"]), dtype="float32", kv_cache_memory=64 << 20, block_size=16,
-                     tokenizer=str(default_model_path()), multiprocess=False, enforce_eager=True)
-    try:
+    with tiny_llm(folders["qwen2"], dtype="float32", enforce_eager=True) as llm:
         llm.generate(make_prompts()[:2], PARAMS, use_tqdm=False)
         assert not model_of(llm).use_decode_plan and model_of(llm)._plan is None
-    finally:
-        llm.shutdown()
