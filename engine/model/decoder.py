@@ -125,7 +125,7 @@ class LayerOps:
     contiguous), else the checking wrappers (any device). In a decode step every call comes right
     after a matmul has flushed the caches, and skipping the wrappers' checks saves ~5-10 us a call."""
 
-    __slots__ = ("add_norm", "rope_and_cache", "silu_and_mul", "decode_attention")
+    __slots__ = ("add_norm", "rope_and_cache", "silu_and_mul", "decode_attention", "ext")
 
     def __init__(self, device: torch.device, dtype: torch.dtype, head_dim: int):
         ext = cpu_ext.ops_for(device, dtype)
@@ -136,6 +136,7 @@ class LayerOps:
         # (q, k_cache, v_cache, block_table, seq_lens, scale, window) for an all-decode step, or None
         attention_ok = ext is not None and cpu_ext.supports_head_dim("attention", head_dim)
         self.decode_attention = ext.paged_decode_attention if attention_ok else None
+        self.ext = ext if fused and attention_ok else None  # every op above is its kernel: a DecodePlan can run them
 
 
 class LlamaModel:
@@ -467,10 +468,8 @@ class LlamaModel:
         if self._plan_kv is kv_caches:
             return self._plan
         self._plan, self._plan_kv, self._plan_rows = None, kv_caches, 0
-        ext, ops = cpu_ext.ops_for(self.device, self.dtype), self.ops
-        if (ext is None or self.tp is not None or ops.decode_attention is None
-                or ops.add_norm is not ext.fused_add_rms_norm or ops.rope_and_cache is not ext.rope_and_cache
-                or ops.silu_and_mul is not ext.silu_and_mul or any(layer.moe is not None for layer in self.layers)):
+        ext = self.ops.ext
+        if ext is None or self.tp is not None or any(layer.moe is not None for layer in self.layers):
             return None
         kinds = {ext.bf16_vnni_linear: 0, ext.bf16_amx_linear: 1, ext.f32_panel_linear: 2, ext.bf16_panel_linear: 3}
         linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]

@@ -106,8 +106,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "3 bf16_panel_linear)", py::arg("norms"), py::arg("linears"), py::arg("k_cache"), py::arg("v_cache"))
       .def("run", &DecodePlan::run, "h (T, H) of an all-decode step -> the final-normed hidden states",
            py::arg("h"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_table"),
-           py::arg("seq_lens"), release_gil())
-      .def_property_readonly("num_layers", &DecodePlan::num_layers);
+           py::arg("seq_lens"), release_gil());
   // The GIL is released while a call waits for its peers: they may be threads of this process.
   using rollout_shm::ShmComm;
   py::class_<ShmComm>(m, "ShmComm",

@@ -106,7 +106,6 @@ class DecodePlan {
   // h (T, H): the embedded tokens of an all-decode step -> the final-normed hidden states (T, H)
   at::Tensor run(const at::Tensor& h, const at::Tensor& positions, const at::Tensor& slot_mapping,
                  const at::Tensor& block_table, const at::Tensor& seq_lens) const;
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
   struct Layer {
