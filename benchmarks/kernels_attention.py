@@ -92,21 +92,23 @@ def main():
           f"H={H} KVH={KVH} D={D} block_size={BS}")
     print(f"{'dtype':>8} {'B':>4} {'seq':>4} {'torch ms':>9} {'C++ ms':>8} {'speedup':>8} {'C++ cold':>9} "
           f"{'int8 cold':>9} {'int8 gain':>9}")
+    # + long windows of a few sequences: a rollout's tail, where one or two long generations are
+    # left and the kernel cuts each window into parts so they use every thread
+    cases = [(B, n) for B in (1, 32, 128) for n in (64, 128, 256)] + [(1, 2048), (1, 8192), (2, 4096)]
     for dtype in (torch.bfloat16, torch.float32):
-        for B in (1, 32, 128):
-            for seq_len in (64, 128, 256):
-                args = make_inputs(B, seq_len, dtype, gen)
-                t_ref = ms_per_call(lambda: paged_decode_attention_ref(*args, scale))
-                if ext is None:
-                    print(f"{str(dtype)[6:]:>8} {B:>4} {seq_len:>4} {t_ref:>9.3f} {'n/a':>8}")
-                    continue
-                t_ext = ms_per_call(lambda: ext.paged_decode_attention(*args, scale, 0))
-                t_cold = ms_per_cold_call(lambda: ext.paged_decode_attention(*args, scale, 0))
-                q, k, v, table, lens = args
-                codes = (q, quantize_rows(k), quantize_rows(v), table, lens)
-                t_int8 = ms_per_cold_call(lambda: ext.paged_decode_attention(*codes, scale, 0))
-                print(f"{str(dtype)[6:]:>8} {B:>4} {seq_len:>4} {t_ref:>9.3f} {t_ext:>8.3f} "
-                      f"{t_ref / t_ext:>7.1f}x {t_cold:>9.3f} {t_int8:>9.3f} {t_cold / t_int8:>8.2f}x")
+        for B, seq_len in cases:
+            args = make_inputs(B, seq_len, dtype, gen)
+            t_ref = ms_per_call(lambda: paged_decode_attention_ref(*args, scale))
+            if ext is None:
+                print(f"{str(dtype)[6:]:>8} {B:>4} {seq_len:>4} {t_ref:>9.3f} {'n/a':>8}")
+                continue
+            t_ext = ms_per_call(lambda: ext.paged_decode_attention(*args, scale, 0))
+            t_cold = ms_per_cold_call(lambda: ext.paged_decode_attention(*args, scale, 0))
+            q, k, v, table, lens = args
+            codes = (q, quantize_rows(k), quantize_rows(v), table, lens)
+            t_int8 = ms_per_cold_call(lambda: ext.paged_decode_attention(*codes, scale, 0))
+            print(f"{str(dtype)[6:]:>8} {B:>4} {seq_len:>4} {t_ref:>9.3f} {t_ext:>8.3f} "
+                  f"{t_ref / t_ext:>7.1f}x {t_cold:>9.3f} {t_int8:>9.3f} {t_cold / t_int8:>8.2f}x")
     print(f"\nprefill\n{'dtype':>8} {'B':>4} {'L':>5} {'C':>5} {'SDPA ms':>9} {'C++ ms':>8} {'speedup':>8}")
     for dtype in (torch.bfloat16, torch.float32):
         for B, new_tokens, cached in ((16, 128, 0), (4, 512, 512), (1, 2048, 0), (1, 2048, 2048)):

@@ -14,8 +14,13 @@
 // Returns a new out (B, H, D) in q's dtype:
 //   out[b, h] = softmax(scale * q[b, h] . K[b, kvh, t]) @ V[b, kvh, t] over the window.
 //
-// Algorithm: one work item per sequence (all its kv heads: each token's K and V rows are read
-// whole, contiguous) or, with fewer sequences than 4 per thread, per (sequence, kv head). Each
+// Algorithm: a sequence's window is cut into parts of kPartTokens tokens (one part for a
+// window no longer than that); a work item is one part of one sequence for all its kv heads
+// (each token's K and V rows are read whole, contiguous) or, with fewer sequences than 4 per
+// thread, for one kv head. A window of several parts gets each part's max, sum and unnormalized
+// output, and the thread that did its first part combines them, in part order, once every thread
+// is done: a lone long sequence is spread over the threads (its 3 kv heads alone left one of two
+// threads idle a third of the time). Each
 // of at::get_num_threads() OpenMP threads takes one contiguous run of items holding about its
 // share of the tokens, so it knows what it reads next: a prefetch cursor runs kPrefetchAhead
 // tokens ahead of pass 1 through its items, into L2, one kv head's rows per (token, kv head)
@@ -25,8 +30,9 @@
 // int8 cache, their q rows) stay in registers for a chunk. Tokens are walked in chunks of <= L
 // rows of one block (L = the vector's lanes). Pass 1 computes the scores q_g . k_i (L horizontal
 // sums at a time) into a per-thread row; then a softmax with max subtraction; pass 2 accumulates
-// p_gi * v_i. Each head's arithmetic is the same whatever the item shape or path, so results do
-// not depend on the batch (batch-invariant mode relies on it). All math is float32 (bf16 is
+// p_gi * v_i. Each head's arithmetic is the same whatever the item shape, path or thread count
+// (the parts are a function of the window alone), so results do not depend on the batch
+// (batch-invariant mode relies on it). All math is float32 (bf16 is
 // widened on load; int8 codes are widened, and a K row's scale multiplies its scores, a V row's
 // its widened values), written with GCC/Clang vector extensions of the target's width (16
 // floats with AVX-512, 8 with AVX2), so -march=native picks the instructions.
@@ -35,6 +41,7 @@
 #include <ATen/ops/empty_like.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -128,6 +135,17 @@ inline vfloat vexp(vfloat x) {
 // How many tokens ahead of pass 1 the prefetch cursor runs (one chunk ahead, into L1, was ~1.5x
 // slower from a cold cache; 16-64 tokens into L2 measured the same).
 constexpr int64_t kPrefetchAhead = 32;
+
+// The tokens of a window's part (a multiple of every vector width, so a part's score vectors
+// start where the window's did). Windows up to this long are done as one part, as they were
+// before parts existed; longer ones are cut so one sequence can use every thread.
+constexpr int64_t kPartTokens = 512;
+
+// One work item: tokens [lo, hi) of sequence b for kv heads kvh0 .. kvh0 + hpi - 1, part `part`
+// of `parts`; `slot`: where a window of several parts keeps this part's partial results.
+struct Item {
+  int64_t b, kvh0, lo, hi, part, parts, slot;
+};
 
 // The target's vector registers. A kv head's G query heads keep their q rows (pass 1) or their
 // accumulators (pass 2) in registers, beside one widened cache row, where (G + 1) * NV + 1 of
@@ -228,25 +246,34 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
   // keep the threads busy (whole K/V rows stream faster than every third 128 bytes).
   const int64_t hpi = B >= 4 * n_threads ? KVH : 1;
   const int64_t GH = hpi * G;  // query heads per item
-  const int64_t n_items = B * (KVH / hpi);
-  const int64_t s_stride = (max_len / L + 2) * L;  // a score row, with room for a full-vector store
+  const int64_t s_stride = (std::min(max_len, kPartTokens) / L + 2) * L;  // a score row, + a full-vector store
   // the register passes take NV at compile time (kRegNV, only used when NV_FIXED > 0)
   constexpr int64_t kRegNV = NV_FIXED > 0 ? NV_FIXED : 1;
   const bool in_registers = NV_FIXED > 0 && G <= kMaxGroup && (G + 1) * NV + 1 <= kRegs;
 
-  const int64_t ipb = KVH / hpi;  // items per sequence
-  auto item_range = [&](int64_t item, int64_t& lo) {  // an item's window: tokens [lo, return value)
-    const int64_t len = seq_lens[item / ipb];
-    lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    return len;
-  };
+  std::vector<Item> items;
+  int64_t n_slots = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = seq_lens[b], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t parts = (len - start + kPartTokens - 1) / kPartTokens;
+    for (int64_t kvh0 = 0; kvh0 < KVH; kvh0 += hpi)
+      for (int64_t p = 0; p < parts; ++p)
+        items.push_back({b, kvh0, start + p * kPartTokens, std::min(len, start + (p + 1) * kPartTokens), p, parts,
+                         parts > 1 ? n_slots++ : -1});
+  }
+  const int64_t n_items = static_cast<int64_t>(items.size());
   std::vector<int64_t> cum(n_items + 1, 0);  // tokens in items before item i
-  for (int64_t it = 0, lo; it < n_items; ++it) cum[it + 1] = cum[it] + item_range(it, lo) - lo;
+  for (int64_t it = 0; it < n_items; ++it) cum[it + 1] = cum[it] + items[it].hi - items[it].lo;
+  // A part's partial results, per query head of its item: max score, sum of exp, then NV vectors
+  // of the unnormalized output (written by the part's thread, read by its first part's after the
+  // barrier)
+  const int64_t slot_floats = 2 + NV * L;
+  std::vector<float> partials(n_slots * GH * slot_floats);
 
 #pragma omp parallel num_threads(n_threads)
   {
     std::vector<vfloat> qv(GH * NV), acc(GH * NV), part(GH * L), vbuf(kIsFloat ? 0 : L * hpi * NV);
-    std::vector<float> scores(GH * s_stride), inv_sum(GH);  // scores: GH rows of s_stride
+    std::vector<float> scores(GH * s_stride), maxes(GH), sums(GH);  // scores: GH rows of s_stride
     // This thread's items: [first, last), about 1 / team of the tokens.
     const int64_t team = omp_get_num_threads(), tid = omp_get_thread_num();
     auto split = [&](int64_t i) {
@@ -259,10 +286,11 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
     int64_t pf_item = first, pf_t = 0, pf_len = 0, pf_j = 0, pf_off = 0, pf_head = 0, pf_h = 0;
     const int32_t* pf_blocks = block_table;
     auto start_prefetch_item = [&] {
-      pf_len = item_range(pf_item, pf_t);
+      const Item& it = items[pf_item];
+      pf_t = it.lo, pf_len = it.hi;
       pf_j = pf_t / bs, pf_off = pf_t - pf_j * bs;
-      pf_blocks = block_table + pf_item / ipb * bt_stride;
-      pf_head = pf_item % ipb * hpi * RD;
+      pf_blocks = block_table + it.b * bt_stride;
+      pf_head = it.kvh0 * RD;
     };
     if (pf_item < last) start_prefetch_item();
     auto advance_prefetch = [&](int64_t budget) {  // K and V rows of the next `budget` (token, kv head)s
@@ -283,13 +311,12 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
     };
     advance_prefetch(kPrefetchAhead * hpi);
     for (int64_t item = first; item < last; ++item) {
-      const int64_t b = item / ipb, kvh0 = item % ipb * hpi;
-      const int64_t len = seq_lens[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const Item& it = items[item];
+      const int64_t b = it.b, kvh0 = it.kvh0, start = it.lo, len = it.hi;
       const int64_t n = len - start, n_pad = (n + L - 1) / L * L;
       const int32_t* blocks = block_table + b * bt_stride;
 
-      // Calls fn(i0, cnt, offset) for each chunk: tokens i0 .. i0+cnt-1 of the window (cnt <= L,
+      // Calls fn(i0, cnt, offset) for each chunk: tokens i0 .. i0+cnt-1 of the part (cnt <= L,
       // all in one block), whose rows (of kv head kvh0) start at cache + offset, tok_stride apart.
       auto for_each_chunk = [&](auto&& fn) {
         int64_t j = start / bs, off = start - j * bs;
@@ -343,14 +370,14 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
         std::fill(s + n, s + n_pad, -std::numeric_limits<float>::infinity());
         vfloat mv = load(s);
         for (int64_t i = L; i < n_pad; i += L) mv = maximum(mv, load(s + i));
-        const float mx = reduce(mv, maximum);
+        const float mx = maxes[r] = reduce(mv, maximum);
         vfloat sum = {};
         for (int64_t i = 0; i < n_pad; i += L) {
           const vfloat e = vexp(load(s + i) - mx);
           store(s + i, e);
           sum += e;
         }
-        inv_sum[r] = 1.0f / reduce(sum, plus);
+        sums[r] = reduce(sum, plus);
       }
 
       // Pass 2: acc_r = sum_i p_ri * v_i: in registers where they fit (each V row widened once for
@@ -391,9 +418,45 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const int32_t
         });
       }
 
-      T* o = out + (b * H + kvh0 * G) * D;
-      for (int64_t r = 0; r < GH; ++r)
-        for (int64_t c = 0; c < NV; ++c) store(o + r * D + c * L, acc[r * NV + c] * inv_sum[r]);
+      if (it.parts == 1) {
+        T* o = out + (b * H + kvh0 * G) * D;
+        for (int64_t r = 0; r < GH; ++r) {
+          const float inv_sum = 1.0f / sums[r];
+          for (int64_t c = 0; c < NV; ++c) store(o + r * D + c * L, acc[r * NV + c] * inv_sum);
+        }
+        continue;
+      }
+      float* slot = partials.data() + it.slot * GH * slot_floats;
+      for (int64_t r = 0; r < GH; ++r, slot += slot_floats) {
+        slot[0] = maxes[r], slot[1] = sums[r];
+        for (int64_t c = 0; c < NV; ++c) store(slot + 2 + c * L, acc[r * NV + c]);
+      }
+    }
+    if (n_slots > 0) {  // (the same for every thread: all of them or none meet the barrier)
+#pragma omp barrier
+      // The windows of several parts whose first part this thread did: out = sum_p w_p acc_p /
+      // sum_p w_p sum_p with w_p = exp(max_p - max), parts in order.
+      for (int64_t item = first; item < last; ++item) {
+        const Item& it = items[item];
+        if (it.parts == 1 || it.part != 0) continue;
+        T* o = out + (it.b * H + it.kvh0 * G) * D;
+        for (int64_t r = 0; r < GH; ++r) {
+          const float* p0 = partials.data() + (it.slot * GH + r) * slot_floats;
+          const int64_t part_stride = GH * slot_floats;  // the same head in the next part
+          float mx = p0[0];
+          for (int64_t p = 1; p < it.parts; ++p) mx = std::max(mx, p0[p * part_stride]);
+          float total = 0.0f;
+          vfloat a[kMaxNV] = {};
+          for (int64_t p = 0; p < it.parts; ++p) {
+            const float* part_r = p0 + p * part_stride;
+            const float w = std::exp(part_r[0] - mx);
+            total += w * part_r[1];
+            for (int64_t c = 0; c < NV; ++c) a[c] += w * load(part_r + 2 + c * L);
+          }
+          const float inv_total = 1.0f / total;
+          for (int64_t c = 0; c < NV; ++c) store(o + r * D + c * L, a[c] * inv_total);
+        }
+      }
     }
   }
 }
@@ -587,7 +650,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   }
   // Tiny calls (~10 us of work) run on one thread: waking a second one costs about as much,
   // and a sibling thread that the OS has descheduled stalls the call for a whole time slice.
-  const int n_threads = total_len * KVH < 2048 ? 1 : std::min<int>(at::get_num_threads(), B * KVH);
+  const int64_t most_items = B * KVH * ((max_len + kPartTokens - 1) / kPartTokens);
+  const int n_threads = total_len * KVH < 2048 ? 1 : std::min<int64_t>(at::get_num_threads(), most_items);
 
   at::Tensor out = at::empty_like(q);
   if (B == 0 || H == 0) return out;

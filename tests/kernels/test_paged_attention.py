@@ -81,6 +81,31 @@ def test_each_sequence_same_alone_as_in_a_batch(ext, dtype):
         assert torch.equal(alone, batch[b:b + 1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("kv_heads", [3, 1], ids=["gqa3", "mqa"])
+def test_long_windows_in_parts(ext, dtype, kv_heads):
+    """A window longer than the kernel's part (512 tokens) is done in parts spread over the
+    threads and combined: close to a float64 reference, and bit-identical whatever the batch and
+    the thread count (the parts follow the window alone; batch-invariant mode relies on it)."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, table, lens = make_inputs(gen, 6, 3 * kv_heads, kv_heads, 64, 16, 2100, dtype, fixed_len=2100)
+    lens[:] = torch.tensor([512, 513, 1024 + 17, 2100, 40, 1600], dtype=torch.int32)  # part edges
+    for window in (None, 700, 1500):
+        ref = paged_decode_attention_ref(q.double(), k.double(), v.double(), table, lens, 0.125, window)
+        batch = ext.paged_decode_attention(q, k, v, table, lens, 0.125, window or 0)
+        check_close(batch, ref.to(dtype), dtype)
+        threads = torch.get_num_threads()
+        try:
+            for n in sorted({1, 2, threads}):
+                torch.set_num_threads(n)
+                for b in range(6):
+                    alone = ext.paged_decode_attention(q[b:b + 1], k, v, table[b:b + 1], lens[b:b + 1], 0.125,
+                                                       window or 0)
+                    assert torch.equal(alone, batch[b:b + 1]), (n, b, window)
+        finally:
+            torch.set_num_threads(threads)
+
+
 def test_window_larger_than_sequence_and_block_edges(ext):
     gen = torch.Generator().manual_seed(1)
     for seq_len in (1, 15, 16, 17, 31, 32, 33, 64):
