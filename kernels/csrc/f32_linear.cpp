@@ -164,11 +164,29 @@ at::Tensor f32_panel_pack(const at::Tensor& weight, const std::optional<at::Tens
       float* d = dst + p * K * kPanel;
       int64_t k = 0;
 #if ROLLOUT_F32_PANEL
-      if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % sizeof(BlockRow) == 0) {
-        // full panels, kBlock k at a time: each kBlock x kBlock block transposed in registers into a
-        // block of kBlock whole k steps in L1, which then goes out as streamed stores in order (the
-        // packed copy is not read again soon; a store that skips the cache skips reading the line
-        // first, and whole lines in order keep the write-combining buffers from flushing halves)
+      if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % sizeof(BlockRow) == 0 && kBlock * sizeof(float) == 64) {
+        // AVX-512: a block row is a whole cache line, so each kBlock rows of the panel go through
+        // all of K on their own, every kBlock x kBlock block transposed in registers and streamed
+        // out as whole lines: 16 rows read side by side instead of 32 (which the prefetchers did
+        // not keep up with: 1.8x slower), no line read before it is written
+        BlockRow r[kBlock];
+        for (int64_t h = 0; h < kPanel / kBlock; ++h) {
+          for (k = 0; k + kBlock <= K; k += kBlock) {
+            for (int64_t i = 0; i < kBlock; ++i) {
+              const float* row = rows + (h * kBlock + i) * K + k;
+              r[i] = load_row(row);
+              __builtin_prefetch(row + 64);
+            }
+            transpose(r);
+            for (int64_t j = 0; j < kBlock; ++j) stream_row(d + (k + j) * kPanel + h * kBlock, r[j]);
+          }
+        }
+        _mm_sfence();
+      } else if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % sizeof(BlockRow) == 0) {
+        // AVX2: a block row is half a line; each kBlock x kBlock block is transposed in registers
+        // into a block of kBlock whole k steps in L1, which then goes out as streamed stores in
+        // order (the packed copy is not read again soon; a store that skips the cache skips reading
+        // the line first, and whole lines in order keep the write-combining buffers from flushing halves)
         alignas(64) float block[kBlock * kPanel];
         BlockRow r[kBlock];
         for (; k + kBlock <= K; k += kBlock) {
