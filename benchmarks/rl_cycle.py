@@ -7,7 +7,9 @@ same cycle for a trainer on the same machine: SharedWeights (shared memory, one 
 from push to push) + update_weights_from_ipc, no process group. Route "spare" is what the client's
 push_weights_shared does on a CPU server: lease the engine's staging memory, write the tensors
 into it (SpareWriter; before the pause: generation goes on meanwhile), then the update swaps
-them in; its push time counts the lease and the write too.
+them in; its push time counts the lease and the write too. The writer packs the projections for
+the engine's matmul kernels as it writes them (the lease names the packs it runs), so the update
+repacks nothing; "spare, plain" is the same route with plain tensors only, repacked by the engine.
 
 "of copy": the push's GB/s (trainer tensors -> live weights, payload bytes once) over this
 machine's copy bandwidth (one large Tensor.copy_ of the same bytes, counting bytes read +
@@ -63,9 +65,9 @@ def run(dtype: str, reps: int, model: str | None = None) -> dict:
 
     writer = SpareWriter()
 
-    def spare_write_of(tensors):
+    def spare_write_of(tensors, layouts=writer.layouts):
         def write() -> dict:  # before the pause: lease the engine's spare and fill it
-            handles = writer.write(llm.lease_weight_spare("bench"), tensors)
+            handles = writer.write(llm.lease_weight_spare("bench", layouts), tensors)
             return lambda: llm.update_weights_from_ipc(handles)
         return write
 
@@ -75,6 +77,7 @@ def run(dtype: str, reps: int, model: str | None = None) -> dict:
     best = {"gloo": cycle(llm, gloo_push, reps), "shm": cycle(llm, shared_push(llm, state, shared), reps),
             "shm, 3 layers": cycle(llm, shared_push(llm, some, some_shared), reps),
             "spare": cycle(llm, None, reps, spare_write_of(state)),
+            "spare, plain": cycle(llm, None, reps, spare_write_of(state, [])),
             "spare, 3 layers": cycle(llm, None, reps, spare_write_of(some))}
     copy_gbps = copy_bandwidth(sum(t.numel() * t.element_size() for _, t in state))
     for route, row in best.items():

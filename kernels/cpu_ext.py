@@ -169,6 +169,25 @@ def load():
     return _module
 
 
+def built():
+    """The extension module if it is compiled for this torch and CPU already, else None, never
+    compiling (a trainer packs weights with it only where an engine on this machine built it)."""
+    global _module, _tried
+    if _tried:
+        return _module
+    name = _module_name()
+    so = _build_dir(name) / f"{name}.so"
+    if not so.exists():
+        return None
+    with _lock:
+        if not _tried:
+            try:
+                _module, _tried = _import_built(name, so), True
+            except ImportError:
+                return None
+    return _module
+
+
 _DTYPES = ("float32", "bfloat16")
 # head sizes each op family is compiled for (csrc: 16-float vectors, at most 32 of them per head)
 _HEAD_DIM_RULES = {"attention": lambda d: d % 16 == 0 and 0 < d <= 512,

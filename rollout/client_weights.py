@@ -527,14 +527,14 @@ class WeightTransfer:
 
         if not self._spare_lent or not all(t.device.type == "cpu" for _, t in named):
             return None
+        if self.spare is None:
+            self.spare = SpareWriter()
         try:
-            lease = yield lambda c: c.lease_weight_spare(self.holder)
+            lease = yield lambda c: c.lease_weight_spare(self.holder, self.spare.layouts)
         except RolloutAPIError as e:
             if e.status != 409:  # not lent by this server (one CPU rank only), or a server without the route
                 self._spare_lent = False
             return None  # (409: another trainer holds it now)
-        if self.spare is None:
-            self.spare = SpareWriter()
         return self.spare.write(lease, named, dtype)
 
 

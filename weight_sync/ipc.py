@@ -38,6 +38,9 @@ from weight_sync.protocol import dtype_name, parse_dtype
 
 ALIGN = 64
 SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux
+# the kernels' packs a SpareWriter runs (kernels/csrc: vnni_linear.cpp, f32_linear.cpp); the engine
+# names the one its projections were packed with in a lease's tensors
+PACK_FUNCTIONS = ("bf16_vnni_pack", "f32_panel_pack", "bf16_panel_pack")
 
 # The globals a CUDA IPC handle may name: torch's rebuild function for a (detached) CUDA tensor
 # and the types its arguments carry (the dtype is checked in find_class).
@@ -163,10 +166,23 @@ class SpareWriter:
     no slot for, a tensor not floating point or not on the CPU, another dtype asked for, a tied
     head that differs, an engine on another machine whose segments are not here): push it
     another way then, which refuses what is wrong with the engine's own message. Keeps the
-    engine's segments mapped between pushes; `close()` unmaps them."""
+    engine's segments mapped between pushes; `close()` unmaps them.
+
+    `layouts`: the engine kernels' pack functions this process can run (the C++ CPU kernels
+    compiled on this machine already; none otherwise), to be named in the lease request: the
+    engine then hands out its matmul's packed panels where it can, and `write` packs into them,
+    which spares the engine a repack of what it receives."""
 
     def __init__(self):
         self._mapped: dict[str, _Attached] = {}
+        self._scratch: torch.Tensor | None = None  # a cast before a pack, reused (fresh pages fault)
+
+    @functools.cached_property
+    def layouts(self) -> list[str]:
+        from kernels import cpu_ext
+
+        ext = cpu_ext.built()
+        return [] if ext is None else [f for f in PACK_FUNCTIONS if hasattr(ext, f)]
 
     def write(self, lease: dict, named_tensors: Iterable[tuple[str, torch.Tensor]],
               dtype: torch.dtype | None = None) -> dict | None:
@@ -183,7 +199,8 @@ class SpareWriter:
                 continue
             slot = slots.get(name)
             if slot is None or t.device.type != "cpu" or not t.is_floating_point() or list(t.shape) != slot["shape"] \
-                    or (dtype is not None and dtype_name(dtype) != slot["dtype"]):
+                    or (dtype is not None and dtype_name(dtype) != slot["dtype"]) \
+                    or ("pack" in slot and slot["pack"] not in self.layouts):
                 return None
         try:
             segments = [self._map(name) for name in lease["segments"]]
@@ -198,13 +215,33 @@ class SpareWriter:
             if slot is None:
                 continue
             d = parse_dtype(slot["dtype"])
-            span = 1 + sum((n - 1) * st for n, st in zip(slot["shape"], slot["stride"])) if t.numel() else 0
-            if span:
-                dst = torch.frombuffer(segments[slot["segment"]].buf, dtype=d, count=span, offset=slot["offset"])
+            buf = segments[slot["segment"]].buf
+            if "pack" in slot:  # (a slot of the engine's panels: the pack writes it whole, pads included)
+                dst = torch.frombuffer(buf, dtype=d, count=math.prod(slot["packed_shape"]), offset=slot["offset"])
+                getattr(self._kernels(), slot["pack"])(self._cast(t, d), dst.view(slot["packed_shape"]))
+                del dst
+            elif t.numel():
+                span = 1 + sum((n - 1) * st for n, st in zip(slot["shape"], slot["stride"]))
+                dst = torch.frombuffer(buf, dtype=d, count=span, offset=slot["offset"])
                 dst.as_strided(slot["shape"], slot["stride"]).copy_(t)
                 del dst  # no view may outlive the mapping
             written.append(name)
         return {"kind": "spare", "lease": lease["lease"], "tensors": written}
+
+    @staticmethod
+    def _kernels():
+        from kernels import cpu_ext
+
+        return cpu_ext.built()
+
+    def _cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`t` contiguous in `dtype`, for the pack: itself, or a copy in reused scratch memory."""
+        if t.dtype == dtype and t.is_contiguous():
+            return t
+        nbytes = t.numel() * dtype.itemsize
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes].view(dtype).view(t.shape).copy_(t)
 
     def _map(self, name: str) -> _Attached:
         if name not in self._mapped:

@@ -456,7 +456,7 @@ class EngineCore:
         self.forming_group = Deferred.in_thread(form, "weight-group")
         return self.forming_group
 
-    def lease_weight_spare(self, holder: str) -> dict:
+    def lease_weight_spare(self, holder: str, layouts: list[str] | None = None) -> dict:
         """Lend the trainer `holder` the memory the next update is staged in, to write its tensors
         into directly (Worker.lease_weight_spare): a CPU engine of one rank in one replica only
         (each rank or replica would need the trainer's copy of its own)."""
@@ -467,7 +467,7 @@ class EngineCore:
         if not cfg.device.startswith("cpu") or cfg.tensor_parallel_size > 1 or cfg.data_parallel_size > 1:
             raise InvalidRequestError("the weight spare is lent by a CPU engine of one rank and one replica only: "
                                       "share the tensors in a segment of the trainer's own", "spare")
-        return self.executor.collective_rpc("lease_weight_spare", [holder])[0]
+        return self.executor.collective_rpc("lease_weight_spare", [holder, layouts or []])[0]
 
     def close_weight_transfer(self) -> bool:
         """Leave the group, or stop forming it (a group that forms meanwhile is closed at once)."""

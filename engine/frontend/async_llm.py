@@ -395,9 +395,9 @@ class AsyncLLM:
         self._start_output_handler()  # utility results arrive through it
         return await self.client.update_weights_async(source, args, version, lora_id, deadline_s, trace)
 
-    async def lease_weight_spare(self, holder: str) -> dict:
+    async def lease_weight_spare(self, holder: str, layouts: list[str] = ()) -> dict:
         """See LLM.lease_weight_spare."""
-        return await self._call("lease_weight_spare", holder)
+        return await self._call("lease_weight_spare", holder, list(layouts))
 
     async def close_weight_transfer(self) -> bool:
         return await self._call("close_weight_transfer")

@@ -287,12 +287,13 @@ class LLM:
         AsyncLLM.update_weights_from)."""
         return self.client.update_weights(source, args, version, lora_id, deadline_s, trace)
 
-    def lease_weight_spare(self, holder: str) -> dict:
+    def lease_weight_spare(self, holder: str, layouts: list[str] = ()) -> dict:
         """For a trainer on this machine: where to write its next update itself (the engine's
         staging memory in shared memory; engine/worker/weight_buffers.py). Write the tensors the
         layout names, then update_weights_from_ipc({"kind": "spare", "lease", "tensors": names}):
-        weight_sync.SpareWriter writes them and makes those handles."""
-        return self.client.call_utility("lease_weight_spare", holder)
+        weight_sync.SpareWriter writes them and makes those handles. `layouts`: the packs the
+        trainer can run (its SpareWriter's `layouts`): the projections' panels are then leased."""
+        return self.client.call_utility("lease_weight_spare", holder, list(layouts))
 
     def close_weight_transfer(self) -> bool:
         return self.client.call_utility("close_weight_transfer")

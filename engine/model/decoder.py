@@ -66,15 +66,17 @@ class Linear:
     copy (`panels`, steps of <= panel_max rows); a oneDNN-prepacked copy (`packed`); the
     fixed-order kernel on the plain weight (batch-invariant mode on a CPU without the panels);
     F.linear. `weight` stays the plain tensor that loads, pushes and checksums read and write
-    (`pack()` after a write)."""
+    (`pack()` after a write); where the panels alone serve every step a trainer may write them
+    instead, and `unpack()` brings `weight` up to date (LlamaModel.panels_written)."""
 
-    __slots__ = ("weight", "bias", "panels", "panel_linear", "panel_max", "packed", "invariant")
+    __slots__ = ("weight", "bias", "panels", "panel_linear", "panel_max", "pack_fn", "packed", "invariant")
 
     def __init__(self, out_features: int, in_features: int, bias: bool, dtype, device):
         self.weight = torch.zeros(out_features, in_features, dtype=dtype, device=device)
         self.bias = torch.zeros(out_features, dtype=dtype, device=device) if bias else None
         self.panels = self.panel_linear = None  # our packed copy and the kernel reading it: (x, panels, N, bias)
         self.panel_max = 0
+        self.pack_fn = None  # the name of the kernels' function that made `panels` (their layout)
         self.packed = None
         self.invariant = None  # kernels' invariant_linear(x, weight, bias) in batch-invariant mode
 
@@ -93,25 +95,41 @@ class Linear:
         Our own packed copy is rewritten in place when its shape holds (a weight update runs with
         no step in flight): fresh memory would cost page faults worth several copies."""
         old, self.panels = self.panels, None
-        self.panel_linear = self.packed = None
+        self.panel_linear = self.packed = self.pack_fn = None
         self.panel_max = 0
         dtype, (n, k) = self.weight.dtype, self.weight.shape
         if ext is not None and dtype == torch.bfloat16 and ext.bf16_vnni_supported():
             shape = ((n + 31) // 32, (k + 1) // 2, 32, 2)  # panels of 32 columns, k in pairs
+            self.pack_fn = "bf16_vnni_pack"
             self.panels = ext.bf16_vnni_pack(self.weight, old if old is not None and old.shape == shape else None)
             amx = ext.bf16_amx_supported() and k % 32 == 0
             self.panel_linear = ext.bf16_amx_linear if amx else ext.bf16_vnni_linear
             self.panel_max = EVERY_STEP if amx or not cpu_ext.cpu_has("amx_bf16") else BF16_VNNI_MAX_ROWS_WITH_AMX
         elif f32_panels_serve(ext, dtype):
             shape = ((n + 31) // 32, k, 32)  # panels of 32 columns, k-major
-            pack, self.panel_linear = ((ext.f32_panel_pack, ext.f32_panel_linear) if dtype == torch.float32
-                                       else (ext.bf16_panel_pack, ext.bf16_panel_linear))
-            self.panels = pack(self.weight, old if old is not None and old.shape == shape else None)
+            self.pack_fn, self.panel_linear = (("f32_panel_pack", ext.f32_panel_linear) if dtype == torch.float32
+                                               else ("bf16_panel_pack", ext.bf16_panel_linear))
+            reuse = old if old is not None and old.shape == shape else None
+            self.panels = getattr(ext, self.pack_fn)(self.weight, reuse)
             self.panel_max = EVERY_STEP
         if self.panel_max == EVERY_STEP:
             return
         if onednn:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
+
+    def panels_serve(self) -> bool:
+        """Whether every step reads the panels alone (`weight` then only serves reads of the weights)."""
+        return self.panels is not None and self.panel_max == EVERY_STEP and self.packed is None
+
+    def unpack(self) -> None:
+        """Write `weight` back from the panels (both layouts: 32 columns a panel, k in pairs or not)."""
+        n, k = self.weight.shape
+        p = self.panels
+        if p.dim() == 4:  # bf16_vnni_pack: (n / 32, k / 2, 32, 2)
+            plain = p.permute(0, 2, 1, 3).reshape(p.shape[0] * 32, p.shape[1] * 2)
+        else:  # f32_panel_pack, bf16_panel_pack: (n / 32, k, 32)
+            plain = p.permute(0, 2, 1).reshape(p.shape[0] * 32, k)
+        self.weight.copy_(plain[:n, :k])
 
 
 class Layer:
@@ -203,6 +221,9 @@ class LlamaModel:
         # enforce_eager) keeps the op-by-op loop below.
         self.use_decode_plan = True
         self.drop_decode_plan()
+        # linears whose panels a trainer wrote (panels_written): their plain `weight` is brought up to
+        # date when something reads it, so that a push costs one write of the panels
+        self._behind: dict[int, Linear] = {}
         if batch_invariant:
             self._use_invariant_kernels()
         self._hf = self._hf_name_map()
@@ -314,17 +335,20 @@ class LlamaModel:
         entry = self._hf.get(name)
         return entry if entry is not None else self._aliases[name]
 
-    def hf_view(self, name: str) -> torch.Tensor:
+    def hf_view(self, name: str, current: bool = True) -> torch.Tensor:
         """The in-place view of one HF parameter (this rank's slice of it); KeyError for a name
-        the model does not have."""
+        the model does not have. current=False: only its place and shape are wanted (the values
+        of a linear whose panels were written may lag until they are read: panels_written)."""
         tensor, start, rows, _ = self._entry(name)
+        if current and self._behind:
+            self._catch_up()
         return tensor.narrow(0, start, rows)
 
-    def hf_views(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_views(self, current: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Every HF parameter's view: the full tensors, or with tensor parallelism this rank's
         slices (engine/worker/worker.py's full_weights gathers them)."""
         for name in self._hf:
-            yield name, self.hf_view(name)
+            yield name, self.hf_view(name, current)
 
     def hf_shard(self, name: str) -> Shard:
         return self._entry(name)[3]
@@ -338,7 +362,8 @@ class LlamaModel:
 
     def expected_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """HF name -> (shape, dtype) of the full tensors a trainer pushes."""
-        return {name: (self.hf_shard(name).full_shape(tuple(v.shape)), v.dtype) for name, v in self.hf_views()}
+        return {name: (self.hf_shard(name).full_shape(tuple(v.shape)), v.dtype)
+                for name, v in self.hf_views(current=False)}
 
     def accepted_weights(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """What a push may carry: the model's tensors, and for tied embeddings the copy of
@@ -347,7 +372,7 @@ class LlamaModel:
         if self.mc.tie_word_embeddings and self.lm_head is not None:
             accepted["lm_head.weight"] = accepted[self.mc.text_prefix + "embed_tokens.weight"]
         for name in self._aliases:
-            view = self.hf_view(name)
+            view = self.hf_view(name, current=False)
             accepted[name] = (self.hf_shard(name).full_shape(tuple(view.shape)), view.dtype)
         return accepted
 
@@ -388,7 +413,7 @@ class LlamaModel:
             name = self.embed_name
         if name not in self._hf and name not in self._aliases:
             raise InvalidRequestError(f"unknown parameter {name!r} (this model has no such tensor)")
-        view = self.hf_view(name)
+        view = self.hf_view(name, current=False)
         want = self.hf_shard(name).full_shape(tuple(view.shape))
         if tuple(shape) != want:
             raise InvalidRequestError(f"{name} has shape {list(shape)}, expected {list(want)}")
@@ -441,6 +466,7 @@ class LlamaModel:
         self.repack()
 
     def drop_packed(self) -> None:
+        self._catch_up()
         self.drop_decode_plan()
         for lin in self._linears():
             lin.pack(None, False)
@@ -453,8 +479,23 @@ class LlamaModel:
         ext = cpu_ext.ops_for(self.device, self.dtype) if enable else None
         onednn = enable and not self.batch_invariant and _mkldnn_ok(self.dtype)
         self.drop_decode_plan()  # it holds the packed tensors
-        for lin in self._linears() if linears is None else linears:
+        linears = self._linears() if linears is None else linears
+        self._catch_up(linears)  # (a layout change packs from the plain weights)
+        for lin in linears:
             lin.pack(ext, onednn)
+
+    def panels_written(self, linears: list[Linear]) -> None:
+        """A weight update wrote these linears' panels (a trainer packed its tensors into them,
+        engine/worker/weight_buffers.py): every step reads the panels alone (Linear.panels_serve),
+        and the plain weights are unpacked from them only when read (checksums, saves, a partial
+        push into the same tensor, sleep): most updates are never read back."""
+        self.drop_decode_plan()
+        self._behind.update((id(lin), lin) for lin in linears)
+
+    def _catch_up(self, linears: list[Linear] | None = None) -> None:
+        for lin in list(self._behind.values()) if linears is None else linears:
+            if self._behind.pop(id(lin), None) is not None:
+                lin.unpack()
 
     def drop_decode_plan(self) -> None:
         """Forget the decode plan, which holds the packed weights and the KV cache (they are about to
@@ -508,12 +549,15 @@ class LlamaModel:
 
     def weights_moved(self, storages: set[int]) -> None:
         """The storages with these ids (see weight_storages) hold new values, some of them
-        swapped in by `set_`: views of them are taken afresh, and the linears reading them are
-        repacked."""
+        swapped in by `set_`: views of them are taken afresh, and the linears whose weight they
+        are repacked (a bias is read as it is, by every kernel)."""
         self._hf = self._hf_name_map()
         self._aliases = self._fused_expert_names()
-        self.repack([lin for lin in self._linears()
-                     if id(lin.weight) in storages or (lin.bias is not None and id(lin.bias) in storages)])
+        self.drop_decode_plan()
+        moved = [lin for lin in self._linears() if id(lin.weight) in storages]
+        for lin in moved:  # (their plain weights are what was written: whole, or caught up before a partial write)
+            self._behind.pop(id(lin), None)
+        self.repack(moved)
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,

@@ -72,6 +72,7 @@ class StageArgs(_Args):
 
 class LeaseArgs(_Args):
     holder: str
+    layouts: list[str] | None = None  # the pack functions the trainer can run (weight_sync.SpareWriter.layouts)
 
 
 class CommitArgs(_Args):

@@ -21,6 +21,14 @@ sharing a segment of the trainer's own costs a copy into it and another out of i
 the right to write the spare until the next update stages it; while one is out, other updates
 stage into fresh memory (they must not write what the trainer is writing).
 
+Where a projection's matmul reads only its packed panels (Linear.panels_serve) and the trainer
+can run the same pack (it names the kernels' pack functions it has: `layouts`), the lease hands
+out a spare of the panels instead, and the trainer packs its tensors straight into it: the
+update swaps the panels in and repacks nothing (a repack cost about a copy of the weights), and
+the plain weights are unpacked from the live panels only if something reads them
+(LlamaModel.panels_written). Each tensor of such a storage must fill whole panels (its rows
+start and end at multiples of 32; k even for the k-paired layout), or the storage is leased plain.
+
 On CUDA, allocation is cheap and memory is scarce: tensors are staged into fresh memory and
 copied in (no spare).
 """
@@ -35,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import EngineStateError, InvalidRequestError
-from engine.model.decoder import LlamaModel
+from engine.model.decoder import Linear, LlamaModel
 from weight_sync.ipc import SHM_DIR
 SEGMENT_PREFIX = "rollout-spare-"  # + "<pid>-<random>-<0|1>": a dead pid's segments are removed
 ALIGN = 64
@@ -50,6 +58,20 @@ class Lease:
     token: str
     holder: str
     since: float
+    packed: frozenset[int] = frozenset()  # the storages (ids) whose panels the trainer writes
+
+
+@dataclass
+class _Storage:
+    """One weight storage as a lease describes it: the plain tensors in it (`entries`, offsets in
+    bytes from the storage's start) and, where its linear's panels alone serve the matmul and
+    every tensor fills whole panels, that linear and each tensor's panels (`panel_rows`: name ->
+    (first panel, panels))."""
+
+    root: torch.Tensor
+    entries: list[dict]
+    linear: Linear | None
+    panel_rows: dict[str, tuple[int, int]]
 
 
 class WeightBuffers:
@@ -58,17 +80,17 @@ class WeightBuffers:
     def __init__(self):
         self._model: LlamaModel | None = None
         self._spare: dict[int, torch.Tensor] = {}  # id(root storage tensor) -> its spare
+        self._panel_spare: dict[int, torch.Tensor] = {}  # id(root) -> a spare of its linear's panels (leased)
         self._segments: SpareSegments | None = None  # where the spare lives once a trainer leased it
         self._lease: Lease | None = None
-        # a lease's table, but for the segment each storage's spare is in: [(root, [entry])], each
-        # entry's offset relative to the root's slot (the layout is the model's: made once, as a
-        # lease is asked for at every push and building it anew cost several ms)
-        self._layout: list[tuple[torch.Tensor, list[dict]]] | None = None
+        # a lease's table, but for the segment each storage's spare is in (the layout is the model's:
+        # made once, as a lease is asked for at every push and building it anew cost several ms)
+        self._layout: list[_Storage] | None = None
 
     def release(self) -> None:
         """Drop the spare (sleep; a model that is replaced) and end any lease. Shared segments lose
         their names now and their memory with the last tensor in them."""
-        self._model, self._spare, self._lease, self._layout = None, {}, None, None
+        self._model, self._spare, self._panel_spare, self._lease, self._layout = None, {}, {}, None, None
         if self._segments is not None:
             self._segments.unlink()
             self._segments = None
@@ -77,7 +99,7 @@ class WeightBuffers:
         """Where an update writes the tensor `name` (this rank's part of it): its view in the
         spare, or a fresh tensor (CUDA; while a trainer holds the spare's lease; a tied model's
         lm_head.weight, compared, then dropped)."""
-        view = model.hf_view(model.embed_name if name == "lm_head.weight" and model.ties_head else name)
+        view = model.hf_view(model.embed_name if name == "lm_head.weight" and model.ties_head else name, current=False)
         usable = self._lease is None and (name != "lm_head.weight" or not model.ties_head)
         spare = self._spare_of(model, view) if usable else None
         return spare if spare is not None else torch.empty_like(view)
@@ -101,48 +123,62 @@ class WeightBuffers:
         return spare.as_strided(view.shape, view.stride(),
                                 spare.storage_offset() + view.storage_offset() - root.storage_offset())
 
-    def lease(self, model: LlamaModel, holder: str) -> dict:
+    def lease(self, model: LlamaModel, holder: str, layouts: tuple[str, ...] = ()) -> dict:
         """The right for `holder` (a trainer) to write the spare until its update stages it, and
         where: {"lease": token, "segments": [shared-memory names], "tensors": [{"name", "dtype",
         "shape", "stride", "segment", "offset" (bytes)}], "tied": {pushed name: the name it is
-        checked against and dropped for}}. The same holder may lease again (a retry); another
+        checked against and dropped for}}. `layouts`: the pack functions of the kernels the trainer
+        can run (kernels.cpu_ext; e.g. "bf16_vnni_pack"): a tensor whose storage takes one of them
+        comes as {"name", "dtype", "shape", "pack": function, "packed_shape", "segment", "offset"},
+        to be packed there (the module's doc). The same holder may lease again (a retry); another
         is refused (EngineStateError) while a lease younger than LEASE_TTL_S is out."""
         now = time.monotonic()
         if self._lease is not None and self._lease.holder != holder and now - self._lease.since < LEASE_TTL_S:
             raise EngineStateError(f"another trainer holds the weight spare (leased {now - self._lease.since:.0f} s "
                                    f"ago): push through a segment of your own", "spare")
-        from weight_sync.protocol import dtype_name  # (the trainer's SpareWriter reads the same names)
-
         self._use(model)
         if self._layout is None:
-            self._layout = []
-            for root, names, _ in model.weight_storages():
-                entries = []
-                for name in names:
-                    view = model.hf_view(name)
-                    entries.append({"name": name, "dtype": dtype_name(view.dtype), "shape": list(view.shape),
-                                    "stride": list(view.stride()),
-                                    "offset": (view.storage_offset() - root.storage_offset()) * view.element_size()})
-                self._layout.append((root, entries))
+            self._layout = _layout(model)
         if self._segments is None:
-            self._segments = SpareSegments([root for root, _ in self._layout])
-        segments, tensors = self._segments, []
-        for root, entries in self._layout:
-            spare, live_in = self._spare.get(id(root)), segments.index_of(root)
-            where = None if spare is None else segments.index_of(spare)
-            if where is None or where == live_in:  # (the spare is then always its slot in a segment)
-                where = 1 if live_in == 0 else 0
-                self._spare[id(root)] = segments.slot(where, root)
-            start = segments.offset(root)
-            tensors += [dict(e, segment=where, offset=start + e["offset"]) for e in entries]
-        self._lease = Lease(secrets.token_hex(8), holder, now)
+            slots = [list(_slots(st)) for st in self._layout]
+            self._segments = SpareSegments(dict(kv for s in slots for kv in s),
+                                           need=sum(max(n for _, n in s) for s in slots))
+        segments, tensors, packed = self._segments, [], set()
+        for st in self._layout:
+            lin, key = st.linear, id(st.root)
+            if lin is not None and lin.panels is not None and lin.pack_fn in layouts:
+                panels = lin.panels
+                spare = self._panel_spare[key] = self._slot_beside(self._panel_spare.get(key), panels, ("panels", key))
+                where, start = segments.index_of(spare), segments.offset(("panels", key))
+                step = panels[0].numel() * panels.element_size()  # bytes a panel
+                for e in st.entries:
+                    first, count = st.panel_rows[e["name"]]
+                    tensors.append({"name": e["name"], "dtype": e["dtype"], "shape": e["shape"], "pack": lin.pack_fn,
+                                    "packed_shape": [count, *panels.shape[1:]], "segment": where,
+                                    "offset": start + first * step})
+                packed.add(key)
+                continue
+            spare = self._spare[key] = self._slot_beside(self._spare.get(key), st.root, key)
+            where, start = segments.index_of(spare), segments.offset(key)
+            tensors += [dict(e, segment=where, offset=start + e["offset"]) for e in st.entries]
+        self._lease = Lease(secrets.token_hex(8), holder, now, frozenset(packed))
         tied = {"lm_head.weight": model.embed_name} if model.ties_head else {}
         return {"lease": self._lease.token, "segments": segments.names, "tensors": tensors, "tied": tied}
 
+    def _slot_beside(self, spare: torch.Tensor | None, live: torch.Tensor, key) -> torch.Tensor:
+        """`spare` if it is a slot of a segment `live` is not in, else `key`'s slot in the other one
+        (a swap alternates the two)."""
+        segments = self._segments
+        live_in = segments.index_of(live)
+        where = None if spare is None else segments.index_of(spare)
+        if where is None or where == live_in:
+            spare = segments.slot(1 if live_in == 0 else 0, key, live)
+        return spare
+
     def leased(self, model: LlamaModel, handles: dict) -> dict[str, torch.Tensor]:
         """An update the lease holder wrote into the spare ({"kind": "spare", "lease", "tensors":
-        [names]}): the spare's views of those tensors, to be committed like any staged update.
-        The lease ends here, used or refused."""
+        [names]}): the spare's views of those tensors (of their panels, where it packed them), to
+        be committed like any staged update. The lease ends here, used or refused."""
         lease, self._lease = self._lease, None
         if lease is None or handles.get("lease") != lease.token or self._model is not model:
             raise InvalidRequestError("the weight spare's lease is not current (another trainer took it over, or the "
@@ -150,54 +186,77 @@ class WeightBuffers:
         names = handles.get("tensors")
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
             raise InvalidRequestError('a spare update names its tensors once each: {"tensors": [names]}', "handles")
-        known = {e["name"] for _, entries in self._layout for e in entries}  # (a current lease has made it)
+        where = {e["name"]: st for st in self._layout for e in st.entries}  # (a current lease has made it)
         staged = {}
         for name in names:
-            if name not in known:
+            st = where.get(name)
+            if st is None:
                 raise InvalidRequestError(f"the weight spare has no tensor {name!r}", "handles")
-            staged[name] = self._spare_of(model, model.hf_view(name))
+            if id(st.root) in lease.packed:
+                staged[name] = self._panels_of(st, name)
+            else:
+                staged[name] = self._spare_of(model, model.hf_view(name, current=False))
         return staged
+
+    def _panels_of(self, st: _Storage, name: str) -> torch.Tensor:
+        first, count = st.panel_rows[name]
+        return self._panel_spare[id(st.root)].narrow(0, first, count)
 
     def commit(self, model: LlamaModel, staged: dict[str, torch.Tensor]) -> int:
         """Make the checked `staged` tensors live: swap the storages they fill entirely (when they
         were staged in the spare), copy the rest; repack what changed. Returns the bytes copied."""
-        copied, changed = 0, set()
+        copied, changed, packed = 0, set(), []
+        storages = {id(st.root): st for st in self._layout or ()} if self._model is model else {}
         with torch.no_grad():
             for root, names, whole in model.weight_storages():
                 pushed = [n for n in names if n in staged]
                 if not pushed:
                     continue
+                st = storages.get(id(root))
+                if st is not None and id(root) in self._panel_spare and all(
+                        _same(staged[n], self._panels_of(st, n)) for n in pushed):  # the trainer wrote panels
+                    if len(pushed) == len(names):
+                        _swap(st.linear.panels, self._panel_spare[id(root)])
+                    else:
+                        for n in pushed:
+                            first, count = st.panel_rows[n]
+                            st.linear.panels.narrow(0, first, count).copy_(staged[n])
+                            copied += staged[n].numel() * staged[n].element_size()
+                    packed.append(st.linear)
+                    continue
                 changed.add(id(root))
                 spare = self._spare.get(id(root)) if self._model is model else None
                 if spare is not None and whole and len(pushed) == len(names) and all(
-                        staged[n].data_ptr() == self._spare_of(model, model.hf_view(n)).data_ptr() for n in names):
+                        _same(staged[n], self._spare_of(model, model.hf_view(n, current=False))) for n in names):
                     _swap(root, spare)
                     continue
                 for n in pushed:
                     model.hf_view(n).copy_(staged[n])
                     copied += staged[n].numel() * staged[n].element_size()
         model.weights_moved(changed)
+        model.panels_written(packed)
         return copied
 
 
 class SpareSegments:
-    """Two shared-memory files under /dev/shm with a slot for every weight storage in each (a
-    storage's live tensor and its spare are never in the same one). Files are created sparse:
-    a slot costs memory once written. The names go when the worker releases them or exits
-    (and a dead process's are removed by the next worker that makes some); the memory goes
-    with the last tensor that uses it."""
+    """Two shared-memory files under /dev/shm with a slot of the given bytes for every key in each
+    (a weight storage, a linear's panels: a live tensor and its spare are never in the same one).
+    Files are created sparse: a slot costs memory once written, and /dev/shm must hold `need`
+    bytes of each (what one update's slots take: a storage's plain tensor or its panels). The
+    names go when the worker releases them or exits (and a dead process's are removed by the next
+    worker that makes some); the memory goes with the last tensor that uses it."""
 
-    def __init__(self, roots: list[torch.Tensor]):
+    def __init__(self, slots: dict[object, int], need: int):
         if not os.path.isdir(SHM_DIR):
             raise InvalidRequestError(f"no {SHM_DIR} here: the weight spare cannot be shared", "spare")
         self._offsets, size = {}, 0
-        for root in roots:
-            self._offsets[id(root)] = size
-            size += (root.numel() * root.element_size() + ALIGN - 1) // ALIGN * ALIGN
+        for key, nbytes in slots.items():
+            self._offsets[key] = size
+            size += (nbytes + ALIGN - 1) // ALIGN * ALIGN
         free = os.statvfs(SHM_DIR)
-        if free.f_bavail * free.f_frsize < 2 * size:  # writing past a full tmpfs is a SIGBUS
+        if free.f_bavail * free.f_frsize < 2 * need:  # writing past a full tmpfs is a SIGBUS
             raise InvalidRequestError(f"{SHM_DIR} has {free.f_bavail * free.f_frsize / 2**20:.0f} MiB free, the "
-                                      f"weight spare needs {2 * size / 2**20:.0f} MiB", "spare")
+                                      f"weight spare needs {2 * need / 2**20:.0f} MiB", "spare")
         _remove_dead_segments()
         stem = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-"
         self.names = [stem + "0", stem + "1"]
@@ -216,15 +275,15 @@ class SpareSegments:
         """Which segment holds `t` (None: ordinary memory)."""
         return self._index.get(t.untyped_storage().data_ptr())
 
-    def offset(self, root: torch.Tensor) -> int:
-        """Where `root`'s slot starts in each segment (bytes)."""
-        return self._offsets[id(root)]
+    def offset(self, key) -> int:
+        """Where `key`'s slot starts in each segment (bytes)."""
+        return self._offsets[key]
 
-    def slot(self, index: int, root: torch.Tensor) -> torch.Tensor:
-        """`root`'s slot in segment `index`, a tensor laid out like it."""
-        offset = self._offsets[id(root)]
-        return torch.empty(0, dtype=root.dtype).set_(self._storages[index], offset // root.element_size(),
-                                                      root.shape, root.stride())
+    def slot(self, index: int, key, like: torch.Tensor) -> torch.Tensor:
+        """`key`'s slot in segment `index`, a tensor laid out like `like`."""
+        offset = self._offsets[key]
+        return torch.empty(0, dtype=like.dtype).set_(self._storages[index], offset // like.element_size(),
+                                                      like.shape, like.stride())
 
 
 def _create(name: str, size: int) -> torch.UntypedStorage:
@@ -266,6 +325,40 @@ def _remove_dead_segments() -> None:
             _unlink_all([name])
         except PermissionError:  # another user's live process
             pass
+
+
+def _layout(model: LlamaModel) -> list[_Storage]:
+    from weight_sync.protocol import dtype_name  # (the trainer's SpareWriter reads the same names)
+
+    linears = {id(lin.weight): lin for lin in model._linears() if lin.panels_serve() and lin.weight is not model.embed}
+    layout = []
+    for root, names, _ in model.weight_storages():
+        entries, panel_rows = [], {}
+        lin = linears.get(id(root))
+        for name in names:
+            view = model.hf_view(name, current=False)
+            offset = view.storage_offset() - root.storage_offset()
+            entries.append({"name": name, "dtype": dtype_name(view.dtype), "shape": list(view.shape),
+                            "stride": list(view.stride()), "offset": offset * view.element_size()})
+            if lin is not None:  # (a 2-d storage, its tensors whole rows of it)
+                row, rows, k = offset // root.shape[1], view.shape[0], root.shape[1]
+                if row % 32 == 0 and rows % 32 == 0 and rows and (lin.pack_fn != "bf16_vnni_pack" or k % 2 == 0):
+                    panel_rows[name] = (row // 32, rows // 32)
+        layout.append(_Storage(root, entries, lin if lin is not None and len(panel_rows) == len(names) else None,
+                               panel_rows))
+    return layout
+
+
+def _slots(st: _Storage):
+    """A storage's slots in the spare's segments: its plain tensor, and its linear's panels."""
+    yield id(st.root), st.root.numel() * st.root.element_size()
+    if st.linear is not None:
+        yield ("panels", id(st.root)), st.linear.panels.numel() * st.linear.panels.element_size()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` is the view `b` (a staged tensor written where the spare holds it)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape
 
 
 def _swap(live: torch.Tensor, spare: torch.Tensor) -> None:

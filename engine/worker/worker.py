@@ -142,14 +142,15 @@ class Worker:
         self.transfer_group = self._receiver = None
         return True
 
-    def lease_weight_spare(self, holder: str) -> dict:
+    def lease_weight_spare(self, holder: str, layouts: list[str] = ()) -> dict:
         """Hand the trainer `holder` the spare its next update is written into (a shared-memory
-        layout; engine/worker/weight_buffers.py). One rank on a CPU only (the core checks)."""
+        layout; engine/worker/weight_buffers.py; `layouts`: the packs the trainer can run). One
+        rank on a CPU only (the core checks)."""
         if self.model is None:
             raise EngineStateError("the weights were dropped (sleep level 2): wake_up(['weights']) first")
         if self._staged is not None:
             raise EngineStateError("an update is staged: lease the spare once it is committed or discarded", "spare")
-        return self._buffers.lease(self.model, holder)
+        return self._buffers.lease(self.model, holder, tuple(layouts))
 
     def stage_weights(self, source: str, args: list, lora_id: int = 0, complete: bool = False,
                       deadline_s: float | None = None) -> dict:

@@ -443,6 +443,7 @@ def check_absolute(path: str, param: str) -> None:
 
 class LeaseSpareBody(_Strict):
     holder: str = Field(min_length=1)  # the trainer's own id: its retries lease again, others wait
+    layouts: list[str] = []  # the engine kernels' pack functions the trainer runs (SpareWriter.layouts)
 
 
 class UpdateFromIPCBody(_Strict):

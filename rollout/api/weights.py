@@ -217,7 +217,7 @@ async def lease_weight_spare(body: LeaseSpareBody, request: Request):
     tensors there itself (while generation goes on) and pushes {"kind": "spare", ...} handles
     (engine/worker/weight_buffers.py; the client's push_weights_shared does both). 400 where no
     spare is lent (CUDA, several ranks or replicas), 409 while another trainer holds it."""
-    return await call(get_state(request).engine.lease_weight_spare(body.holder))
+    return await call(get_state(request).engine.lease_weight_spare(body.holder, body.layouts))
 
 
 @router.post("/close_weight_transfer")

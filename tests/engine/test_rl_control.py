@@ -365,12 +365,16 @@ def test_weights_shared_by_a_trainer_process(llm, prompts, default_model_path):
 @pytest.mark.slow
 def test_a_trainer_process_writes_into_the_engines_spare(llm, prompts, default_model_path):
     """The engine lends its staging memory (lease_weight_spare); a real trainer process writes
-    the new weights there itself and the update swaps them in: transformers on the new weights,
-    the trainer's checksum. A stale lease is refused with the weights whole; sleep takes the
-    shared segments' names back; after wake the spare is lent again."""
+    the new weights there itself, packed for the matmul kernels where it can run their packs, and
+    the update swaps them in: transformers on the new weights, before and after a sleep (which
+    first unpacks the plain weights from the pushed panels), then the trainer's checksum. A stale
+    lease is refused with the weights whole; sleep takes the shared segments' names back; after
+    wake the spare is lent again."""
     import os
 
     from engine.worker.weight_buffers import SEGMENT_PREFIX, SHM_DIR
+    from kernels import cpu_ext
+    from weight_sync import SpareWriter
 
     base_version = llm.reload_weights()["weight_version"]
     proc, shared = start_ipc_trainer("spare", llm.lease_weight_spare("trainer"))
@@ -379,11 +383,15 @@ def test_a_trainer_process_writes_into_the_engines_spare(llm, prompts, default_m
             llm.update_weights_from_ipc(dict(shared["handles"], lease="0" * 16), version=base_version + 1)
         assert llm.get_weight_version() == base_version  # (the refusal ended the lease: lease again)
         proc.communicate("done\n", timeout=60)
-        proc, shared = start_ipc_trainer("spare", llm.lease_weight_spare("trainer"))
+        lease = llm.lease_weight_spare("trainer", SpareWriter().layouts)  # (the trainer's build is this one)
+        ext = cpu_ext.built()
+        if ext is not None and ext.f32_panel_supported():  # the float32 panels serve the projections here
+            assert {e.get("pack") for e in lease["tensors"]} == {"f32_panel_pack", None}
+        proc, shared = start_ipc_trainer("spare", lease)
         result = llm.update_weights_from_ipc(shared["handles"], version=base_version + 3)
     finally:
         stop_ipc_trainer(proc)
-    assert result["weight_version"] == base_version + 3 and llm.weights_checksum() == shared["checksum"]
+    assert result["weight_version"] == base_version + 3
     after = llm.generate(prompts, GREEDY, use_tqdm=False)
     reference = hf_greedy(hf_model_with(default_model_path, perturbed_state(default_model_path)), prompts, 16)
     assert [o.outputs[0].token_ids for o in after] == [r[0] for r in reference]
@@ -393,6 +401,7 @@ def test_a_trainer_process_writes_into_the_engines_spare(llm, prompts, default_m
     assert not any(os.path.exists(os.path.join(SHM_DIR, n)) for n in segments)
     llm.wake_up()
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == [r[0] for r in reference]
+    assert llm.weights_checksum() == shared["checksum"]
     assert llm.lease_weight_spare("trainer")["segments"] != segments
     llm.reload_weights()
 
