@@ -489,11 +489,6 @@ class WeightTransfer:
                      dtype, idempotency_key: str | None, deadline_s: float | None) -> Plan:
         from weight_sync import SharedWeights
 
-        if dtype is None and self.dtype is None:
-            import torch
-
-            served = (yield lambda c: c.server_info()).get("dtype")
-            dtype = getattr(torch, served) if served else None
         t0 = time.perf_counter()
         named = list(named_tensors)  # (read twice where the spare does not take them)
         own = self._sharing.acquire(blocking=False)  # a concurrent push gets a segment of its own
@@ -501,9 +496,15 @@ class WeightTransfer:
             self.shared = SharedWeights()
         shared = self.shared if own else SharedWeights()
         try:
+            # (the spare's lease names the engine's dtype, which the writer casts to)
             handles = (yield from self._write_spare(named, dtype)) if own and lora_name is None else None
             via = "spare" if handles is not None else "segment"
             if handles is None:
+                if dtype is None and self.dtype is None:
+                    import torch
+
+                    served = (yield lambda c: c.server_info()).get("dtype")
+                    dtype = getattr(torch, served) if served else None
                 handles = shared.share(named, dtype or self.dtype)
             result = yield lambda c: c.weights_update("ipc", idempotency_key, deadline_s, handles=handles,
                                                       version=version, lora_name=lora_name, pause_mode=pause_mode,

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from rollout.client import RolloutAPIError, RolloutClient
 from tests.rollout.conftest import ADMIN_KEY, API_KEY
-from weight_sync import WeightSender, weights_checksum
+from kernels import cpu_ext
+from weight_sync import SpareWriter, WeightSender, weights_checksum
 
 PROMPT = "The capital of France is"
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
@@ -236,6 +237,13 @@ def test_the_spare_is_lent_to_one_trainer_at_a_time(client, original):
         client.update_weights_from_ipc({"kind": "spare", "lease": again["lease"], "tensors": []})
     assert e.value.status == 400 and client.weights_checksum() == good
     assert client.push_weights_shared([("model.norm.weight", original["model.norm.weight"])])["shared_via"] == "spare"
+    ext = cpu_ext.built()  # a lease for a writer that runs the packs: the projections' panels (docs/http-api.md)
+    if ext is not None and ext.f32_panel_supported():
+        packed = client.lease_weight_spare(client.weights.holder, SpareWriter().layouts)
+        entry = next(e for e in packed["tensors"] if e["name"] == "model.layers.0.self_attn.q_proj.weight")
+        assert entry["pack"] == "f32_panel_pack" and entry["packed_shape"] == [576 // 32, 576, 32]
+        client.push_weights_shared(original.items())  # (packed by the client, and it ends this lease)
+        assert client.weights_checksum() == good
 
 
 def test_push_weights_to_a_server_on_this_machine_goes_through_shared_memory(server, client, original, monkeypatch):
