@@ -14,6 +14,7 @@ heads, intermediate columns and vocabulary rows. HF names still name full tensor
 of one is its slice (`hf_view`), `expected_weights` gives the full shapes a trainer sends, and
 `shard_of` cuts a rank's slice out of a full tensor.
 """
+import functools
 from typing import Iterator
 
 import torch
@@ -122,14 +123,25 @@ class Linear:
         return self.panels is not None and self.panel_max == EVERY_STEP and self.packed is None
 
     def unpack(self) -> None:
-        """Write `weight` back from the panels (both layouts: 32 columns a panel, k in pairs or not)."""
+        """Write `weight` back from the panels (32 rows of `weight` a panel, k-major, in pairs or not)."""
         n, k = self.weight.shape
         p = self.panels
-        if p.dim() == 4:  # bf16_vnni_pack: (n / 32, k / 2, 32, 2)
+        if self.pack_fn == "bf16_vnni_pack":  # (n / 32, k / 2, 32, 2)
             plain = p.permute(0, 2, 1, 3).reshape(p.shape[0] * 32, p.shape[1] * 2)
         else:  # f32_panel_pack, bf16_panel_pack: (n / 32, k, 32)
-            plain = p.permute(0, 2, 1).reshape(p.shape[0] * 32, k)
+            rows = p.permute(0, 2, 1)
+            if self.pack_fn == "bf16_panel_pack":  # a panel's rows interleaved for the kernel's widening loads
+                rows = rows[:, _bf16_panel_order()]
+            plain = rows.reshape(p.shape[0] * 32, k)
         self.weight.copy_(plain[:n, :k])
+
+
+@functools.cache
+def _bf16_panel_order() -> torch.Tensor:
+    """For each of a panel's 32 rows, where bf16_panel_pack puts it (its order depends on the
+    build's vector width): read off the kernel itself."""
+    where = cpu_ext.load().bf16_panel_pack(torch.arange(32, dtype=torch.bfloat16).view(32, 1), None)[0, 0]
+    return torch.argsort(where.long())
 
 
 class Layer:

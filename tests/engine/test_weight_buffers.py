@@ -337,3 +337,22 @@ def test_packed_pushes_mix_with_partial_and_plain_ones(folder):
     model.repack()  # ... and wake
     _assert_live(model, fifth)
     buffers.release()
+
+
+@pytest.mark.parametrize("pack_fn", ["bf16_vnni_pack", "f32_panel_pack", "bf16_panel_pack"])
+@pytest.mark.parametrize("n, k", [(64, 96), (45, 33)])  # (ragged: a padded panel, an odd k)
+def test_unpack_inverts_every_pack(pack_fn, n, k):
+    """Linear.unpack reads the plain weight back out of each of the kernels' layouts exactly
+    (bf16_panel_pack interleaves a panel's rows; the others are plain transposes)."""
+    from engine.model.decoder import Linear
+    from kernels import cpu_ext
+
+    ext = cpu_ext.load()
+    if ext is None or pack_fn != "bf16_vnni_pack" and not ext.f32_panel_supported():
+        pytest.skip("the C++ kernels' panels are not built here")
+    dtype = torch.float32 if pack_fn == "f32_panel_pack" else torch.bfloat16
+    lin = Linear(n, k, False, dtype, torch.device("cpu"))
+    w = torch.randn(n, k).to(dtype)
+    lin.panels, lin.pack_fn = getattr(ext, pack_fn)(w, None), pack_fn
+    lin.unpack()
+    assert torch.equal(lin.weight, w)
