@@ -179,9 +179,7 @@ class SpareWriter:
 
     @functools.cached_property
     def layouts(self) -> list[str]:
-        from kernels import cpu_ext
-
-        ext = cpu_ext.built()
+        ext = self._kernels()
         return [] if ext is None else [f for f in PACK_FUNCTIONS if hasattr(ext, f)]
 
     def write(self, lease: dict, named_tensors: Iterable[tuple[str, torch.Tensor]],
