@@ -192,7 +192,7 @@ class SpareWriter:
         for name, t in named.items():
             tied_to = lease.get("tied", {}).get(name)
             if tied_to is not None:  # dropped by the engine after checking it is the embedding
-                if tied_to not in named or not torch.equal(t, named[tied_to]):
+                if tied_to not in named or not _same_values(t, named[tied_to]):
                     return None
                 continue
             slot = slots.get(name)
@@ -207,24 +207,31 @@ class SpareWriter:
         for name in list(self._mapped):
             if name not in lease["segments"]:
                 self._mapped.pop(name).close()
-        written = []
+        written, head = [], False
         for name, t in named.items():
             slot = slots.get(name)
             if slot is None:
                 continue
             d = parse_dtype(slot["dtype"])
-            buf = segments[slot["segment"]].buf
             if "pack" in slot:  # (a slot of the engine's panels: the pack writes it whole, pads included)
-                dst = torch.frombuffer(buf, dtype=d, count=math.prod(slot["packed_shape"]), offset=slot["offset"])
-                getattr(self._kernels(), slot["pack"])(self._cast(t, d), dst.view(slot["packed_shape"]))
-                del dst
+                self._pack(segments[slot["segment"]].buf, slot, self._cast(t, d))
             elif t.numel():
+                buf = segments[slot["segment"]].buf
                 span = 1 + sum((n - 1) * st for n, st in zip(slot["shape"], slot["stride"]))
                 dst = torch.frombuffer(buf, dtype=d, count=span, offset=slot["offset"])
                 dst.as_strided(slot["shape"], slot["stride"]).copy_(t)
                 del dst  # no view may outlive the mapping
+            if "head" in slot and slot["head"]["pack"] in self.layouts:  # the tied LM head's panels
+                self._pack(segments[slot["head"]["segment"]].buf, slot["head"], self._cast(t, d))
+                head = True
             written.append(name)
-        return {"kind": "spare", "lease": lease["lease"], "tensors": written}
+        return {"kind": "spare", "lease": lease["lease"], "tensors": written, **({"head": True} if head else {})}
+
+    def _pack(self, buf, slot: dict, t: torch.Tensor) -> None:
+        """Run the engine's pack `slot["pack"]` of `t` into the slot's panels (of shape "packed_shape")."""
+        dst = torch.frombuffer(buf, dtype=t.dtype, count=math.prod(slot["packed_shape"]), offset=slot["offset"])
+        getattr(self._kernels(), slot["pack"])(t, dst.view(slot["packed_shape"]))
+        del dst  # no view may outlive the mapping
 
     @staticmethod
     def _kernels():
@@ -250,6 +257,13 @@ class SpareWriter:
         for shm in self._mapped.values():
             shm.close()
         self._mapped = {}
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch.equal, without reading the bytes of two views of the same memory (a trainer's tied
+    lm_head and embedding)."""
+    same = a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+    return same or torch.equal(a, b)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

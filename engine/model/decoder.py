@@ -559,14 +559,16 @@ class LlamaModel:
                 numel[0] += rows * (tensor.numel() // tensor.shape[0])
         return [(root, names, numel[0] == root.numel()) for root, names, numel in roots.values()]
 
-    def weights_moved(self, storages: set[int]) -> None:
+    def weights_moved(self, storages: set[int], packed: list[Linear] = ()) -> None:
         """The storages with these ids (see weight_storages) hold new values, some of them
         swapped in by `set_`: views of them are taken afresh, and the linears whose weight they
-        are repacked (a bias is read as it is, by every kernel)."""
+        are repacked (a bias is read as it is, by every kernel), but for those in `packed`, whose
+        panels came with the update (a tied head packed by the trainer)."""
         self._hf = self._hf_name_map()
         self._aliases = self._fused_expert_names()
         self.drop_decode_plan()
-        moved = [lin for lin in self._linears() if id(lin.weight) in storages]
+        skip = {id(lin) for lin in packed}
+        moved = [lin for lin in self._linears() if id(lin.weight) in storages and id(lin) not in skip]
         for lin in moved:  # (their plain weights are what was written: whole, or caught up before a partial write)
             self._behind.pop(id(lin), None)
         self.repack(moved)

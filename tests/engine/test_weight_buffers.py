@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.model.decoder import LlamaModel
+from engine.errors import InvalidRequestError
+from engine.model.decoder import Linear, LlamaModel
 from engine.worker.weight_buffers import WeightBuffers
 from tests.engine.test_tiny_models import build_model
 
@@ -288,6 +289,55 @@ def _assert_panels_pack(model: LlamaModel, tensors: dict) -> None:
     assert model._behind
 
 
+def _assert_head_packed(model: LlamaModel, lease: dict, tensors: dict) -> None:
+    """A tied LM head's panels are offered beside the plain embedding and hold the engine's own
+    pack of the pushed embedding (the update did not repack them: see the test below)."""
+    from kernels import cpu_ext
+
+    embed = next(e for e in lease["tensors"] if e["name"] == model.embed_name)
+    assert ("head" in embed) == (model.ties_head and model.lm_head.panels_serve())
+    if "head" in embed:
+        weight = tensors[model.embed_name].to(model.dtype)
+        assert torch.equal(model.lm_head.panels, getattr(cpu_ext.load(), model.lm_head.pack_fn)(weight, None))
+
+
+def test_a_tied_heads_panels_come_packed_or_are_repacked(tmp_path, monkeypatch):
+    """The trainer packs a tied head's panels with the embedding, and the update then packs nothing
+    for the head; a writer that leaves them out ("head" absent) gets them repacked by the engine,
+    and a "head" the lease did not offer is refused before anything changes."""
+    from weight_sync import SpareWriter
+
+    build_model("qwen2", tmp_path)
+    model, buffers = _packed_model(str(tmp_path), torch.float32), WeightBuffers()
+    if not (model.ties_head and model.lm_head.panels_serve()):
+        pytest.skip("the head's panels do not serve every step here")
+    calls, real_pack = [], Linear.pack
+    monkeypatch.setattr(Linear, "pack", lambda lin, *a: (lin is model.lm_head and calls.append(a)) or real_pack(lin, *a))
+    new = _new_values(model, 1)
+    _, lease = _packed_push(buffers, model, new)
+    assert not calls
+    _assert_head_packed(model, lease, new)
+    _assert_live(model, new)
+
+    writer = SpareWriter()
+    lease = buffers.lease(model, "trainer", tuple(writer.layouts))
+    for e in lease["tensors"]:
+        e.pop("head", None)  # (a writer that does not know the field)
+    second = _new_values(model, 2)
+    handles = writer.write(lease, second.items())
+    assert "head" not in handles
+    buffers.commit(model, buffers.leased(model, handles))
+    assert len(calls) == 1
+    _assert_live(model, second)
+
+    unoffered = writer.write(buffers.lease(model, "trainer", ()), _new_values(model, 3).items())
+    with pytest.raises(InvalidRequestError, match="head"):
+        buffers.leased(model, {**unoffered, "head": True})
+    writer.close()
+    _assert_live(model, second)
+    buffers.release()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_trainer_packs_its_tensors_into_the_leased_panels(folder, dtype):
     """Where the projections' panels alone serve the matmuls, the lease hands them out and the
@@ -302,6 +352,7 @@ def test_a_trainer_packs_its_tensors_into_the_leased_panels(folder, dtype):
         assert {e["pack"] for e in lease["tensors"] if "pack" in e} == {qkv.pack_fn}
         assert id(qkv) in model._behind  # not unpacked yet
         _assert_panels_pack(model, new)
+        _assert_head_packed(model, lease, new)
         _assert_live(model, {n: t.to(dtype) for n, t in new.items()})  # (reads: every plain weight catches up)
         assert not model._behind
     buffers.release()
