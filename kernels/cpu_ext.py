@@ -4,8 +4,8 @@ they apply.
 `load()` compiles `csrc/paged_attention.cpp`, `csrc/fused_ops.cpp`, `csrc/invariant_ops.cpp`,
 `csrc/vnni_linear.cpp`, `csrc/amx_linear.cpp` (the bf16 matmuls, packed once for both),
 `csrc/f32_linear.cpp` (float32 arithmetic on packed float32 or bf16 weights: the float32
-matmul, and the bf16 one on CPUs without AVX-512 BF16),
-`csrc/moe.cpp` (kernels/moe.py's experts), `csrc/shm_comm.cpp`
+matmul, and the bf16 one on CPUs without AVX-512 BF16), `csrc/spare_write.cpp` (a trainer's
+packs and copies into a leased weight spare, in one call), `csrc/moe.cpp` (kernels/moe.py's experts), `csrc/shm_comm.cpp`
 (kernels/shm_comm.py's collectives), `csrc/decode_layers.cpp` (a decode step's decoder layers in
 one call: engine/model/decoder.py's DecodePlan) and their bindings (`csrc/bindings.cpp`, the one
 PYBIND11_MODULE; `csrc/ops.h` declares every op) into one extension module on first use
@@ -41,8 +41,8 @@ logger = logging.getLogger("kernels")
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "invariant_ops.cpp",
-            _CSRC / "vnni_linear.cpp", _CSRC / "amx_linear.cpp", _CSRC / "f32_linear.cpp", _CSRC / "moe.cpp",
-            _CSRC / "shm_comm.cpp", _CSRC / "decode_layers.cpp", _CSRC / "bindings.cpp"]
+            _CSRC / "vnni_linear.cpp", _CSRC / "amx_linear.cpp", _CSRC / "f32_linear.cpp", _CSRC / "spare_write.cpp",
+            _CSRC / "moe.cpp", _CSRC / "shm_comm.cpp", _CSRC / "decode_layers.cpp", _CSRC / "bindings.cpp"]
 _HEADERS = [_CSRC / "ops.h", _CSRC / "vec.h"]  # included by the sources: part of the hash
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)

@@ -208,30 +208,39 @@ class SpareWriter:
             if name not in lease["segments"]:
                 self._mapped.pop(name).close()
         written, head = [], False
-        for name, t in named.items():
-            slot = slots.get(name)
-            if slot is None:
-                continue
-            d = parse_dtype(slot["dtype"])
-            if "pack" in slot:  # (a slot of the engine's panels: the pack writes it whole, pads included)
-                self._pack(segments[slot["segment"]].buf, slot, self._cast(t, d))
-            elif t.numel():
-                buf = segments[slot["segment"]].buf
-                span = 1 + sum((n - 1) * st for n, st in zip(slot["shape"], slot["stride"]))
-                dst = torch.frombuffer(buf, dtype=d, count=span, offset=slot["offset"])
-                dst.as_strided(slot["shape"], slot["stride"]).copy_(t)
-                del dst  # no view may outlive the mapping
-            if "head" in slot and slot["head"]["pack"] in self.layouts:  # the tied LM head's panels
-                self._pack(segments[slot["head"]["segment"]].buf, slot["head"], self._cast(t, d))
-                head = True
-            written.append(name)
+        batch = _Batch(self._kernels())  # (the writes that need no cast: one call of the kernels)
+        try:
+            for name, t in named.items():
+                slot = slots.get(name)
+                if slot is None:
+                    continue
+                d = parse_dtype(slot["dtype"])
+                if "pack" in slot:  # (a slot of the engine's panels: the pack writes it whole, pads included)
+                    self._pack(batch, segments[slot["segment"]].buf, slot, t, d)
+                elif t.numel():
+                    dst = torch.frombuffer(segments[slot["segment"]].buf, dtype=d, offset=slot["offset"],
+                                           count=1 + sum((n - 1) * st for n, st in zip(slot["shape"], slot["stride"])))
+                    dst = dst.as_strided(slot["shape"], slot["stride"])
+                    if not batch.copy(t, dst):
+                        dst.copy_(t)
+                    del dst
+                if "head" in slot and slot["head"]["pack"] in self.layouts:  # the tied LM head's panels
+                    self._pack(batch, segments[slot["head"]["segment"]].buf, slot["head"], t, d)
+                    head = True
+                written.append(name)
+            batch.run()
+        finally:
+            batch.views.clear()  # no view may outlive the mapping
         return {"kind": "spare", "lease": lease["lease"], "tensors": written, **({"head": True} if head else {})}
 
-    def _pack(self, buf, slot: dict, t: torch.Tensor) -> None:
-        """Run the engine's pack `slot["pack"]` of `t` into the slot's panels (of shape "packed_shape")."""
-        dst = torch.frombuffer(buf, dtype=t.dtype, count=math.prod(slot["packed_shape"]), offset=slot["offset"])
-        getattr(self._kernels(), slot["pack"])(t, dst.view(slot["packed_shape"]))
-        del dst  # no view may outlive the mapping
+    def _pack(self, batch: _Batch, buf, slot: dict, t: torch.Tensor, dtype: torch.dtype) -> None:
+        """The engine's pack `slot["pack"]` of `t` (cast to `dtype`) into the slot's panels (of
+        shape "packed_shape"): batched, or at once where it needs the cast's scratch memory."""
+        dst = torch.frombuffer(buf, dtype=dtype, count=math.prod(slot["packed_shape"]),
+                               offset=slot["offset"]).view(slot["packed_shape"])
+        if not batch.pack(t, dst, slot["pack"]):
+            getattr(self._kernels(), slot["pack"])(self._cast(t, dtype), dst)
+        del dst
 
     @staticmethod
     def _kernels():
@@ -257,6 +266,33 @@ class SpareWriter:
         for shm in self._mapped.values():
             shm.close()
         self._mapped = {}
+
+
+class _Batch:
+    """A push's packs and same-dtype copies, run as one call of the kernels' write_many (the
+    threads share out all the bytes; streamed stores), or not taken where it is not built."""
+
+    def __init__(self, ext):
+        self.ext = ext if ext is not None and hasattr(ext, "write_many") else None
+        self.srcs, self.views, self.packs = [], [], []
+
+    def pack(self, t: torch.Tensor, dst: torch.Tensor, pack: str) -> bool:
+        return self._add(t, dst, pack)
+
+    def copy(self, t: torch.Tensor, dst: torch.Tensor) -> bool:
+        return dst.is_contiguous() and self._add(t, dst.view(-1), "")
+
+    def _add(self, t: torch.Tensor, dst: torch.Tensor, pack: str) -> bool:
+        if self.ext is None or t.dtype != dst.dtype or not t.is_contiguous():
+            return False
+        self.srcs.append(t if pack else t.view(-1))
+        self.views.append(dst)
+        self.packs.append(pack)
+        return True
+
+    def run(self) -> None:
+        if self.srcs:
+            self.ext.write_many(self.srcs, self.views, self.packs)
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:

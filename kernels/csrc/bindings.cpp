@@ -88,6 +88,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x (M, K) @ weight.T + bias in bfloat16 from bf16_panel_pack(weight): float32 FMA chains in k order, "
         "rounded once", py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
         release_gil());
+  m.def("write_many", &rollout_spare::write_many,
+        "srcs[i] into dsts[i] for every i: packed by packs[i] (f32_panel_pack, bf16_vnni_pack, bf16_panel_pack) "
+        "into a destination of its packed shape, or copied (\"\": same dtype and bytes, both contiguous); all "
+        "in one parallel region, stores streamed past the cache (a trainer's write into a leased weight spare)",
+        py::arg("srcs"), py::arg("dsts"), py::arg("packs"), release_gil());
   m.def("fused_experts", &rollout_moe::fused_experts,
         "x (T, H), w13 (E, 2I, H), w2 (E, H, I), topk_ids (T, k), topk_weights (T, k) -> (T, H): each "
         "token's experts' SwiGLU MLPs, weighted and summed in ascending expert id (ids outside [0, E) "

@@ -149,6 +149,61 @@ at::Tensor panels_for(const char* fn, const at::Tensor& w, const std::optional<a
 
 }  // namespace
 
+void f32_pack_panels(const float* src, float* dst, int64_t N, int64_t K, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t cols = std::min(kPanel, N - p * kPanel);
+    const float* rows = src + p * kPanel * K;
+    float* d = dst + p * K * kPanel;
+    int64_t k = 0;
+#if ROLLOUT_F32_PANEL
+    if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % sizeof(BlockRow) == 0 && kBlock * sizeof(float) == 64) {
+      // AVX-512: a block row is a whole cache line, so each kBlock rows of the panel go through
+      // all of K on their own, every kBlock x kBlock block transposed in registers and streamed
+      // out as whole lines: 16 rows read side by side instead of 32 (which the prefetchers did
+      // not keep up with: 1.8x slower), no line read before it is written
+      BlockRow r[kBlock];
+      for (int64_t h = 0; h < kPanel / kBlock; ++h) {
+        for (k = 0; k + kBlock <= K; k += kBlock) {
+          for (int64_t i = 0; i < kBlock; ++i) {
+            const float* row = rows + (h * kBlock + i) * K + k;
+            r[i] = load_row(row);
+            __builtin_prefetch(row + 64);
+          }
+          transpose(r);
+          for (int64_t j = 0; j < kBlock; ++j) stream_row(d + (k + j) * kPanel + h * kBlock, r[j]);
+        }
+      }
+      _mm_sfence();
+    } else if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % sizeof(BlockRow) == 0) {
+      // AVX2: a block row is half a line; each kBlock x kBlock block is transposed in registers
+      // into a block of kBlock whole k steps in L1, which then goes out as streamed stores in
+      // order (the packed copy is not read again soon; a store that skips the cache skips reading
+      // the line first, and whole lines in order keep the write-combining buffers from flushing halves)
+      alignas(64) float block[kBlock * kPanel];
+      BlockRow r[kBlock];
+      for (; k + kBlock <= K; k += kBlock) {
+        for (int64_t h = 0; h < kPanel / kBlock; ++h) {
+          for (int64_t i = 0; i < kBlock; ++i) {
+            const float* row = rows + (h * kBlock + i) * K + k;
+            r[i] = load_row(row);
+            __builtin_prefetch(row + 64);  // 32 rows read side by side: more than the prefetcher follows
+          }
+          transpose(r);
+          for (int64_t j = 0; j < kBlock; ++j) store_row(block + j * kPanel + h * kBlock, r[j]);
+        }
+        for (int64_t i = 0; i < kBlock * kPanel; i += kBlock)
+          stream_row(d + k * kPanel + i, load_block_row(block + i));
+      }
+      _mm_sfence();
+    }
+#endif
+    for (; k < K; ++k) {  // (the rest: scalar; columns past N are zeros)
+      for (int64_t c = 0; c < cols; ++c) d[k * kPanel + c] = rows[c * K + k];
+      for (int64_t c = cols; c < kPanel; ++c) d[k * kPanel + c] = 0.0f;
+    }
+  }
+}
+
 at::Tensor f32_panel_pack(const at::Tensor& weight, const std::optional<at::Tensor>& out) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
               "f32_panel_pack: a float32 (N, K) CPU tensor");
@@ -157,60 +212,7 @@ at::Tensor f32_panel_pack(const at::Tensor& weight, const std::optional<at::Tens
   at::Tensor packed = panels_for("f32_panel_pack", w, out);
   const float* src = w.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
-  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t cols = std::min(kPanel, N - p * kPanel);
-      const float* rows = src + p * kPanel * K;
-      float* d = dst + p * K * kPanel;
-      int64_t k = 0;
-#if ROLLOUT_F32_PANEL
-      if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % sizeof(BlockRow) == 0 && kBlock * sizeof(float) == 64) {
-        // AVX-512: a block row is a whole cache line, so each kBlock rows of the panel go through
-        // all of K on their own, every kBlock x kBlock block transposed in registers and streamed
-        // out as whole lines: 16 rows read side by side instead of 32 (which the prefetchers did
-        // not keep up with: 1.8x slower), no line read before it is written
-        BlockRow r[kBlock];
-        for (int64_t h = 0; h < kPanel / kBlock; ++h) {
-          for (k = 0; k + kBlock <= K; k += kBlock) {
-            for (int64_t i = 0; i < kBlock; ++i) {
-              const float* row = rows + (h * kBlock + i) * K + k;
-              r[i] = load_row(row);
-              __builtin_prefetch(row + 64);
-            }
-            transpose(r);
-            for (int64_t j = 0; j < kBlock; ++j) stream_row(d + (k + j) * kPanel + h * kBlock, r[j]);
-          }
-        }
-        _mm_sfence();
-      } else if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % sizeof(BlockRow) == 0) {
-        // AVX2: a block row is half a line; each kBlock x kBlock block is transposed in registers
-        // into a block of kBlock whole k steps in L1, which then goes out as streamed stores in
-        // order (the packed copy is not read again soon; a store that skips the cache skips reading
-        // the line first, and whole lines in order keep the write-combining buffers from flushing halves)
-        alignas(64) float block[kBlock * kPanel];
-        BlockRow r[kBlock];
-        for (; k + kBlock <= K; k += kBlock) {
-          for (int64_t h = 0; h < kPanel / kBlock; ++h) {
-            for (int64_t i = 0; i < kBlock; ++i) {
-              const float* row = rows + (h * kBlock + i) * K + k;
-              r[i] = load_row(row);
-              __builtin_prefetch(row + 64);  // 32 rows read side by side: more than the prefetcher follows
-            }
-            transpose(r);
-            for (int64_t j = 0; j < kBlock; ++j) store_row(block + j * kPanel + h * kBlock, r[j]);
-          }
-          for (int64_t i = 0; i < kBlock * kPanel; i += kBlock)
-            stream_row(d + k * kPanel + i, load_block_row(block + i));
-        }
-        _mm_sfence();
-      }
-#endif
-      for (; k < K; ++k) {  // (the rest: scalar; columns past N are zeros)
-        for (int64_t c = 0; c < cols; ++c) d[k * kPanel + c] = rows[c * K + k];
-        for (int64_t c = cols; c < kPanel; ++c) d[k * kPanel + c] = 0.0f;
-      }
-    }
-  });
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) { f32_pack_panels(src, dst, N, K, p0, p1); });
   return packed;
 }
 
@@ -259,6 +261,47 @@ inline void transpose8x8_epi16(__m256i r[8]) {
 }  // namespace
 #endif
 
+void bf16_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, int64_t p0, int64_t p1) {
+#if ROLLOUT_F32_PANEL
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t cols = std::min(kPanel, N - p * kPanel);
+    const uint16_t* rows = src + p * kPanel * K;
+    uint16_t* d = dst + p * K * kPanel;
+    int64_t k = 0;
+    if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % 32 == 0) {
+      // full panels, 16 k at a time: each 8 positions of a step two transposes (one per lane),
+      // gathered in a 1 KB block whose 16 lines then go out as streamed stores (the packed copy is
+      // not read again soon; a store that skips the cache skips reading the line first)
+      alignas(64) uint16_t block[16][kPanel];
+      __m256i r[8];
+      for (; k + 16 <= K; k += 16) {
+        for (int64_t q = 0; q < kPanel; q += 8) {
+          for (int64_t i = 0; i < 8; ++i) {
+            const uint16_t* row = rows + kBf16Col[q + i] * K + k;
+            r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+            __builtin_prefetch(row + 128);  // 32 rows read side by side: more streams than the prefetcher follows
+          }
+          transpose8x8_epi16(r);
+          for (int64_t j = 0; j < 8; ++j) {
+            _mm_store_si128(reinterpret_cast<__m128i*>(block[j] + q), _mm256_castsi256_si128(r[j]));
+            _mm_store_si128(reinterpret_cast<__m128i*>(block[8 + j] + q), _mm256_extracti128_si256(r[j], 1));
+          }
+        }
+        for (int64_t j = 0; j < 16; ++j)
+          for (int64_t h = 0; h < kPanel; h += 16)
+            _mm256_stream_si256(reinterpret_cast<__m256i*>(d + (k + j) * kPanel + h),
+                                _mm256_load_si256(reinterpret_cast<const __m256i*>(block[j] + h)));
+      }
+      _mm_sfence();
+    }
+    for (; k < K; ++k)  // (the rest: scalar; columns past N are zeros)
+      for (int64_t q = 0; q < kPanel; ++q) d[k * kPanel + q] = kBf16Col[q] < cols ? rows[kBf16Col[q] * K + k] : 0;
+  }
+#else
+  TORCH_CHECK(false, "bf16_panel_pack: this CPU has neither AVX-512 nor AVX2 + FMA (see f32_panel_supported)");
+#endif
+}
+
 at::Tensor bf16_panel_pack(const at::Tensor& weight, const std::optional<at::Tensor>& out) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2,
               "bf16_panel_pack: a bfloat16 (N, K) CPU tensor");
@@ -268,42 +311,7 @@ at::Tensor bf16_panel_pack(const at::Tensor& weight, const std::optional<at::Ten
   at::Tensor packed = panels_for("bf16_panel_pack", w, out);
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
-  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t cols = std::min(kPanel, N - p * kPanel);
-      const uint16_t* rows = src + p * kPanel * K;
-      uint16_t* d = dst + p * K * kPanel;
-      int64_t k = 0;
-      if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % 32 == 0) {
-        // full panels, 16 k at a time: each 8 positions of a step two transposes (one per lane),
-        // gathered in a 1 KB block whose 16 lines then go out as streamed stores (the packed copy is
-        // not read again soon; a store that skips the cache skips reading the line first)
-        alignas(64) uint16_t block[16][kPanel];
-        __m256i r[8];
-        for (; k + 16 <= K; k += 16) {
-          for (int64_t q = 0; q < kPanel; q += 8) {
-            for (int64_t i = 0; i < 8; ++i) {
-              const uint16_t* row = rows + kBf16Col[q + i] * K + k;
-              r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-              __builtin_prefetch(row + 128);  // 32 rows read side by side: more streams than the prefetcher follows
-            }
-            transpose8x8_epi16(r);
-            for (int64_t j = 0; j < 8; ++j) {
-              _mm_store_si128(reinterpret_cast<__m128i*>(block[j] + q), _mm256_castsi256_si128(r[j]));
-              _mm_store_si128(reinterpret_cast<__m128i*>(block[8 + j] + q), _mm256_extracti128_si256(r[j], 1));
-            }
-          }
-          for (int64_t j = 0; j < 16; ++j)
-            for (int64_t h = 0; h < kPanel; h += 16)
-              _mm256_stream_si256(reinterpret_cast<__m256i*>(d + (k + j) * kPanel + h),
-                                  _mm256_load_si256(reinterpret_cast<const __m256i*>(block[j] + h)));
-        }
-        _mm_sfence();
-      }
-      for (; k < K; ++k)  // (the rest: scalar; columns past N are zeros)
-        for (int64_t q = 0; q < kPanel; ++q) d[k * kPanel + q] = kBf16Col[q] < cols ? rows[kBf16Col[q] * K + k] : 0;
-    }
-  });
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) { bf16_pack_panels(src, dst, N, K, p0, p1); });
   return packed;
 #else
   TORCH_CHECK(false, "bf16_panel_pack: this CPU has neither AVX-512 nor AVX2 + FMA (see f32_panel_supported)");

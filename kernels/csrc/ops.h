@@ -1,7 +1,7 @@
 // The C++ CPU ops of the extension module, declared once: defined in paged_attention.cpp,
 // fused_ops.cpp, decode_layers.cpp, invariant_ops.cpp, vnni_linear.cpp, amx_linear.cpp,
-// f32_linear.cpp, moe.cpp and shm_comm.cpp, bound to Python in bindings.cpp (the module's only
-// PYBIND11_MODULE).
+// f32_linear.cpp, spare_write.cpp, moe.cpp and shm_comm.cpp, bound to Python in bindings.cpp
+// (the module's only PYBIND11_MODULE).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -56,6 +56,8 @@ at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight,
 namespace rollout_vnni {
 bool bf16_vnni_supported();
 at::Tensor bf16_vnni_pack(const at::Tensor& weight, const std::optional<at::Tensor>& out);
+// panels [p0, p1) of bf16_vnni_pack's layout of src (N, K) into dst (the whole packed tensor)
+void vnni_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, int64_t p0, int64_t p1);
 at::Tensor bf16_vnni_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                             const std::optional<at::Tensor>& bias);
 }  // namespace rollout_vnni
@@ -74,9 +76,18 @@ at::Tensor f32_panel_pack(const at::Tensor& weight, const std::optional<at::Tens
 at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                             const std::optional<at::Tensor>& bias);
 at::Tensor bf16_panel_pack(const at::Tensor& weight, const std::optional<at::Tensor>& out);
+// panels [p0, p1) of f32_panel_pack's / bf16_panel_pack's layout of src (N, K) into dst (the whole packed tensor)
+void f32_pack_panels(const float* src, float* dst, int64_t N, int64_t K, int64_t p0, int64_t p1);
+void bf16_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, int64_t p0, int64_t p1);
 at::Tensor bf16_panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                              const std::optional<at::Tensor>& bias);
 }  // namespace rollout_f32
+
+// spare_write.cpp
+namespace rollout_spare {
+void write_many(const std::vector<at::Tensor>& srcs, const std::vector<at::Tensor>& dsts,
+                const std::vector<std::string>& packs);
+}  // namespace rollout_spare
 
 // moe.cpp
 namespace rollout_moe {

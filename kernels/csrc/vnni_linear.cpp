@@ -74,6 +74,62 @@ inline void transpose16(__m512i r[16]) {
 }
 #endif
 
+void vnni_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, int64_t p0, int64_t p1) {
+  const int64_t KP = (K + 1) / 2;
+  // Columns past N and the k past an odd K are zeros. With AVX-512 a full panel's first
+  // 16 * (K / 32) k pairs go as 16 x 16 register transposes of k pairs (a weight update repacks
+  // every projection: the scalar loop alone cost about as much as the rest), each 16 rows through
+  // all of K on their own: a transposed row is a whole cache line of the panel, streamed out, and
+  // 16 rows read side by side instead of 32 kept the pack near a copy's speed (1.8x slower else).
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t cols = std::min(kPanel, N - p * kPanel);
+    const uint16_t* rows = src + p * kPanel * K;
+    uint16_t* d = dst + p * KP * kPanel * 2;
+    int64_t kp = 0;
+#if ROLLOUT_VNNI_BF16
+    const bool aligned = reinterpret_cast<uintptr_t>(dst) % 64 == 0;
+    if (cols == kPanel) {
+      __m512i r[16];
+      const int64_t blocks = K / 32;  // of 16 k pairs
+      for (int64_t h = 0; h < 2; ++h) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          uint16_t* db = d + b * 16 * kPanel * 2 + h * 32;
+          for (int64_t i = 0; i < 16; ++i) {
+            const uint16_t* row = rows + (h * 16 + i) * K + 32 * b;
+            r[i] = _mm512_loadu_si512(row);
+            __builtin_prefetch(row + 128);
+          }
+          transpose16(r);
+          if (aligned) {  // streamed: the packed copy is not read again soon, and a store that
+            for (int64_t j = 0; j < 16; ++j)  // skips the cache skips reading the line first
+              _mm512_stream_si512(reinterpret_cast<__m512i*>(db + j * kPanel * 2), r[j]);
+          } else {
+            for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(db + j * kPanel * 2, r[j]);
+          }
+        }
+      }
+      kp = blocks * 16;
+      d += blocks * 16 * kPanel * 2;
+    }
+#endif
+    for (; kp < KP; ++kp, d += kPanel * 2) {  // (the rest: scalar)
+      const int64_t k = 2 * kp;
+      if (k + 1 < K) {
+        for (int64_t c = 0; c < cols; ++c) std::memcpy(d + 2 * c, rows + c * K + k, 4);
+      } else {
+        for (int64_t c = 0; c < cols; ++c) {
+          d[2 * c] = rows[c * K + k];
+          d[2 * c + 1] = 0;
+        }
+      }
+      if (cols < kPanel) std::memset(d + 2 * cols, 0, (kPanel - cols) * 4);
+    }
+  }
+#if ROLLOUT_VNNI_BF16
+  _mm_sfence();  // the streamed stores are visible before the pack returns
+#endif
+}
+
 at::Tensor bf16_vnni_pack(const at::Tensor& weight, const std::optional<at::Tensor>& out) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 && weight.dim() == 2,
               "bf16_vnni_pack: a bfloat16 (N, K) CPU tensor");
@@ -90,62 +146,10 @@ at::Tensor bf16_vnni_pack(const at::Tensor& weight, const std::optional<at::Tens
   }
   const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
   auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
-  // Columns past N and the k past an odd K are zeros. With AVX-512 a full panel's first
-  // 16 * (K / 32) k pairs go as 16 x 16 register transposes of k pairs (a weight update repacks
-  // every projection: the scalar loop alone cost about as much as the rest), each 16 rows through
-  // all of K on their own: a transposed row is a whole cache line of the panel, streamed out, and
-  // 16 rows read side by side instead of 32 kept the pack near a copy's speed (1.8x slower else).
-  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t cols = std::min(kPanel, N - p * kPanel);
-      const uint16_t* rows = src + p * kPanel * K;
-      uint16_t* d = dst + p * KP * kPanel * 2;
-      int64_t kp = 0;
-#if ROLLOUT_VNNI_BF16
-      const bool aligned = reinterpret_cast<uintptr_t>(dst) % 64 == 0;
-      if (cols == kPanel) {
-        __m512i r[16];
-        const int64_t blocks = K / 32;  // of 16 k pairs
-        for (int64_t h = 0; h < 2; ++h) {
-          for (int64_t b = 0; b < blocks; ++b) {
-            uint16_t* db = d + b * 16 * kPanel * 2 + h * 32;
-            for (int64_t i = 0; i < 16; ++i) {
-              const uint16_t* row = rows + (h * 16 + i) * K + 32 * b;
-              r[i] = _mm512_loadu_si512(row);
-              __builtin_prefetch(row + 128);
-            }
-            transpose16(r);
-            if (aligned) {  // streamed: the packed copy is not read again soon, and a store that
-              for (int64_t j = 0; j < 16; ++j)  // skips the cache skips reading the line first
-                _mm512_stream_si512(reinterpret_cast<__m512i*>(db + j * kPanel * 2), r[j]);
-            } else {
-              for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(db + j * kPanel * 2, r[j]);
-            }
-          }
-        }
-        kp = blocks * 16;
-        d += blocks * 16 * kPanel * 2;
-      }
-#endif
-      for (; kp < KP; ++kp, d += kPanel * 2) {  // (the rest: scalar)
-        const int64_t k = 2 * kp;
-        if (k + 1 < K) {
-          for (int64_t c = 0; c < cols; ++c) std::memcpy(d + 2 * c, rows + c * K + k, 4);
-        } else {
-          for (int64_t c = 0; c < cols; ++c) {
-            d[2 * c] = rows[c * K + k];
-            d[2 * c + 1] = 0;
-          }
-        }
-        if (cols < kPanel) std::memset(d + 2 * cols, 0, (kPanel - cols) * 4);
-      }
-    }
-#if ROLLOUT_VNNI_BF16
-    _mm_sfence();  // the streamed stores are visible before the pack returns
-#endif
-  });
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) { vnni_pack_panels(src, dst, N, K, p0, p1); });
   return packed;
 }
+
 
 #if ROLLOUT_VNNI_BF16
 namespace {

@@ -1,0 +1,63 @@
+"""write_many (kernels/csrc/spare_write.cpp), a trainer's write into a leased weight spare in one
+call: every pack it runs equals the pack function of that name on its own (ragged N and K, every
+layout this CPU builds), its copies are byte-exact at any length and alignment (the streamed
+stores start at a line boundary), one call with 1 and 2 threads writes the same bytes, and bad
+jobs are refused before anything is written."""
+import pytest
+import torch
+
+PACKS = [("f32_panel_pack", torch.float32), ("bf16_vnni_pack", torch.bfloat16), ("bf16_panel_pack", torch.bfloat16)]
+
+
+def _packs_here(ext) -> list[tuple[str, torch.dtype]]:
+    return [(fn, dt) for fn, dt in PACKS if fn != "bf16_panel_pack" or ext.f32_panel_supported()]
+
+
+def _jobs(ext, seed: int):
+    """(sources, destinations full of other bytes, packs, what each destination must hold)."""
+    g = torch.Generator().manual_seed(seed)
+    srcs, dsts, packs, want = [], [], [], []
+    for fn, dt in _packs_here(ext):
+        for n, k in [(64, 96), (45, 33), (1728, 576), (17, 1)]:
+            w = torch.randn(n, k, generator=g).to(dt)
+            ref = getattr(ext, fn)(w)
+            srcs.append(w), dsts.append(torch.full_like(ref, 3.0)), packs.append(fn), want.append(ref)
+    buf = torch.randn(1 << 20, generator=g)  # copies at odd offsets and lengths, and a large one
+    for start, length in [(0, 1), (3, 17), (5, 70000), (16, (1 << 20) - 16)]:
+        src = buf[start:start + length].clone()
+        out = torch.full((length + 40,), 9.0)[start % 7:start % 7 + length]  # (misaligned)
+        srcs.append(src), dsts.append(out), packs.append(""), want.append(src.clone())
+    half = torch.randn(3001, generator=g).bfloat16()
+    srcs.append(half), dsts.append(torch.zeros_like(half)), packs.append(""), want.append(half.clone())
+    return srcs, dsts, packs, want
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_job_lands_as_its_own_pack_or_copy(ext, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        srcs, dsts, packs, want = _jobs(ext, threads)
+        ext.write_many(srcs, dsts, packs)
+    finally:
+        torch.set_num_threads(before)
+    for i, (d, w) in enumerate(zip(dsts, want)):
+        assert torch.equal(d, w), (i, packs[i], tuple(srcs[i].shape))
+
+
+def test_bad_jobs_are_refused_before_any_write(ext):
+    good_src, good_dst = torch.randn(64, 32), torch.zeros(2, 32, 32)
+    cases = [
+        (torch.randn(64, 32), torch.zeros(2, 32, 31), "f32_panel_pack", "writes"),  # wrong packed shape
+        (torch.randn(64, 32).bfloat16(), torch.zeros(2, 32, 32).bfloat16(), "f32_panel_pack", "packs float32"),
+        (torch.randn(64, 32), torch.zeros(2, 32, 32), "a_pack", "unknown pack"),
+        (torch.randn(10), torch.zeros(11), "", "same bytes"),
+        (torch.randn(10), torch.zeros(10).bfloat16(), "", "one dtype"),
+        (torch.randn(4, 8).t(), torch.zeros(32), "", "contiguous"),
+    ]
+    for src, dst, pack, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            ext.write_many([good_src, src], [good_dst, dst], ["f32_panel_pack", pack])
+        assert not good_dst.any(), message  # the good job before it was not written either
+    with pytest.raises(RuntimeError, match="as many"):
+        ext.write_many([good_src], [good_dst, good_dst], ["f32_panel_pack"])
