@@ -207,7 +207,7 @@ class SpareWriter:
         for name in list(self._mapped):
             if name not in lease["segments"]:
                 self._mapped.pop(name).close()
-        written, head = [], False
+        written = []
         batch = _Batch(self._kernels())  # (the writes that need no cast: one call of the kernels)
         try:
             for name, t in named.items():
@@ -224,14 +224,11 @@ class SpareWriter:
                     if not batch.copy(t, dst):
                         dst.copy_(t)
                     del dst
-                if "head" in slot and slot["head"]["pack"] in self.layouts:  # the tied LM head's panels
-                    self._pack(batch, segments[slot["head"]["segment"]].buf, slot["head"], t, d)
-                    head = True
                 written.append(name)
             batch.run()
         finally:
             batch.views.clear()  # no view may outlive the mapping
-        return {"kind": "spare", "lease": lease["lease"], "tensors": written, **({"head": True} if head else {})}
+        return {"kind": "spare", "lease": lease["lease"], "tensors": written}
 
     def _pack(self, batch: _Batch, buf, slot: dict, t: torch.Tensor, dtype: torch.dtype) -> None:
         """The engine's pack `slot["pack"]` of `t` (cast to `dtype`) into the slot's panels (of

@@ -135,6 +135,17 @@ class Linear:
             plain = rows.reshape(p.shape[0] * 32, k)
         self.weight.copy_(plain[:n, :k])
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of `weight` read from the panels (what `unpack` would write there): a tied
+        embedding whose panels alone were pushed."""
+        p, k = self.panels, self.weight.shape[1]
+        at = ids % 32
+        if self.pack_fn == "bf16_panel_pack":
+            at = _bf16_panel_order().to(ids.device)[at]
+        if self.pack_fn == "bf16_vnni_pack":  # (n / 32, k / 2, 32, 2)
+            return p[ids // 32, :, at, :].reshape(ids.shape[0], -1)[:, :k]
+        return p[ids // 32, :, at]
+
 
 @functools.cache
 def _bf16_panel_order() -> torch.Tensor:
@@ -413,7 +424,7 @@ class LlamaModel:
         if head is None:
             return
         embed_name = self.embed_name
-        embed = staged.get(embed_name, self.hf_view(embed_name))
+        embed = staged[embed_name] if embed_name in staged else self.hf_view(embed_name)  # (no catch-up for a pushed one)
         if not torch.equal(head.to(embed.device, embed.dtype), embed):
             raise InvalidRequestError("lm_head.weight differs from model.embed_tokens.weight, but this model ties "
                                       "them (tie_word_embeddings): push equal tensors, or only the embedding")
@@ -500,7 +511,8 @@ class LlamaModel:
         """A weight update wrote these linears' panels (a trainer packed its tensors into them,
         engine/worker/weight_buffers.py): every step reads the panels alone (Linear.panels_serve),
         and the plain weights are unpacked from them only when read (checksums, saves, a partial
-        push into the same tensor, sleep): most updates are never read back."""
+        push into the same tensor, sleep): most updates are never read back. A tied embedding
+        is read out of the head's panels meanwhile (`_embed_rows`)."""
         self.drop_decode_plan()
         self._behind.update((id(lin), lin) for lin in linears)
 
@@ -537,6 +549,12 @@ class LlamaModel:
         self._plan, self._plan_rows = plan, min(lin.panel_max for lin in linears)
         return plan
 
+    def _embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        head = self.lm_head
+        if head is not None and head.weight is self.embed and id(head) in self._behind:
+            return head.rows(input_ids)  # (a push wrote the tied head's panels alone: see panels_written)
+        return F.embedding(input_ids, self.embed)
+
     @property
     def embed_name(self) -> str:
         return self.mc.text_prefix + "embed_tokens.weight"
@@ -559,16 +577,14 @@ class LlamaModel:
                 numel[0] += rows * (tensor.numel() // tensor.shape[0])
         return [(root, names, numel[0] == root.numel()) for root, names, numel in roots.values()]
 
-    def weights_moved(self, storages: set[int], packed: list[Linear] = ()) -> None:
+    def weights_moved(self, storages: set[int]) -> None:
         """The storages with these ids (see weight_storages) hold new values, some of them
         swapped in by `set_`: views of them are taken afresh, and the linears whose weight they
-        are repacked (a bias is read as it is, by every kernel), but for those in `packed`, whose
-        panels came with the update (a tied head packed by the trainer)."""
+        are repacked (a bias is read as it is, by every kernel)."""
         self._hf = self._hf_name_map()
         self._aliases = self._fused_expert_names()
         self.drop_decode_plan()
-        skip = {id(lin) for lin in packed}
-        moved = [lin for lin in self._linears() if id(lin.weight) in storages and id(lin) not in skip]
+        moved = [lin for lin in self._linears() if id(lin.weight) in storages]
         for lin in moved:  # (their plain weights are what was written: whole, or caught up before a partial write)
             self._behind.pop(id(lin), None)
         self.repack(moved)
@@ -590,7 +606,7 @@ class LlamaModel:
         decode = ops.decode_attention if md.num_decodes == T else None  # the whole step is decodes
         assert decode is not None or not self.batch_invariant, "batch-invariant steps are all decode rows"
         table, lens = md.decode_block_table, md.decode_seq_lens
-        h = F.embedding(input_ids, self.embed) if tp is None else self._embed_sharded(input_ids)  # (T, H)
+        h = self._embed_rows(input_ids) if tp is None else self._embed_sharded(input_ids)  # (T, H)
         if mm is not None:
             h.index_copy_(0, mm[0], mm[1].to(h.dtype))
         elif decode is not None and lora is None and self.use_decode_plan:

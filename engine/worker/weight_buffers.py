@@ -27,11 +27,11 @@ out a spare of the panels instead, and the trainer packs its tensors straight in
 update swaps the panels in and repacks nothing (a repack cost about a copy of the weights), and
 the plain weights are unpacked from the live panels only if something reads them
 (LlamaModel.panels_written). Each tensor of such a storage must fill whole panels (its rows
-start and end at multiples of 32; k even for the k-paired layout), or the storage is leased plain.
-A tied LM head reads the embedding's panels while the embedding itself is read plain: its lease
-entry is plain and names the head's panels too ("head"), which the trainer packs the same
-tensor into, so the update repacks nothing (the head's repack was most of a packed update's
-pause).
+start and end at multiples of 32, but for the storage's last, whose pack pads it; k even for the
+k-paired layout), or the storage is leased plain. A tied embedding is such a storage too: the LM
+head's panels are all the trainer writes of it, and the model reads the embedding's rows out of
+them until something reads the plain weights (a copy of the embedding, and the head's repack,
+saved).
 
 On CUDA, allocation is cheap and memory is scarce: tensors are staged into fresh memory and
 copied in (no spare).
@@ -63,7 +63,6 @@ class Lease:
     holder: str
     since: float
     packed: frozenset[int] = frozenset()  # the storages (ids) whose panels the trainer writes
-    head: bool = False  # whether the trainer may pack the tied LM head's panels too
 
 
 @dataclass
@@ -71,13 +70,12 @@ class _Storage:
     """One weight storage as a lease describes it: the plain tensors in it (`entries`, offsets in
     bytes from the storage's start) and, where its linear's panels alone serve the matmul and
     every tensor fills whole panels, that linear and each tensor's panels (`panel_rows`: name ->
-    (first panel, panels)); `head`: the tied LM head whose panels pack this storage (the embedding)."""
+    (first panel, panels))."""
 
     root: torch.Tensor
     entries: list[dict]
     linear: Linear | None
     panel_rows: dict[str, tuple[int, int]]
-    head: Linear | None = None
 
 
 class WeightBuffers:
@@ -87,8 +85,6 @@ class WeightBuffers:
         self._model: LlamaModel | None = None
         self._spare: dict[int, torch.Tensor] = {}  # id(root storage tensor) -> its spare
         self._panel_spare: dict[int, torch.Tensor] = {}  # id(root) -> a spare of its linear's panels (leased)
-        self._head_spare: torch.Tensor | None = None  # a spare of the tied LM head's panels (leased)
-        self._head_staged: torch.Tensor | None = None  # the staged embedding whose head panels the trainer packed
         self._segments: SpareSegments | None = None  # where the spare lives once a trainer leased it
         self._lease: Lease | None = None
         # a lease's table, but for the segment each storage's spare is in (the layout is the model's:
@@ -99,7 +95,6 @@ class WeightBuffers:
         """Drop the spare (sleep; a model that is replaced) and end any lease. Shared segments lose
         their names now and their memory with the last tensor in them."""
         self._model, self._spare, self._panel_spare, self._lease, self._layout = None, {}, {}, None, None
-        self._head_spare = self._head_staged = None
         if self._segments is not None:
             self._segments.unlink()
             self._segments = None
@@ -149,9 +144,10 @@ class WeightBuffers:
         if self._layout is None:
             self._layout = _layout(model)
         if self._segments is None:
-            self._segments = SpareSegments(dict(kv for st in self._layout for kv in _slots(st)),
-                                           need=sum(_need(st) for st in self._layout))
-        segments, tensors, packed, head = self._segments, [], set(), False
+            slots = [list(_slots(st)) for st in self._layout]
+            self._segments = SpareSegments(dict(kv for s in slots for kv in s),
+                                           need=sum(max(n for _, n in s) for s in slots))
+        segments, tensors, packed = self._segments, [], set()
         for st in self._layout:
             lin, key = st.linear, id(st.root)
             if lin is not None and lin.panels is not None and lin.pack_fn in layouts:
@@ -169,14 +165,7 @@ class WeightBuffers:
             spare = self._spare[key] = self._slot_beside(self._spare.get(key), st.root, key)
             where, start = segments.index_of(spare), segments.offset(key)
             tensors += [dict(e, segment=where, offset=start + e["offset"]) for e in st.entries]
-            if st.head is not None and st.head.panels is not None and st.head.pack_fn in layouts:
-                panels = st.head.panels
-                self._head_spare = self._slot_beside(self._head_spare, panels, ("head", key))
-                tensors[-1]["head"] = {"pack": st.head.pack_fn, "packed_shape": list(panels.shape),
-                                       "segment": segments.index_of(self._head_spare),
-                                       "offset": segments.offset(("head", key))}
-                head = True
-        self._lease = Lease(secrets.token_hex(8), holder, now, frozenset(packed), head)
+        self._lease = Lease(secrets.token_hex(8), holder, now, frozenset(packed))
         tied = {"lm_head.weight": model.embed_name} if model.ties_head else {}
         return {"lease": self._lease.token, "segments": segments.names, "tensors": tensors, "tied": tied}
 
@@ -193,8 +182,7 @@ class WeightBuffers:
     def leased(self, model: LlamaModel, handles: dict) -> dict[str, torch.Tensor]:
         """An update the lease holder wrote into the spare ({"kind": "spare", "lease", "tensors":
         [names]}): the spare's views of those tensors (of their panels, where it packed them), to
-        be committed like any staged update; with "head": true, the trainer packed the tied LM
-        head's panels too. The lease ends here, used or refused."""
+        be committed like any staged update. The lease ends here, used or refused."""
         lease, self._lease = self._lease, None
         if lease is None or handles.get("lease") != lease.token or self._model is not model:
             raise InvalidRequestError("the weight spare's lease is not current (another trainer took it over, or the "
@@ -202,10 +190,6 @@ class WeightBuffers:
         names = handles.get("tensors")
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
             raise InvalidRequestError('a spare update names its tensors once each: {"tensors": [names]}', "handles")
-        head = handles.get("head", False)
-        if not isinstance(head, bool) or (head and not (lease.head and model.embed_name in names)):
-            raise InvalidRequestError('"head": true only where the lease offered the LM head\'s panels and the '
-                                      'embedding is pushed', "handles")
         where = {e["name"]: st for st in self._layout for e in st.entries}  # (a current lease has made it)
         staged = {}
         for name in names:
@@ -216,7 +200,6 @@ class WeightBuffers:
                 staged[name] = self._panels_of(st, name)
             else:
                 staged[name] = self._spare_of(model, model.hf_view(name, current=False))
-        self._head_staged = staged[model.embed_name] if head else None
         return staged
 
     def _panels_of(self, st: _Storage, name: str) -> torch.Tensor:
@@ -226,9 +209,8 @@ class WeightBuffers:
     def commit(self, model: LlamaModel, staged: dict[str, torch.Tensor]) -> int:
         """Make the checked `staged` tensors live: swap the storages they fill entirely (when they
         were staged in the spare), copy the rest; repack what changed. Returns the bytes copied."""
-        copied, changed, packed, fresh = 0, set(), [], []
+        copied, changed, packed = 0, set(), []
         storages = {id(st.root): st for st in self._layout or ()} if self._model is model else {}
-        head_staged, self._head_staged = self._head_staged, None  # (this very tensor: a lease's write)
         with torch.no_grad():
             for root, names, whole in model.weight_storages():
                 pushed = [n for n in names if n in staged]
@@ -251,15 +233,11 @@ class WeightBuffers:
                 if spare is not None and whole and len(pushed) == len(names) and all(
                         _same(staged[n], self._spare_of(model, model.hf_view(n, current=False))) for n in names):
                     _swap(root, spare)
-                    if st is not None and st.head is not None and head_staged is not None \
-                            and staged.get(model.embed_name) is head_staged:
-                        _swap(st.head.panels, self._head_spare)
-                        fresh.append(st.head)
                     continue
                 for n in pushed:
                     model.hf_view(n).copy_(staged[n])
                     copied += staged[n].numel() * staged[n].element_size()
-        model.weights_moved(changed, fresh)
+        model.weights_moved(changed)
         model.panels_written(packed)
         return copied
 
@@ -356,7 +334,7 @@ def _remove_dead_segments() -> None:
 def _layout(model: LlamaModel) -> list[_Storage]:
     from weight_sync.protocol import dtype_name  # (the trainer's SpareWriter reads the same names)
 
-    linears = {id(lin.weight): lin for lin in model._linears() if lin.panels_serve() and lin.weight is not model.embed}
+    linears = {id(lin.weight): lin for lin in model._linears() if lin.panels_serve()}  # (a tied head's: the embedding)
     layout = []
     for root, names, _ in model.weight_storages():
         entries, panel_rows = [], {}
@@ -368,33 +346,19 @@ def _layout(model: LlamaModel) -> list[_Storage]:
                             "stride": list(view.stride()), "offset": offset * view.element_size()})
             if lin is not None:  # (a 2-d storage, its tensors whole rows of it)
                 row, rows, k = offset // root.shape[1], view.shape[0], root.shape[1]
-                if row % 32 == 0 and rows % 32 == 0 and rows and (lin.pack_fn != "bf16_vnni_pack" or k % 2 == 0):
-                    panel_rows[name] = (row // 32, rows // 32)
-        head = model.lm_head if model.ties_head and root is model.embed and model.lm_head.panels_serve() else None
+                whole = rows % 32 == 0 or row + rows == root.shape[0]  # (the storage's last panel: padded by the pack)
+                if row % 32 == 0 and whole and rows and (lin.pack_fn != "bf16_vnni_pack" or k % 2 == 0):
+                    panel_rows[name] = (row // 32, (rows + 31) // 32)
         layout.append(_Storage(root, entries, lin if lin is not None and len(panel_rows) == len(names) else None,
-                               panel_rows, head))
+                               panel_rows))
     return layout
 
 
 def _slots(st: _Storage):
-    """A storage's slots in the spare's segments: its plain tensor, its linear's panels, a tied
-    head's panels."""
-    yield id(st.root), _nbytes(st.root)
+    """A storage's slots in the spare's segments: its plain tensor, and its linear's panels."""
+    yield id(st.root), st.root.numel() * st.root.element_size()
     if st.linear is not None:
-        yield ("panels", id(st.root)), _nbytes(st.linear.panels)
-    if st.head is not None:
-        yield ("head", id(st.root)), _nbytes(st.head.panels)
-
-
-def _need(st: _Storage) -> int:
-    """The bytes of a storage's slots one update writes: the plain tensor or the panels; a tied
-    head's panels besides the plain embedding."""
-    plain = _nbytes(st.root) + (_nbytes(st.head.panels) if st.head is not None else 0)
-    return max(plain, _nbytes(st.linear.panels)) if st.linear is not None else plain
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+        yield ("panels", id(st.root)), st.linear.panels.numel() * st.linear.panels.element_size()
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

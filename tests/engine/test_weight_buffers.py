@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.errors import InvalidRequestError
-from engine.model.decoder import Linear, LlamaModel
+from engine.model.decoder import LlamaModel
 from engine.worker.weight_buffers import WeightBuffers
 from tests.engine.test_tiny_models import build_model
 
@@ -289,55 +288,6 @@ def _assert_panels_pack(model: LlamaModel, tensors: dict) -> None:
     assert model._behind
 
 
-def _assert_head_packed(model: LlamaModel, lease: dict, tensors: dict) -> None:
-    """A tied LM head's panels are offered beside the plain embedding and hold the engine's own
-    pack of the pushed embedding (the update did not repack them: see the test below)."""
-    from kernels import cpu_ext
-
-    embed = next(e for e in lease["tensors"] if e["name"] == model.embed_name)
-    assert ("head" in embed) == (model.ties_head and model.lm_head.panels_serve())
-    if "head" in embed:
-        weight = tensors[model.embed_name].to(model.dtype)
-        assert torch.equal(model.lm_head.panels, getattr(cpu_ext.load(), model.lm_head.pack_fn)(weight, None))
-
-
-def test_a_tied_heads_panels_come_packed_or_are_repacked(tmp_path, monkeypatch):
-    """The trainer packs a tied head's panels with the embedding, and the update then packs nothing
-    for the head; a writer that leaves them out ("head" absent) gets them repacked by the engine,
-    and a "head" the lease did not offer is refused before anything changes."""
-    from weight_sync import SpareWriter
-
-    build_model("qwen2", tmp_path)
-    model, buffers = _packed_model(str(tmp_path), torch.float32), WeightBuffers()
-    if not (model.ties_head and model.lm_head.panels_serve()):
-        pytest.skip("the head's panels do not serve every step here")
-    calls, real_pack = [], Linear.pack
-    monkeypatch.setattr(Linear, "pack", lambda lin, *a: (lin is model.lm_head and calls.append(a)) or real_pack(lin, *a))
-    new = _new_values(model, 1)
-    _, lease = _packed_push(buffers, model, new)
-    assert not calls
-    _assert_head_packed(model, lease, new)
-    _assert_live(model, new)
-
-    writer = SpareWriter()
-    lease = buffers.lease(model, "trainer", tuple(writer.layouts))
-    for e in lease["tensors"]:
-        e.pop("head", None)  # (a writer that does not know the field)
-    second = _new_values(model, 2)
-    handles = writer.write(lease, second.items())
-    assert "head" not in handles
-    buffers.commit(model, buffers.leased(model, handles))
-    assert len(calls) == 1
-    _assert_live(model, second)
-
-    unoffered = writer.write(buffers.lease(model, "trainer", ()), _new_values(model, 3).items())
-    with pytest.raises(InvalidRequestError, match="head"):
-        buffers.leased(model, {**unoffered, "head": True})
-    writer.close()
-    _assert_live(model, second)
-    buffers.release()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_trainer_packs_its_tensors_into_the_leased_panels(folder, dtype):
     """Where the projections' panels alone serve the matmuls, the lease hands them out and the
@@ -352,7 +302,6 @@ def test_a_trainer_packs_its_tensors_into_the_leased_panels(folder, dtype):
         assert {e["pack"] for e in lease["tensors"] if "pack" in e} == {qkv.pack_fn}
         assert id(qkv) in model._behind  # not unpacked yet
         _assert_panels_pack(model, new)
-        _assert_head_packed(model, lease, new)
         _assert_live(model, {n: t.to(dtype) for n, t in new.items()})  # (reads: every plain weight catches up)
         assert not model._behind
     buffers.release()
@@ -390,6 +339,49 @@ def test_packed_pushes_mix_with_partial_and_plain_ones(folder):
     buffers.release()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [None, 1000])  # (1000: the embedding's last panel is padded)
+def test_a_tied_embedding_is_pushed_as_the_heads_panels(tmp_path, monkeypatch, dtype, vocab):
+    """A tied model's embedding is leased as the LM head's panels: the trainer packs it once (no
+    plain copy), the update repacks nothing, and until the plain weights are read the model takes
+    the embedding's rows out of the panels; a forward then equals one after the catch-up."""
+    from engine.model.decoder import Linear
+    from tests.engine.test_tiny_models import COMMON, MODELS
+
+    if vocab is None:
+        build_model("qwen2", tmp_path)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        cls, kwargs, _ = MODELS["qwen2"]
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cls(**{**COMMON, "vocab_size": vocab}, **kwargs)).save_pretrained(tmp_path)
+    model, buffers = _packed_model(str(tmp_path), dtype), WeightBuffers()
+    head = model.lm_head
+    assert model.ties_head and head.weight is model.embed and head.panels_serve()
+    repacked = []
+    pack = Linear.pack
+    monkeypatch.setattr(Linear, "pack", lambda self, *a: (repacked.append(self), pack(self, *a))[1])
+    new = _new_values(model, 11)
+    new["lm_head.weight"] = new[model.embed_name]  # (a trainer's state_dict holds both: checked, dropped)
+    copied, lease = _packed_push(buffers, model, new)
+    assert copied == 0 and not repacked  # nothing copied, nothing repacked
+    entry = next(e for e in lease["tensors"] if e["name"] == model.embed_name)
+    assert entry["pack"] == head.pack_fn and entry["packed_shape"] == list(head.panels.shape)
+    assert id(head) in model._behind
+    embed = new[model.embed_name].to(dtype)
+    ids = torch.tensor([0, 1, 31, 32, 33, model.embed.shape[0] - 1, 5, 5])
+    assert torch.equal(model._embed_rows(ids), embed[ids])  # read off the panels
+    assert id(head) in model._behind  # (reading rows catches nothing up)
+    _assert_panels_pack(model, {k: v for k, v in new.items() if k != "lm_head.weight"})
+    x = torch.randn(4, model.embed.shape[1], dtype=dtype)
+    before = (model._embed_rows(ids), head(x))
+    model._catch_up()  # (what any read of the plain weights does)
+    assert not model._behind and torch.equal(model.embed, embed)
+    assert torch.equal(before[0], F.embedding(ids, model.embed)) and torch.equal(before[1], head(x))
+    buffers.release()
+
+
 @pytest.mark.parametrize("pack_fn", ["bf16_vnni_pack", "f32_panel_pack", "bf16_panel_pack"])
 @pytest.mark.parametrize("n, k", [(64, 96), (45, 33)])  # (ragged: a padded panel, an odd k)
 def test_unpack_inverts_every_pack(pack_fn, n, k):
@@ -405,5 +397,7 @@ def test_unpack_inverts_every_pack(pack_fn, n, k):
     lin = Linear(n, k, False, dtype, torch.device("cpu"))
     w = torch.randn(n, k).to(dtype)
     lin.panels, lin.pack_fn = getattr(ext, pack_fn)(w, None), pack_fn
+    ids = torch.tensor([0, n - 1, 31 % n, n // 2, 0])
+    assert torch.equal(lin.rows(ids), w[ids])  # (a tied embedding read off the panels)
     lin.unpack()
     assert torch.equal(lin.weight, w)
