@@ -65,9 +65,10 @@ def make_prompts():
     return prompts
 
 
-def build_model(name, folder):
+def build_model(name, folder, **config):
+    """A random-weight model of family `name` saved to `folder`; `config` overrides COMMON's fields."""
     cls, kwargs, _ = MODELS[name]
-    config = cls(**COMMON, **kwargs)
+    config = cls(**{**COMMON, **config}, **kwargs)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():

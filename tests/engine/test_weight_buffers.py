@@ -346,16 +346,8 @@ def test_a_tied_embedding_is_pushed_as_the_heads_panels(tmp_path, monkeypatch, d
     plain copy), the update repacks nothing, and until the plain weights are read the model takes
     the embedding's rows out of the panels; a forward then equals one after the catch-up."""
     from engine.model.decoder import Linear
-    from tests.engine.test_tiny_models import COMMON, MODELS
 
-    if vocab is None:
-        build_model("qwen2", tmp_path)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        cls, kwargs, _ = MODELS["qwen2"]
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(cls(**{**COMMON, "vocab_size": vocab}, **kwargs)).save_pretrained(tmp_path)
+    build_model("qwen2", tmp_path, **({} if vocab is None else {"vocab_size": vocab}))
     model, buffers = _packed_model(str(tmp_path), dtype), WeightBuffers()
     head = model.lm_head
     assert model.ties_head and head.weight is model.embed and head.panels_serve()
