@@ -345,6 +345,7 @@ class WeightReceiver:
         self.group = group
         self.last_stats: dict = {}
         self._buffers: list[torch.Tensor] = []  # free bucket buffers (used when `into` is given)
+        self._largest = 0  # the current push's largest bucket (bytes)
 
     def receive(self, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
                 select: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
@@ -373,6 +374,7 @@ class WeightReceiver:
             raise WeightPushRefused("push refused by another receiver (see its exception); nothing was received")
         out: dict[str, torch.Tensor] = {}
         buckets = plan_buckets(header)
+        self._largest = max((b.nbytes for b in buckets), default=0)
         try:
             posted: deque[tuple[Bucket, Pending | None, torch.Tensor]] = deque()
             for b in buckets:
@@ -414,7 +416,7 @@ class WeightReceiver:
         if into is None:  # the tensors are views into the buffer: a fresh one per bucket
             buf = torch.empty(b.nbytes, dtype=torch.uint8, device=self.group.device)
         else:
-            buf = self._buffer(b.nbytes)
+            buf = self._buffer(b.nbytes)[: b.nbytes]
         return (self.group.broadcast_async(buf) if b.nbytes else None), buf
 
     def _unpack(self, header: PushHeader, b: Bucket, pending: Pending | None, buf: torch.Tensor, out: dict,
@@ -442,17 +444,19 @@ class WeightReceiver:
             else:
                 out[m.name] = part if part is t else part.clone()  # (a slice: the bucket buffer can go)
         if into is not None:
-            self._buffers.append(buf)
+            self._buffers.append(buf._base if buf._base is not None else buf)  # whole, as it was taken
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         """A bucket buffer of at least `nbytes`, kept for later buckets and pushes (fresh memory
-        costs page faults worth several copies)."""
+        costs page faults worth several copies). Each is handed back whole and a new one holds
+        the push's largest bucket, so that a push's smaller last bucket of a dtype does not leave
+        a shrunken buffer that the next full one must replace."""
         for k, buf in enumerate(self._buffers):
             if buf.numel() >= nbytes:
-                return self._buffers.pop(k)[:nbytes]
+                return self._buffers.pop(k)
         if self._buffers:
             self._buffers.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        return torch.empty(max(nbytes, self._largest), dtype=torch.uint8, device=self.group.device)
 
     def _recv_header(self) -> PushHeader:
         length = torch.zeros(1, dtype=torch.int64, device=self.group.device)

@@ -182,6 +182,38 @@ def test_push_into_the_callers_staging_memory():
             assert r["ok"] and r["equal"] and r["into"] and r["names"] == sorted(model), r
 
 
+def test_the_receiver_keeps_its_bucket_buffers_from_push_to_push():
+    """Buckets of one push differ in size (a dtype's last one is short); each buffer goes back
+    whole, so the second and third pushes receive into the first one's buffers (fresh memory costs
+    page faults worth several copies). Both ranks in this process, the trainer on a thread."""
+    import threading
+
+    model = make_tensors()
+    port = find_free_port()
+
+    def trainer():
+        with WeightTransferGroup("127.0.0.1", port, 0, 2, timeout_s=TIMEOUT_S) as group:
+            sender = WeightSender(group, bucket_bytes=BUCKET)
+            for _ in range(3):
+                sender.send(model.items())
+
+    thread = threading.Thread(target=trainer, daemon=True)
+    thread.start()
+    with WeightTransferGroup("127.0.0.1", port, 1, 2, timeout_s=TIMEOUT_S) as group:
+        receiver = WeightReceiver(group)
+        staging = {n: torch.zeros_like(t) for n, t in model.items()}
+        pools = []
+        for _ in range(3):
+            got = receiver.receive(expected_of(model), into=staging.__getitem__)
+            assert all(torch.equal(got[n], t) for n, t in model.items())
+            pools.append(sorted((b.data_ptr(), b.numel()) for b in receiver._buffers))
+    thread.join(timeout=30)
+    largest = max(b.nbytes for b in plan_buckets(PushHeader(
+        [TensorMeta(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in model.items()], BUCKET)))
+    assert pools[0] and all(n >= largest for _, n in pools[0])
+    assert pools[1] == pools[0] == pools[2]
+
+
 def test_shared_weights_reuse_their_segment_and_cast_in_the_copy():
     model = make_tensors()
     with SharedWeights() as shared:
