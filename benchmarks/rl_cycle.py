@@ -10,6 +10,8 @@ into it (SpareWriter; before the pause: generation goes on meanwhile), then the 
 them in; its push time counts the lease and the write too. The writer packs the projections for
 the engine's matmul kernels as it writes them (the lease names the packs it runs), so the update
 repacks nothing; "spare, plain" is the same route with plain tensors only, repacked by the engine.
+"spare, fp32 masters" (a bf16 engine): the trainer's weights are float32, as a mixed-precision
+trainer keeps them, and the write casts them on the way (GB counts the engine's bf16 bytes).
 
 "of copy": the push's GB/s (trainer tensors -> live weights, payload bytes once) over this
 machine's copy bandwidth (one large Tensor.copy_ of the same bytes, counting bytes read +
@@ -79,6 +81,10 @@ def run(dtype: str, reps: int, model: str | None = None) -> dict:
             "spare": cycle(llm, None, reps, spare_write_of(state)),
             "spare, plain": cycle(llm, None, reps, spare_write_of(state, [])),
             "spare, 3 layers": cycle(llm, None, reps, spare_write_of(some))}
+    if tdtype == torch.bfloat16:
+        masters = [(n, t.float()) for n, t in state]
+        best["spare, fp32 masters"] = cycle(llm, None, reps, spare_write_of(masters))
+        del masters
     copy_gbps = copy_bandwidth(sum(t.numel() * t.element_size() for _, t in state))
     for route, row in best.items():
         pushed = some if route.endswith("3 layers") else state

@@ -208,7 +208,7 @@ class SpareWriter:
             if name not in lease["segments"]:
                 self._mapped.pop(name).close()
         written = []
-        batch = _Batch(self._kernels())  # (the writes that need no cast: one call of the kernels)
+        batch = _Batch(self._kernels())  # (every write it takes: one call of the kernels)
         try:
             for name, t in named.items():
                 slot = slots.get(name)
@@ -266,8 +266,9 @@ class SpareWriter:
 
 
 class _Batch:
-    """A push's packs and same-dtype copies, run as one call of the kernels' write_many (the
-    threads share out all the bytes; streamed stores), or not taken where it is not built."""
+    """A push's packs and copies (same dtype, or float32 cast to bfloat16 on the way), run as one
+    call of the kernels' write_many (the threads share out all the bytes; streamed stores), or not
+    taken where it is not built."""
 
     def __init__(self, ext):
         self.ext = ext if ext is not None and hasattr(ext, "write_many") else None
@@ -280,7 +281,8 @@ class _Batch:
         return dst.is_contiguous() and self._add(t, dst.view(-1), "")
 
     def _add(self, t: torch.Tensor, dst: torch.Tensor, pack: str) -> bool:
-        if self.ext is None or t.dtype != dst.dtype or not t.is_contiguous():
+        cast = t.dtype == torch.float32 and dst.dtype == torch.bfloat16  # (float32 masters into a bf16 engine)
+        if self.ext is None or not (t.dtype == dst.dtype or cast) or not t.is_contiguous():
             return False
         self.srcs.append(t if pack else t.view(-1))
         self.views.append(dst)

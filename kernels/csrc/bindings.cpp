@@ -90,8 +90,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release_gil());
   m.def("write_many", &rollout_spare::write_many,
         "srcs[i] into dsts[i] for every i: packed by packs[i] (f32_panel_pack, bf16_vnni_pack, bf16_panel_pack) "
-        "into a destination of its packed shape, or copied (\"\": same dtype and bytes, both contiguous); all "
-        "in one parallel region, stores streamed past the cache (a trainer's write into a leased weight spare)",
+        "into a destination of its packed shape, or copied (\"\": as many elements, both contiguous); a float32 "
+        "source of a bfloat16 destination cast on the way, as torch rounds; all in one parallel region, stores "
+        "streamed past the cache (a trainer's write into a leased weight spare)",
         py::arg("srcs"), py::arg("dsts"), py::arg("packs"), release_gil());
   m.def("fused_experts", &rollout_moe::fused_experts,
         "x (T, H), w13 (E, 2I, H), w2 (E, H, I), topk_ids (T, k), topk_weights (T, k) -> (T, H): each "

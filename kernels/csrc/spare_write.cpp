@@ -3,7 +3,9 @@
 //
 //   write_many(srcs, dsts, packs): each srcs[i] into dsts[i], packed by the pack function
 //     packs[i] names ("f32_panel_pack", "bf16_vnni_pack", "bf16_panel_pack": the layout the
-//     engine's matmul reads) or, for "", copied (same dtype and bytes, both contiguous)
+//     engine's matmul reads) or, for "", copied (both contiguous, as many elements); a float32
+//     source of a bfloat16 destination is cast on the way (a trainer's float32 master weights
+//     into a bf16 engine), rounded as torch's cast rounds
 //
 // Why one call: a push is a few hundred tensors, many of them a few hundred KB, and a parallel
 // region per tensor left threads idle at every small one and paid its start each time (packing
@@ -67,8 +69,23 @@ void stream_copy(char* dst, const char* src, int64_t n) {
 }
 
 struct Unit {
-  int64_t job, begin, end;  // panels [begin, end) of a pack, bytes [begin, end) of a copy
+  int64_t job, begin, end;  // panels [begin, end) of a pack, bytes [begin, end) of a copy (elements of a cast)
 };
+
+// float32 -> bfloat16 rounded to nearest even, NaN to a quiet NaN, as torch's cast: in integer
+// arithmetic (which the compiler vectorizes), because AVX-512 BF16's convert flushes denormals.
+void cast_bf16(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, src + i, sizeof(u));
+    const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+    dst[i] = nan ? uint16_t{0x7fc0} : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+}
+
+bool casts(const at::Tensor& s, const at::Tensor& d) {
+  return s.scalar_type() == at::kFloat && d.scalar_type() == at::kBFloat16;
+}
 
 }  // namespace
 
@@ -83,16 +100,16 @@ void write_many(const std::vector<at::Tensor>& srcs, const std::vector<at::Tenso
     const at::Tensor &s = srcs[j], &d = dsts[j];
     kinds[j] = kind_of(packs[j]);
     TORCH_CHECK(s.device().is_cpu() && d.device().is_cpu() && s.is_contiguous() && d.is_contiguous() &&
-                    s.scalar_type() == d.scalar_type(),
-                "write_many: contiguous CPU tensors of one dtype (job ", j, ")");
+                    (s.scalar_type() == d.scalar_type() || casts(s, d)),
+                "write_many: contiguous CPU tensors of one dtype, or float32 into bfloat16 (job ", j, ")");
     if (kinds[j] == kCopy) {
-      TORCH_CHECK(s.nbytes() == d.nbytes(), "write_many: a copy's source and destination hold the same bytes");
+      TORCH_CHECK(s.numel() == d.numel(), "write_many: a copy's source and destination hold as many elements");
       continue;
     }
     TORCH_CHECK(s.dim() == 2, "write_many: a pack's source is (N, K)");
     const int64_t N = s.size(0), K = s.size(1), NP = (N + kPanel - 1) / kPanel;
     const bool f32 = kinds[j] == kF32;
-    TORCH_CHECK(s.scalar_type() == (f32 ? at::kFloat : at::kBFloat16), "write_many: ", packs[j], " packs ",
+    TORCH_CHECK(d.scalar_type() == (f32 ? at::kFloat : at::kBFloat16), "write_many: ", packs[j], " packs ",
                 f32 ? "float32" : "bfloat16");
     const auto want = kinds[j] == kVnni ? std::vector<int64_t>{NP, (K + 1) / 2, kPanel, 2}
                                         : std::vector<int64_t>{NP, K, kPanel};
@@ -105,7 +122,13 @@ void write_many(const std::vector<at::Tensor>& srcs, const std::vector<at::Tenso
   std::vector<int64_t> start{0};  // bytes before each unit
   for (int64_t j = 0; j < jobs; ++j) {
     const at::Tensor& s = srcs[j];
-    if (kinds[j] == kCopy) {
+    if (kinds[j] == kCopy && casts(s, dsts[j])) {  // in elements, weighed by the bytes read
+      const int64_t n = s.numel(), step = kChunk / 4;
+      for (int64_t e = 0; e < n; e += step) {
+        units.push_back({j, e, std::min(n, e + step)});
+        start.push_back(start.back() + 4 * (units.back().end - e));
+      }
+    } else if (kinds[j] == kCopy) {
       const int64_t n = s.nbytes();
       for (int64_t b = 0; b < n; b += kChunk) {
         units.push_back({j, b, std::min(n, b + kChunk)});
@@ -127,9 +150,30 @@ void write_many(const std::vector<at::Tensor>& srcs, const std::vector<at::Tenso
     return std::lower_bound(start.begin(), start.end() - 1, total * t / threads) - start.begin();
   };
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint16_t> rows;  // a cast panel's rows, packed from here (L2-sized: 32 rows of K)
     for (int64_t u = first_unit_from(t0), last = first_unit_from(t1); u < last; ++u) {
       const Unit& x = units[u];
       const at::Tensor &s = srcs[x.job], &d = dsts[x.job];
+      if (casts(s, d)) {
+        uint16_t* out = reinterpret_cast<uint16_t*>(d.data_ptr<c10::BFloat16>());
+        if (kinds[x.job] == kCopy) {
+          cast_bf16(s.data_ptr<float>() + x.begin, out + x.begin, x.end - x.begin);
+          continue;
+        }
+        const int64_t N = s.size(0), K = s.size(1), panel = kinds[x.job] == kVnni ? (K + 1) / 2 * kPanel * 2
+                                                                                  : K * kPanel;
+        for (int64_t p = x.begin; p < x.end; ++p) {
+          const int64_t n = std::min(kPanel, N - p * kPanel);
+          rows.resize(kPanel * K);
+          cast_bf16(s.data_ptr<float>() + p * kPanel * K, rows.data(), n * K);
+          if (kinds[x.job] == kVnni) {
+            rollout_vnni::vnni_pack_panels(rows.data(), out + p * panel, n, K, 0, 1);
+          } else {
+            rollout_f32::bf16_pack_panels(rows.data(), out + p * panel, n, K, 0, 1);
+          }
+        }
+        continue;
+      }
       switch (kinds[x.job]) {
         case kCopy:
           stream_copy(static_cast<char*>(d.data_ptr()) + x.begin, static_cast<const char*>(s.data_ptr()) + x.begin,

@@ -1,8 +1,9 @@
 """write_many (kernels/csrc/spare_write.cpp), a trainer's write into a leased weight spare in one
 call: every pack it runs equals the pack function of that name on its own (ragged N and K, every
 layout this CPU builds), its copies are byte-exact at any length and alignment (the streamed
-stores start at a line boundary), one call with 1 and 2 threads writes the same bytes, and bad
-jobs are refused before anything is written."""
+stores start at a line boundary), float32 sources of bfloat16 destinations (copies and packs) are
+rounded exactly as torch's cast rounds them, one call with 1 and 2 threads writes the same bytes,
+and bad jobs are refused before anything is written."""
 import pytest
 import torch
 
@@ -29,7 +30,29 @@ def _jobs(ext, seed: int):
         srcs.append(src), dsts.append(out), packs.append(""), want.append(src.clone())
     half = torch.randn(3001, generator=g).bfloat16()
     srcs.append(half), dsts.append(torch.zeros_like(half)), packs.append(""), want.append(half.clone())
+    for fn, dt in _packs_here(ext):  # float32 masters into a bf16 engine's panels: cast, then packed
+        if dt == torch.bfloat16:
+            for n, k in [(64, 96), (45, 33), (1728, 576)]:
+                w = torch.randn(n, k, generator=g) * 3
+                ref = getattr(ext, fn)(w.bfloat16())
+                srcs.append(w), dsts.append(torch.full_like(ref, 3.0)), packs.append(fn), want.append(ref)
+    for length in (1, 70001):
+        src = _hard_floats(length, g)
+        srcs.append(src), dsts.append(torch.zeros(length, dtype=torch.bfloat16)), packs.append("")
+        want.append(src.bfloat16())
     return srcs, dsts, packs, want
+
+
+def _hard_floats(n: int, g) -> torch.Tensor:
+    """Values whose rounding to bf16 is easy to get wrong: ties both ways, denormals, the largest
+    finite values (rounding to inf), infinities, signed zeros; random bits around them."""
+    special = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1e-40, -3e-39, 2 ** -149, 3.4e38, -3.39e38,
+                            float("inf"), float("-inf"), 0.0, -0.0, 1.0, 65504.0])
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32).clone()
+    x[x.isnan()] = 1.5
+    x[: min(n, len(special))] = special[:n]
+    return x
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -51,8 +74,9 @@ def test_bad_jobs_are_refused_before_any_write(ext):
         (torch.randn(64, 32), torch.zeros(2, 32, 31), "f32_panel_pack", "writes"),  # wrong packed shape
         (torch.randn(64, 32).bfloat16(), torch.zeros(2, 32, 32).bfloat16(), "f32_panel_pack", "packs float32"),
         (torch.randn(64, 32), torch.zeros(2, 32, 32), "a_pack", "unknown pack"),
-        (torch.randn(10), torch.zeros(11), "", "same bytes"),
-        (torch.randn(10), torch.zeros(10).bfloat16(), "", "one dtype"),
+        (torch.randn(10), torch.zeros(11), "", "as many elements"),
+        (torch.randn(10), torch.zeros(9).bfloat16(), "", "as many elements"),  # (a cast: counted in elements)
+        (torch.randn(10).bfloat16(), torch.zeros(10), "", "one dtype"),  # only float32 -> bfloat16 casts
         (torch.randn(4, 8).t(), torch.zeros(32), "", "contiguous"),
     ]
     for src, dst, pack, message in cases:
@@ -61,3 +85,10 @@ def test_bad_jobs_are_refused_before_any_write(ext):
         assert not good_dst.any(), message  # the good job before it was not written either
     with pytest.raises(RuntimeError, match="as many"):
         ext.write_many([good_src], [good_dst, good_dst], ["f32_panel_pack"])
+
+
+def test_a_cast_makes_nan_a_nan(ext):
+    src = torch.tensor([float("nan"), -float("nan"), 1.0])
+    dst = torch.zeros(3, dtype=torch.bfloat16)
+    ext.write_many([src], [dst], [""])
+    assert dst[:2].isnan().all() and dst[2] == 1
