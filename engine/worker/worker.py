@@ -116,6 +116,13 @@ class Worker:
         except OSError:
             return "127.0.0.1"
 
+    def host_key(self) -> str | None:
+        """weight_sync.host_key() of this rank's machine: a trainer with the same one can push
+        through shared memory (a Ray actor may run on any node)."""
+        from weight_sync import host_key
+
+        return host_key()
+
     def model_info(self) -> dict:
         mc = self.config.model_config
         return {"architecture": mc.architecture, "dtype": self.config.dtype, "device": self.config.device,

@@ -298,5 +298,18 @@ async def server_info(request: Request, config_format: Literal["json"] = Query("
             "api_server": state.config.api_server_index, "api_server_count": state.config.api_server_count,
             "supported_tasks": list(state.engine.get_supported_tasks()),
             "tracing": await state.engine.is_tracing_enabled(),
-            # Ray may place replicas on other nodes: their shared memory is not this machine's
-            "shm_host": host_key() if cfg.data_parallel_backend == "mp" else None}
+            "shm_host": await _shm_host(state)}
+
+
+async def _shm_host(state) -> str | None:
+    """This machine's host key when every engine process runs here: local processes always; Ray
+    actors when each reports this key (a local cluster: Ray may place replicas on other nodes,
+    whose shared memory is not ours). Asked anew each time: replicas come and go (/scale)."""
+    here = host_key()
+    if here is None or state.engine.config.data_parallel_backend == "mp":
+        return here
+    try:
+        keys = await state.engine.collective_rpc("host_key", timeout=10)
+    except Exception:  # noqa: BLE001 - a replica that cannot answer now: the group is the safe way
+        return None
+    return here if keys and all(k == here for k in keys) else None

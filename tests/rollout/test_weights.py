@@ -308,3 +308,37 @@ def test_push_weights_shared_casts_to_the_served_dtype(server, original):
         assert e.value.status == 400 and "float64" in e.value.message
         c.push_weights_shared([("model.norm.weight", original["model.norm.weight"].double())])
         assert c.weights_checksum() == good
+
+
+def test_a_ray_server_on_this_machine_takes_pushes_through_shared_memory(tmp_path, default_model_path, monkeypatch):
+    """Ray may place replicas on any node, so the server asks its workers for their host keys:
+    on a local Ray cluster (two replicas as Ray actors) every worker has this machine's key, the
+    server names it (`shm_host`), and push_weights goes through shared memory (the trainer's
+    segment: the spare is lent to a single replica only) to both replicas, which then hold the
+    trainer's weights. A trainer that sees another key gets the group."""
+    import weight_sync
+    from tests.rollout.conftest import start_server, stop_server, tiny_model_folder
+
+    folder = tiny_model_folder(tmp_path, default_model_path)
+    server = start_server(folder, "--max-model-len", "256", "--data-parallel-size", "2",
+                          "--data-parallel-backend", "ray")
+    try:
+        with RolloutClient(server.url, api_key=API_KEY, admin_api_key=ADMIN_KEY, timeout=120) as c:
+            assert c.server_info()["shm_host"] == weight_sync.host_key() is not None
+            state = load_file(str(Path(folder) / "model.safetensors"))
+            changed = {n: t * 0.5 for n, t in state.items() if n.endswith("norm.weight")}
+            c.init_weight_transfer(backend="gloo", timeout_s=60)
+            result = c.push_weights(changed.items())
+            assert result["transport"] == "segment" and result["send"] is None
+            want = weights_checksum({**state, **changed}.items(), torch.float32)
+            assert c.weights_checksum() == want  # (the replicas' checksums agree, or it raises)
+            c.close_weight_transfer()
+
+            monkeypatch.setattr(weight_sync, "host_key", lambda: "another-machine")
+            c.init_weight_transfer(backend="gloo", timeout_s=60)
+            result = c.push_weights(state.items())
+            assert result["transport"] == "group" and result["send"]["num_tensors"] == len(state)
+            c.close_weight_transfer()
+            assert c.weights_checksum() == weights_checksum(state.items(), torch.float32)
+    finally:
+        assert stop_server(server) == 0, server.log()
