@@ -216,8 +216,8 @@ class WeightTransfer:
         self.local = False  # push() goes through shared memory: the server is a CPU one on this machine
         self.shared = None  # weight_sync.SharedWeights of push_shared: its segment is reused push after push
         self._sharing = threading.Lock()  # held while a push reads self.shared or writes self.spare
-        self.spare = None  # weight_sync.SpareWriter: the server's staging memory, mapped
-        self._spare_lent = True  # False once the server said it lends none (several replicas, CUDA, ...)
+        self.spare: dict[int, Any] = {}  # replica -> weight_sync.SpareWriter: its staging memory, mapped
+        self._spare_lent = True  # False once the server said it lends none (CUDA, several ranks, ...)
         self.holder = uuid.uuid4().hex  # who leases the server's spare
         self._sender_cache = None  # the last WeightSender (its bucket buffers are reused) and its (group, bucket size)
 
@@ -284,8 +284,9 @@ class WeightTransfer:
     def _close_plan(self) -> Plan:
         if self.shared is not None:
             self.shared.close()
-        if self.spare is not None:
-            self.spare.close()
+        for writer in self.spare.values():
+            writer.close()
+        self.spare = {}
         group, self.group, self._sender_cache, self.local = self.group, None, None, False
         if group is None:
             return
@@ -522,21 +523,38 @@ class WeightTransfer:
         return dict(result, shared_via=via)
 
     def _write_spare(self, named: list, dtype) -> Plan:
-        """Handles for the tensors written into the server's leased spare, or None (having
-        written nothing) where it lends none or the push does not fit it (SpareWriter.write)."""
-        from weight_sync import SpareWriter
-
+        """Handles for the tensors written into the server's leased spare (every replica's, one
+        after the other: {"kind": "spare", "replicas": [each one's handles]}), or None where it
+        lends none or the push does not fit it (SpareWriter.write); a replica written before the
+        one that did not fit keeps its lease until the update that uses it or the lease's TTL."""
         if not self._spare_lent or not all(t.device.type == "cpu" for _, t in named):
             return None
-        if self.spare is None:
-            self.spare = SpareWriter()
         try:
-            lease = yield lambda c: c.lease_weight_spare(self.holder, self.spare.layouts)
+            lease = yield lambda c: c.lease_weight_spare(self.holder, self._writer(0).layouts)
         except RolloutAPIError as e:
-            if e.status != 409:  # not lent by this server (one CPU rank only), or a server without the route
+            if e.status != 409:  # not lent by this server (CPU replicas of one rank only), or no such route
                 self._spare_lent = False
             return None  # (409: another trainer holds it now)
-        return self.spare.write(lease, named, dtype)
+        leases = lease.get("replicas", [lease])
+        for gone in set(self.spare) - {one.get("replica", 0) for one in leases} - {0}:  # (scaled away)
+            self.spare.pop(gone).close()
+        if "replicas" not in lease:
+            return self._writer(lease.get("replica", 0)).write(lease, named, dtype)
+        parts = []
+        for one in lease["replicas"]:
+            handles = self._writer(one["replica"]).write(one, named, dtype)
+            if handles is None:
+                return None
+            parts.append(dict(handles, replica=one["replica"]))
+        return {"kind": "spare", "replicas": parts}
+
+    def _writer(self, replica: int):
+        """The SpareWriter of a replica's spare (each keeps its segments mapped between pushes)."""
+        from weight_sync import SpareWriter
+
+        if replica not in self.spare:
+            self.spare[replica] = SpareWriter()
+        return self.spare[replica]
 
 
 def _check_increases(version: int, live: int) -> None:

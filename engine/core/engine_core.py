@@ -458,16 +458,19 @@ class EngineCore:
 
     def lease_weight_spare(self, holder: str, layouts: list[str] | None = None) -> dict:
         """Lend the trainer `holder` the memory the next update is staged in, to write its tensors
-        into directly (Worker.lease_weight_spare): a CPU engine of one rank in one replica only
-        (each rank or replica would need the trainer's copy of its own)."""
+        into directly (Worker.lease_weight_spare): a CPU replica of one rank only (the ranks of a
+        tensor-parallel one would each need their slices written). Every replica lends its own,
+        which the trainer writes one after the other (`replica` names this one's data-parallel
+        rank; an update's handles say which lease each replica's part is: spare_handles_of)."""
         self._check_has_weights("to lease its spare")
         if "weights" in self.asleep:
             raise EngineStateError("the weights are asleep: wake_up(tags=['weights']) first", "spare")
         cfg = self.config
-        if not cfg.device.startswith("cpu") or cfg.tensor_parallel_size > 1 or cfg.data_parallel_size > 1:
-            raise InvalidRequestError("the weight spare is lent by a CPU engine of one rank and one replica only: "
-                                      "share the tensors in a segment of the trainer's own", "spare")
-        return self.executor.collective_rpc("lease_weight_spare", [holder, layouts or []])[0]
+        if not cfg.device.startswith("cpu") or cfg.tensor_parallel_size > 1:
+            raise InvalidRequestError("the weight spare is lent by a CPU replica of one rank only: share the tensors "
+                                      "in a segment of the trainer's own", "spare")
+        lease = self.executor.collective_rpc("lease_weight_spare", [holder, layouts or []])[0]
+        return dict(lease, replica=cfg.data_parallel_rank)
 
     def close_weight_transfer(self) -> bool:
         """Leave the group, or stop forming it (a group that forms meanwhile is closed at once)."""
@@ -492,6 +495,8 @@ class EngineCore:
             self._check_lora(lora_id, "lora")
             self._check_pin(lora_id)
             self._make_resident(lora_id)
+        if source == "ipc" and args and isinstance(args[0], dict) and "replicas" in args[0]:
+            args = [spare_handles_of(args[0], self.config.data_parallel_rank)]
         try:
             stats = self.executor.collective_rpc("stage_weights",
                                                  [source, args, lora_id, self.needs_weights, deadline_s])[0]
@@ -769,6 +774,21 @@ class EngineCore:
         self.executor.shutdown()
         if self._cpus_before is not None:
             os.sched_setaffinity(0, self._cpus_before)
+
+
+def spare_handles_of(handles: dict, replica: int) -> dict:
+    """This replica's part of a push written into every replica's leased spare: {"kind": "spare",
+    "replicas": [each one's handles, with its "replica"]} (a replica that joined since the lease
+    has none: lease again)."""
+    parts = handles.get("replicas")
+    if handles.get("kind") != "spare" or not isinstance(parts, list) or not all(isinstance(h, dict) for h in parts):
+        raise InvalidRequestError('a push into several replicas\' spares is {"kind": "spare", "replicas": [handles]}',
+                                  "handles")
+    mine = [h for h in parts if h.get("replica") == replica]
+    if len(mine) != 1:
+        raise InvalidRequestError(f"the push has {len(mine)} parts for replica {replica} (one each: a replica that "
+                                  "joined since the lease has none; lease the spares again)", "handles")
+    return mine[0]
 
 
 def _drains_first(fn: Callable) -> Callable:

@@ -153,11 +153,10 @@ def agree(results: list) -> Any:
     return results[0]
 
 
-def only_replica(results: list) -> Any:
-    """The answer of a verb that one replica alone can serve."""
-    if len(results) > 1:
-        raise InvalidRequestError(f"not with {len(results)} replicas: one serves this", "spare")
-    return results[0]
+def per_replica(results: list) -> Any:
+    """One replica's answer as it is; several as {"replicas": [their answers]} (each lends its own
+    weight spare)."""
+    return results[0] if len(results) == 1 else {"replicas": list(results)}
 
 
 def combine_checksum(results: list) -> str:
@@ -231,7 +230,7 @@ UTILITIES: dict[str, Utility] = {
     "stage_weights": Utility(StageArgs),
     "commit_weights": Utility(CommitArgs),
     "discard_weights": Utility(NoArgs),
-    "lease_weight_spare": Utility(LeaseArgs, only_replica),
+    "lease_weight_spare": Utility(LeaseArgs, per_replica),
     "send_weights_to_peers": Utility(PeersArgs),
     "weights_checksum": Utility(NoArgs, combine_checksum),
     "save_weights": Utility(SaveWeightsArgs, first, first_replica_only=True),

@@ -110,7 +110,9 @@ class WeightsUpdateBody(_Strict):
         tensors again, under new segment names or a new lease of the spare, or the other way)."""
         body = self.model_dump(exclude={"idempotency_key", "deadline_s"})
         if self.handles is not None:
-            tensors = self.handles.get("tensors")
+            parts = self.handles.get("replicas")  # (every replica's spare written: the same tensors in each)
+            first = parts[0] if isinstance(parts, list) and parts and isinstance(parts[0], dict) else self.handles
+            tensors = first.get("tensors")
             body["handles"] = [t.get("name") if isinstance(t, dict) else t for t in tensors] \
                 if isinstance(tensors, list) else None
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()

@@ -217,7 +217,9 @@ async def lease_weight_spare(body: LeaseSpareBody, request: Request):
     """Lend a trainer on this machine the memory the next update is staged in: it writes its
     tensors there itself (while generation goes on) and pushes {"kind": "spare", ...} handles
     (engine/worker/weight_buffers.py; the client's push_weights_shared does both). 400 where no
-    spare is lent (CUDA, several ranks or replicas), 409 while another trainer holds it."""
+    spare is lent (CUDA, a replica of several ranks), 409 while another trainer holds it. With
+    several replicas each lends its own: {"replicas": [each one's lease, with its "replica"]},
+    pushed as {"kind": "spare", "replicas": [each one's handles, with its "replica"]}."""
     lease = await call(get_state(request).engine.lease_weight_spare(body.holder, body.layouts))
     # (encoded here: FastAPI's own encoder walking the default model's 272 entries cost 6-12 ms a push)
     return Response(msgspec.json.encode(lease), media_type="application/json")

@@ -88,9 +88,43 @@ def test_weight_update_is_atomic_across_replicas(tiny_folder, backend):
         assert [s["weight_version"] for s in replica_stats(llm)] == [1, 1]  # one bump, everywhere
         outs = llm.generate(prompts(4), GREEDY, use_tqdm=False)
         assert all(o.outputs[0].weight_versions == [1] * 8 for o in outs)
-        with pytest.raises(ValueError, match="one rank and one replica"):  # a trainer would write each replica's
-            llm.lease_weight_spare("trainer")
     finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_replica_lends_its_spare_and_a_push_into_them_is_atomic(tiny_folder, backend):
+    """A trainer on this machine writes the update into each replica's leased spare (packed for
+    its kernels where they are built) and pushes every replica's handles in one update: both
+    replicas then hold the trainer's weights under one version. A push that misses a replica's
+    part (one that joined since the lease) is refused and leaves both replicas' weights whole."""
+    from weight_sync import SpareWriter, load_safetensors_folder, weights_checksum
+
+    llm = tiny_llm(tiny_folder, backend=backend)
+    writers = {0: SpareWriter(), 1: SpareWriter()}
+    state = dict(load_safetensors_folder(tiny_folder))
+    new = {n: t * 0.5 for n, t in state.items()}
+
+    def write_all() -> list[dict]:
+        lease = llm.lease_weight_spare("trainer", writers[0].layouts)
+        assert sorted(one["replica"] for one in lease["replicas"]) == [0, 1]
+        return [dict(writers[one["replica"]].write(one, new.items()), replica=one["replica"])
+                for one in lease["replicas"]]
+
+    try:
+        before = llm.weights_checksum()
+        assert before == weights_checksum(state.items(), torch.float32)
+        parts = write_all()
+        with pytest.raises(ValueError, match="0 parts for replica 1"):
+            llm.update_weights_from_ipc({"kind": "spare", "replicas": [p for p in parts if p["replica"] == 0]})
+        assert llm.weights_checksum() == before and llm.get_weight_version() == 0
+        result = llm.update_weights_from_ipc({"kind": "spare", "replicas": write_all()})  # (leased anew)
+        assert result["weight_version"] == 1
+        assert llm.weights_checksum() == weights_checksum(new.items(), torch.float32)  # (both agree, or it raises)
+        assert [s["weight_version"] for s in replica_stats(llm)] == [1, 1]
+    finally:
+        for w in writers.values():
+            w.close()
         llm.shutdown()
 
 

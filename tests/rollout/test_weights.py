@@ -313,9 +313,9 @@ def test_push_weights_shared_casts_to_the_served_dtype(server, original):
 def test_a_ray_server_on_this_machine_takes_pushes_through_shared_memory(tmp_path, default_model_path, monkeypatch):
     """Ray may place replicas on any node, so the server asks its workers for their host keys:
     on a local Ray cluster (two replicas as Ray actors) every worker has this machine's key, the
-    server names it (`shm_host`), and push_weights goes through shared memory (the trainer's
-    segment: the spare is lent to a single replica only) to both replicas, which then hold the
-    trainer's weights. A trainer that sees another key gets the group."""
+    server names it (`shm_host`), and push_weights goes through shared memory (each replica's
+    leased spare, written one after the other) to both replicas, which then hold the trainer's
+    weights. A trainer that sees another key gets the group."""
     import weight_sync
     from tests.rollout.conftest import start_server, stop_server, tiny_model_folder
 
@@ -329,7 +329,7 @@ def test_a_ray_server_on_this_machine_takes_pushes_through_shared_memory(tmp_pat
             changed = {n: t * 0.5 for n, t in state.items() if n.endswith("norm.weight")}
             c.init_weight_transfer(backend="gloo", timeout_s=60)
             result = c.push_weights(changed.items())
-            assert result["transport"] == "segment" and result["send"] is None
+            assert result["transport"] == "spare" and result["send"] is None
             want = weights_checksum({**state, **changed}.items(), torch.float32)
             assert c.weights_checksum() == want  # (the replicas' checksums agree, or it raises)
             c.close_weight_transfer()
