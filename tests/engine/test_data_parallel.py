@@ -282,8 +282,8 @@ def test_scale_up_copies_live_weights_and_scale_down_drains(tiny_folder):
         assert await llm.scale(2) == {"data_parallel_size": 2, "added": [1], "removed": []}
         assert await llm.weights_checksum() == pushed  # the replicas agree (or this raises)
         assert [s["weight_version"] for s in (await llm.get_stats())["replicas"]] == [3, 3]
-        with pytest.raises(ValueError, match="replica"):  # one replica lends its spare, two do not
-            await llm.lease_weight_spare("trainer")
+        leases = (await llm.lease_weight_spare("trainer"))["replicas"]  # the new replica lends its spare too
+        assert sorted(one["replica"] for one in leases) == [0, 1] and all(one["segments"] for one in leases)
         second = [asyncio.ensure_future(collect(i, 40)) for i in range(4, 8)]
         await _until(lambda: len(outs) == 8)
         placed = {i: llm.client.owner[f"s{i}"].index for i in range(4, 8) if f"s{i}" in llm.client.owner}
