@@ -536,17 +536,15 @@ class WeightTransfer:
                 self._spare_lent = False
             return None  # (409: another trainer holds it now)
         leases = lease.get("replicas", [lease])
-        for gone in set(self.spare) - {one.get("replica", 0) for one in leases} - {0}:  # (scaled away)
+        for gone in set(self.spare) - {one["replica"] for one in leases} - {0}:  # (scaled away; 0's names the layouts)
             self.spare.pop(gone).close()
-        if "replicas" not in lease:
-            return self._writer(lease.get("replica", 0)).write(lease, named, dtype)
         parts = []
-        for one in lease["replicas"]:
+        for one in leases:
             handles = self._writer(one["replica"]).write(one, named, dtype)
             if handles is None:
                 return None
             parts.append(dict(handles, replica=one["replica"]))
-        return {"kind": "spare", "replicas": parts}
+        return {"kind": "spare", "replicas": parts} if "replicas" in lease else parts[0]
 
     def _writer(self, replica: int):
         """The SpareWriter of a replica's spare (each keeps its segments mapped between pushes)."""

@@ -162,9 +162,9 @@ void write_many(const std::vector<at::Tensor>& srcs, const std::vector<at::Tenso
         }
         const int64_t N = s.size(0), K = s.size(1), panel = kinds[x.job] == kVnni ? (K + 1) / 2 * kPanel * 2
                                                                                   : K * kPanel;
+        rows.resize(kPanel * K);
         for (int64_t p = x.begin; p < x.end; ++p) {
           const int64_t n = std::min(kPanel, N - p * kPanel);
-          rows.resize(kPanel * K);
           cast_bf16(s.data_ptr<float>() + p * kPanel * K, rows.data(), n * K);
           if (kinds[x.job] == kVnni) {
             rollout_vnni::vnni_pack_panels(rows.data(), out + p * panel, n, K, 0, 1);
