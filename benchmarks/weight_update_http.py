@@ -12,18 +12,30 @@ rounds (the routes take turns in every round; one round of warm-up first).
     push_weights_shared  shared memory (a trainer on this machine), POST /weights/update
     push_weights_from_disk  the checkpoint the server started from, POST /weights/update
 
+--data-parallel-size N (N replicas, local processes) measures what push_weights picks by itself
+for a trainer on this machine instead, beside the group every replica would take:
+
+    push_weights (spare)     every replica here: each one's leased spare written, one update
+    1 replica elsewhere      the last replica as if on another machine (its /server_info host
+                             rewritten, as a multi-node Ray cluster's reads): the group is formed
+                             from its worker alone, the others' spares written beside the broadcast
+    push_weights (group)     every replica in the group (shared_memory_when_local=False)
+
+Each of these routes forms its own group before its turns (untimed: workers are in one group at a
+time) and takes them one after the other, after two warm-up pushes.
+
 A request streams while every push runs (pause mode "keep" freezes it), so the pause and
-resume do real work; "paused s" is how long generation stood still (the resume's answer, best
+resume do real work (--idle: none does); "paused s" is how long generation stood still (the resume's answer, best
 round). The server's own phase times (the answer's `phases`, of the best round)
 are printed for the /weights/update routes. Times on a shared 2-core CPU are noisy: compare rows of one run.
 
     python benchmarks/weight_update_http.py            # --quick: float32, 3 rounds (~1 minute)
     python benchmarks/weight_update_http.py --reps 10  # for a comparison that outlasts this box's noise
     python benchmarks/weight_update_http.py --dtype bfloat16 --reps 5
+    python benchmarks/weight_update_http.py --data-parallel-size 2 --reps 5
 """
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -36,6 +48,7 @@ import torch  # noqa: E402
 
 from rollout.client import RolloutAPIError, RolloutClient  # noqa: E402
 from rollout.subprocess_server import served  # noqa: E402
+from timing import machine_line  # noqa: E402  (benchmarks/timing.py)
 from weight_sync import load_safetensors_folder  # noqa: E402
 
 
@@ -48,65 +61,112 @@ def _stream_forever(url: str, stop: threading.Event) -> None:
                     break
 
 
+class LastReplicaElsewhere(RolloutClient):
+    """A trainer that sees the server's last replica on another machine (the only rewrite: every
+    byte still moves, through shared memory or over gloo)."""
+
+    def server_info(self):
+        info = super().server_info()
+        hosts = dict(info["replica_hosts"])
+        hosts[max(hosts, key=int)] = "another-machine"
+        return dict(info, shm_host=None, replica_hosts=hosts)
+
+
+def dp_routes(url: str, state: list) -> dict:
+    """{route: (client, its init_weight_transfer kwargs, the push)} for --data-parallel-size."""
+    here, grouped = RolloutClient(url, timeout=600), RolloutClient(url, timeout=600)
+    elsewhere = LastReplicaElsewhere(url, timeout=600)
+    return {"push_weights (spare)": (here, {}, lambda: here.push_weights(state)),
+            "1 replica elsewhere": (elsewhere, {}, lambda: elsewhere.push_weights(state)),
+            "push_weights (group)": (grouped, {"shared_memory_when_local": False}, lambda: grouped.push_weights(state))}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="the defaults: float32, 3 reps")
+    ap.add_argument("--data-parallel-size", type=int, default=1)
+    ap.add_argument("--idle", action="store_true",
+                    help="no request streams: the push alone (on 2 cores a streaming replica and the trainer's "
+                         "writes share them)")
     args = ap.parse_args()
-    print(f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; torch {torch.__version__}; "
-          f"dtype {args.dtype}, best of {args.reps}")
+    dp = args.data_parallel_size
+    print(f"{machine_line()}; torch {torch.__version__}; dtype {args.dtype}, best of {args.reps}"
+          + (f"; {dp} replicas" if dp > 1 else ""))
     with tempfile.NamedTemporaryFile(prefix="weight-update-http-", suffix=".log", delete=False) as f:
         log = f.name
-    with served("--dtype", args.dtype, log_path=log) as server, RolloutClient(server.url, timeout=600) as client:
+    with served("--dtype", args.dtype, "--data-parallel-size", str(dp), log_path=log) as server, \
+            RolloutClient(server.url, timeout=600) as client:
         path = client.server_info()["model_path"]
         state = [(n, t.to(getattr(torch, args.dtype))) for n, t in load_safetensors_folder(path)]
         gb = sum(t.numel() * t.element_size() for _, t in state) / 1e9
-        client.init_weight_transfer(backend="gloo", shared_memory_when_local=False, timeout_s=120)
         stop = threading.Event()
-        streamer = threading.Thread(target=_stream_forever, args=(server.url, stop), daemon=True)
-        streamer.start()
-        time.sleep(2.0)
+        if not args.idle:
+            threading.Thread(target=_stream_forever, args=(server.url, stop), daemon=True).start()
+            time.sleep(2.0)
 
         def vllm_phases():
             with client.weight_update() as u:
                 u.send(state)
             return {"paused_seconds": u.paused_seconds}
 
-        routes = {"push_weights": lambda: client.push_weights(state), "vllm phases": vllm_phases,
-                  "push_weights_shared": lambda: client.push_weights_shared(state),
-                  "push_weights_from_disk": lambda: client.push_weights_from_disk(path)}
+        if dp > 1:
+            routed = dp_routes(server.url, state)
+        else:
+            group = (client, {"shared_memory_when_local": False})
+            routed = {"push_weights": (*group, lambda: client.push_weights(state)), "vllm phases": (*group, vllm_phases),
+                      "push_weights_shared": (None, {}, lambda: client.push_weights_shared(state)),
+                      "push_weights_from_disk": (None, {}, lambda: client.push_weights_from_disk(path))}
+        routes = {name: fn for name, (_, _, fn) in routed.items()}
         times, phases, paused, refused = {name: [] for name in routes}, {}, {name: [] for name in routes}, {}
-        for rep in range(args.reps + 1):  # round robin, so that the box's drifting load hits every route alike
-            for name, fn in routes.items():
-                if name in refused:
-                    continue
-                t0 = time.perf_counter()
-                try:
-                    result = fn()
-                except RolloutAPIError as e:  # (an older client's route that refuses to run beside requests)
-                    refused[name] = f"refused: {e}"
-                    continue
-                if rep:  # the first round warms up
-                    times[name].append(time.perf_counter() - t0)
-                    if (result or {}).get("paused_seconds") is not None:
-                        paused[name].append(result["paused_seconds"])
-                    if times[name][-1] == min(times[name]):
-                        phases[name] = (result or {}).get("phases")
+        transports, grouped = {}, None
+        # Round robin, so that the box's drifting load hits every route alike; the replicas' routes
+        # in turn instead: a group push leaves a replica's spare where the next lease hands out
+        # fresh shared memory, whose page faults the spare's push would then measure.
+        # (two warm-up pushes there: a spare alternates between two segments, each touched once)
+        warm = 2 if dp > 1 else 1
+        turns = ([(rep, name) for name in routes for rep in range(args.reps + warm)] if dp > 1 else
+                 [(rep, name) for rep in range(args.reps + warm) for name in routes])
+        for rep, name in turns:
+            fn = routes[name]
+            if name in refused:
+                continue
+            owner, init = routed[name][:2]
+            if owner is not None and grouped is not owner:  # (untimed: the workers join its group)
+                owner.init_weight_transfer(backend="gloo", timeout_s=120, **init)
+                grouped = owner
+            t0 = time.perf_counter()
+            try:
+                result = fn()
+            except RolloutAPIError as e:  # (an older client's route that refuses to run beside requests)
+                refused[name] = f"refused: {e}"
+                continue
+            if rep >= warm:
+                times[name].append(time.perf_counter() - t0)
+                transports[name] = (result or {}).get("transport")
+                if (result or {}).get("paused_seconds") is not None:
+                    paused[name].append(result["paused_seconds"])
+                if times[name][-1] == min(times[name]):
+                    phases[name] = (result or {}).get("phases")
         rows = [(name, None, None, None, refused[name]) if name in refused else
                 (name, min(times[name]), statistics.median(times[name]), min(paused[name], default=None),
                  phases.get(name)) for name in routes]
         stop.set()
-        client.close_weight_transfer()
-    print("\n| route                   | best s | median s | GB/s | paused s | server phases (best round) |")
-    print("|-------------------------|-------:|---------:|-----:|---------:|----------------------------|")
+        for owner in {owner for owner, _, _ in routed.values() if owner is not None}:
+            owner.close_weight_transfer()
+            if owner is not client:
+                owner.close()
+    print("\n| route                   | transport     | best s | median s | GB/s | paused s | server phases (best round) |")
+    print("|-------------------------|---------------|-------:|---------:|-----:|---------:|----------------------------|")
     for name, best, median, stood, detail in rows:
         if best is None:
-            print(f"| {name:23s} |      - |        - |    - |        - | {detail[:100]} |")
+            print(f"| {name:23s} | -             |      - |        - |    - |        - | {detail[:100]} |")
             continue
         shown = ", ".join(f"{k} {v:.3f}" for k, v in detail.items()) if detail else ""
         stood = "       -" if stood is None else f"{stood:8.3f}"
-        print(f"| {name:23s} | {best:6.3f} | {median:8.3f} | {gb / best:4.2f} | {stood} | {shown} |")
+        print(f"| {name:23s} | {transports.get(name) or '-':13s} | {best:6.3f} | {median:8.3f} | {gb / best:4.2f} "
+              f"| {stood} | {shown} |")
     print(f"\n{gb:.2f} GB per push; server log: {log}")
 
 

@@ -479,12 +479,13 @@ class _Endpoints:
     def close_weight_transfer_engine(self):
         return self._run(_Call("POST", "/close_weight_transfer", admin=True))
 
-    def lease_weight_spare(self, holder: str, layouts: list[str] = ()):
+    def lease_weight_spare(self, holder: str, layouts: list[str] = (), replicas: list[int] | None = None):
         """POST /weights/spare: where the server stages its next update, for this trainer to write
-        into (push_weights_shared uses it; `layouts`: the packs its SpareWriter runs; 400 where the
-        server lends none, 409 while another trainer holds it)."""
-        return self._run(_Call("POST", "/weights/spare", json={"holder": holder, "layouts": list(layouts)},
-                               admin=True))
+        into (push_weights_shared uses it; `layouts`: the packs its SpareWriter runs; `replicas`:
+        only those data-parallel replicas lend theirs; 400 where the server lends none, 409 while
+        another trainer holds it)."""
+        return self._run(_Call("POST", "/weights/spare", json={"holder": holder, "layouts": list(layouts),
+                                                               "replicas": replicas}, admin=True))
 
     def save_weights(self, path: str, overwrite: bool = False, max_shard_bytes: int | None = None):
         """Write the server's live weights (pushes included) as a Hugging Face folder on its disk,

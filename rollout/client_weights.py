@@ -3,7 +3,8 @@ once for RolloutClient and AsyncRolloutClient.
 
     push_weights:        [POST /weights/update {source: gloo|nccl} || WeightSender.send]
                          (the server pauses, receives, swaps, clears caches and resumes in that call);
-                         to a CPU server on this machine: push_weights_shared's route instead
+                         to a CPU server on this machine: push_weights_shared's route instead; to
+                         one with some replicas here: their spares written, the rest over the group
     push_weights_shared: POST /weights/spare -> SpareWriter.write -> POST /weights/update {source: ipc}
                          (the tensors written straight into the server's staging memory while it
                          generates; where it lends none: SharedWeights.share, a segment of ours)
@@ -214,6 +215,7 @@ class WeightTransfer:
         self.dtype = None  # the engine's dtype: pushed floating-point tensors are cast to it
         self.bucket_bytes: int | None = None
         self.local = False  # push() goes through shared memory: the server is a CPU one on this machine
+        self.beside: list[int] = []  # its replicas on this machine (the others not): written, not in the group
         self.shared = None  # weight_sync.SharedWeights of push_shared: its segment is reused push after push
         self._sharing = threading.Lock()  # held while a push reads self.shared or writes self.spare
         self.spare: dict[int, Any] = {}  # replica -> weight_sync.SpareWriter: its staging memory, mapped
@@ -245,7 +247,11 @@ class WeightTransfer:
         /dev/shm), push() of CPU tensors takes push_shared's route (the server's leased spare, or
         a segment) instead of the group: loopback TCP moves a few GB/s where shared memory moves
         tens. Its result's `transport` says which ("spare", "segment" or "group"). The group is
-        formed either way (update() in chunks uses it); False keeps every push on it."""
+        formed either way (update() in chunks uses it); False keeps every push on it. Where only
+        some of its CPU replicas run here (`replica_hosts`), the group is formed from the others
+        and each push writes the tensors into these replicas' spares (a segment where they lend
+        none) beside the broadcast to the rest, one update for all (transport "group+spare" or
+        "group+segment"; update() in chunks is refused then)."""
         return self.run(self._init_plan(backend, master_address, master_port, timeout_s, bucket_bytes,
                                         shared_memory_when_local))
 
@@ -254,10 +260,18 @@ class WeightTransfer:
         from weight_sync import WeightTransferGroup, find_free_port, host_key
 
         yield from self._close_plan()
-        world_size = (yield lambda c: c.get_world_size()) + 1
+        info = yield lambda c: c.server_info()
+        here = host_key()
+        cpu_here = shared_memory_when_local and info.get("device") == "cpu" and here is not None
+        hosts = {int(r): k for r, k in (info.get("replica_hosts") or {}).items()}
+        beside = sorted(r for r, k in hosts.items() if k == here) if cpu_here else []
+        others = sorted(set(hosts) - set(beside))
+        if not (beside and others and info.get("tensor_parallel_size", 1) == 1):  # (spares: replicas of one rank)
+            beside = []
+        world_size = (len(others) if beside else (yield lambda c: c.get_world_size())) + 1
         port = master_port or find_free_port(master_address)
         init_info = dict(master_address=master_address, master_port=port, world_size=world_size, rank_offset=1,
-                         backend=backend, timeout_s=timeout_s)
+                         backend=backend, timeout_s=timeout_s, **({"replicas": others} if beside else {}))
         form = functools.partial(WeightTransferGroup, master_address, port, 0, world_size, backend=backend,
                                  timeout_s=timeout_s)
         both = yield Beside(lambda c: c.init_weight_transfer_engine(init_info), form)
@@ -267,14 +281,11 @@ class WeightTransfer:
             raise both.error
         if both.work_error is not None:
             raise both.work_error
-        info = yield lambda c: c.server_info()
         import torch
 
-        self.group, self.bucket_bytes = both.work_result, bucket_bytes
+        self.group, self.bucket_bytes, self.beside = both.work_result, bucket_bytes, beside
         self.dtype = getattr(torch, info["dtype"]) if info.get("dtype") else None
-        here = host_key()
-        self.local = (shared_memory_when_local and info.get("device") == "cpu" and here is not None
-                      and info.get("shm_host") == here)
+        self.local = cpu_here and info.get("shm_host") == here
         return both.result
 
     def close(self):
@@ -287,7 +298,7 @@ class WeightTransfer:
         for writer in self.spare.values():
             writer.close()
         self.spare = {}
-        group, self.group, self._sender_cache, self.local = self.group, None, None, False
+        group, self.group, self._sender_cache, self.local, self.beside = self.group, None, None, False, []
         if group is None:
             return
         try:
@@ -325,7 +336,9 @@ class WeightTransfer:
         it fails (504, phase named) and the group is broken: init_weight_transfer() again.
 
         To a CPU server on this machine the tensors go through shared memory, not the group
-        (init's `shared_memory_when_local`); the result's `transport` says which way they went."""
+        (init's `shared_memory_when_local`), and to the replicas on this machine of one that has
+        some elsewhere too (the rest get the broadcast); the result's `transport` says which way
+        they went: "group", "spare", "segment", "group+spare" or "group+segment"."""
         return self.run(self._push_plan(named_tensors, version, pause_mode, recompute_kv, dtype, lora_name,
                                         idempotency_key, deadline_s))
 
@@ -353,6 +366,7 @@ class WeightTransfer:
         del info["weight_version"]  # /weights/update takes it as `version`
         fields = dict(update_info=info, version=version, lora_name=lora_name, pause_mode=pause_mode,
                       recompute_kv=recompute_kv)
+        transport, done = "group", None
 
         def post(c):
             return c.weights_update(group.backend, idempotency_key, deadline_s, **fields)
@@ -368,12 +382,19 @@ class WeightTransfer:
             with group.deadline(None if deadline_s is None else deadline_s + SENDER_DEADLINE_GRACE_S):
                 return sender.send(named, dtype)
 
-        both = yield Beside(post, send, on_stuck=lambda e: group.abort(f"the server failed the update: {e}"))
+        try:
+            if self.beside:  # (before the pause: those replicas generate while their part is written)
+                fields["handles"], done = yield from self._beside_plan(named, dtype, lora_name)
+                transport = "group+spare" if fields["handles"].get("kind") == "spare" else "group+segment"
+            both = yield Beside(post, send, on_stuck=lambda e: group.abort(f"the server failed the update: {e}"))
+        finally:
+            if done is not None:
+                done()
         if both.error is not None:  # the server's answer names the phase; a refused push ends the sender too
             raise both.error
         if both.work_error is not None:
             raise both.work_error
-        result = dict(_push_result(both.result, both.work_result, t0), transport="group")
+        result = dict(_push_result(both.result, both.work_result, t0), transport=transport)
         log_push(self.client.wandb_run, "broadcast", result["seconds"], both.work_result["num_bytes"],
                  result["weight_version"] if lora_name is None else None)
         return result
@@ -435,6 +456,10 @@ class WeightTransfer:
     def _begin_plan(self, version, pause: dict, dtype) -> Plan:
         if self.group is None:
             raise RuntimeError("no weight transfer group: call init_weight_transfer() first")
+        if self.beside:
+            raise RuntimeError(f"an update in chunks goes over the group, which the server's replicas {self.beside} "
+                               "(on this machine: push() writes theirs) are not in; push() the whole update, or "
+                               "init_weight_transfer(shared_memory_when_local=False) to put every replica in it")
         update = WeightUpdate(self, self.group, dtype or self.dtype)
         update.paused = yield lambda c: c.pause(**pause)
         try:
@@ -522,15 +547,42 @@ class WeightTransfer:
                  result.get("weight_version") if lora_name is None else None)
         return dict(result, shared_via=via)
 
-    def _write_spare(self, named: list, dtype) -> Plan:
-        """Handles for the tensors written into the server's leased spare (every replica's, one
-        after the other: {"kind": "spare", "replicas": [each one's handles]}), or None where it
-        lends none or the push does not fit it (SpareWriter.write); a replica written before the
-        one that did not fit keeps its lease until the update that uses it or the lease's TTL."""
+    def _beside_plan(self, named: list, dtype, lora_name: str | None) -> Plan:
+        """(handles, done) for the replicas on this machine outside the group: their spares written
+        ({"kind": "spare", "replicas": [...]}), or where that cannot be (a LoRA push, no spare
+        lent, a concurrent push writing them) one segment of ours shared for all of them. The
+        caller calls done() once the update returned (the spares may be written again, the
+        segment is closed)."""
+        from weight_sync import SharedWeights
+
+        named = [(n, t.cpu()) for n, t in named]  # (a CPU server's shared memory)
+        if lora_name is None and self._sharing.acquire(blocking=False):
+            try:
+                handles = yield from self._write_spare(named, dtype, self.beside)
+            except BaseException:
+                self._sharing.release()
+                raise
+            if handles is not None:
+                return handles, self._sharing.release
+            self._sharing.release()
+        segment = SharedWeights()
+        try:
+            one = segment.share(named, dtype)
+        except BaseException:
+            segment.close()
+            raise
+        return {"replicas": [dict(one, replica=r) for r in self.beside]}, segment.close
+
+    def _write_spare(self, named: list, dtype, replicas: list[int] | None = None) -> Plan:
+        """Handles for the tensors written into the server's leased spare (every replica's, or
+        `replicas`', one after the other: {"kind": "spare", "replicas": [each one's handles]}), or
+        None where it lends none or the push does not fit it (SpareWriter.write); a replica
+        written before the one that did not fit keeps its lease until the update that uses it or
+        the lease's TTL."""
         if not self._spare_lent or not all(t.device.type == "cpu" for _, t in named):
             return None
         try:
-            lease = yield lambda c: c.lease_weight_spare(self.holder, self._writer(0).layouts)
+            lease = yield lambda c: c.lease_weight_spare(self.holder, self._writer(0).layouts, replicas)
         except RolloutAPIError as e:
             if e.status != 409:  # not lent by this server (CPU replicas of one rank only), or no such route
                 self._spare_lent = False

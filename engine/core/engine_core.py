@@ -149,6 +149,7 @@ class EngineCore:
         self.num_generated_tokens = 0
         self.forming_group: Deferred | None = None  # init_weight_transfer while its group forms
         self.group_cancel = threading.Event()  # set by close_weight_transfer to stop the forming
+        self.in_weight_group = False  # this replica's workers joined the trainer's group (it formed)
         self.asleep: set[str] = set()  # parts freed by sleep: "weights", "kv_cache"
         self.needs_weights = False  # a level-2 sleep dropped the weights: a push or reload refills them
         self._pending_outputs: list[EngineCoreOutput] = []  # produced outside step() (aborts, stream input)
@@ -423,12 +424,13 @@ class EngineCore:
         sees them now: replicas come and go, so positions are counted afresh at every init; None:
         this replica alone), from `rank_offset` on (SGLang's trainers put several servers in one
         group). `group_name`: a named torch.distributed group (SGLang's recipe). Returns the
-        workers' ranks."""
+        workers' ranks. A replica that `replica_ranks` leaves out (a trainer on its machine pushes
+        to it through shared memory instead) leaves any group it was in and joins none: []."""
         if replica_ranks is None:
             replica_ranks = [self.config.data_parallel_rank]
         if self.config.data_parallel_rank not in replica_ranks:
-            raise InvalidRequestError(f"replica {self.config.data_parallel_rank} is not among the live replicas "
-                                      f"{replica_ranks}", "replica_ranks")
+            self.close_weight_transfer()
+            return []
         rank_offset += replica_ranks.index(self.config.data_parallel_rank) * self.config.tensor_parallel_size
         if self.group_cancel.is_set():  # a cancelled forming stops within a connect attempt
             deadline = time.monotonic() + 2.0
@@ -440,6 +442,7 @@ class EngineCore:
         cancel = self.group_cancel = threading.Event()
 
         def form() -> list[int]:
+            self.in_weight_group = False
             ranks = self.executor.collective_rpc(
                 "init_weight_transfer", [master_address, master_port, world_size],
                 {"backend": backend, "rank_offset": rank_offset, "timeout_s": timeout_s, "cancel": cancel,
@@ -449,6 +452,7 @@ class EngineCore:
 
                 self.executor.collective_rpc("close_weight_transfer")
                 raise WeightGroupError("the weight transfer group was closed while it formed")
+            self.in_weight_group = True
             return ranks
 
         # Forming the group waits for every rank (up to timeout_s): in a thread, so that
@@ -456,12 +460,16 @@ class EngineCore:
         self.forming_group = Deferred.in_thread(form, "weight-group")
         return self.forming_group
 
-    def lease_weight_spare(self, holder: str, layouts: list[str] | None = None) -> dict:
+    def lease_weight_spare(self, holder: str, layouts: list[str] | None = None,
+                           replicas: list[int] | None = None) -> dict | None:
         """Lend the trainer `holder` the memory the next update is staged in, to write its tensors
         into directly (Worker.lease_weight_spare): a CPU replica of one rank only (the ranks of a
         tensor-parallel one would each need their slices written). Every replica lends its own,
         which the trainer writes one after the other (`replica` names this one's data-parallel
-        rank; an update's handles say which lease each replica's part is: spare_handles_of)."""
+        rank; an update's handles say which lease each replica's part is: replica_part).
+        `replicas`: only those lend (the ones on the trainer's machine); None from the others."""
+        if replicas is not None and self.config.data_parallel_rank not in replicas:
+            return None
         self._check_has_weights("to lease its spare")
         if "weights" in self.asleep:
             raise EngineStateError("the weights are asleep: wake_up(tags=['weights']) first", "spare")
@@ -474,6 +482,7 @@ class EngineCore:
 
     def close_weight_transfer(self) -> bool:
         """Leave the group, or stop forming it (a group that forms meanwhile is closed at once)."""
+        self.in_weight_group = False
         if self.forming_group is not None and not self.forming_group.done():
             self.group_cancel.set()
             return True
@@ -495,8 +504,8 @@ class EngineCore:
             self._check_lora(lora_id, "lora")
             self._check_pin(lora_id)
             self._make_resident(lora_id)
-        if source == "ipc" and args and isinstance(args[0], dict) and "replicas" in args[0]:
-            args = [spare_handles_of(args[0], self.config.data_parallel_rank)]
+        if args and isinstance(args[0], dict) and (source == "broadcast" or source == "ipc" and "replicas" in args[0]):
+            source, args = self._own_part(source, args[0])
         try:
             stats = self.executor.collective_rpc("stage_weights",
                                                  [source, args, lora_id, self.needs_weights, deadline_s])[0]
@@ -509,6 +518,25 @@ class EngineCore:
                 stats["lora_path"] = args[0]
             return dict(stats, weight_version=self.loras.get(lora_id).version)
         return dict(stats, weight_version=self.weight_version)
+
+    def _own_part(self, source: str, handles: dict) -> tuple[str, list]:
+        """What this replica stages from handles that name replicas ({"replicas": [parts, each with
+        its "replica"]}: every replica's spare written, or a segment shared for several). "ipc":
+        every replica needs its part. "broadcast" (a trainer on the machine of some replicas):
+        those it names read their part through shared memory, the others receive the push over
+        the group, which the named ones must not be in (the trainer's broadcast would wait on them)."""
+        rank = self.config.data_parallel_rank
+        mine = replica_part(handles, rank)
+        if mine is None and source == "ipc":
+            raise InvalidRequestError(f"the push has no part for replica {rank} (a replica that joined since the "
+                                      "lease has none; lease the spares again)", "handles")
+        if mine is None:
+            return "broadcast", []
+        if source == "broadcast" and self.in_weight_group:
+            raise InvalidRequestError(f"replica {rank} is in the weight transfer group and the push names shared-memory "
+                                      "handles for it too: form the group without it (init_weight_transfer's "
+                                      "replicas)", "handles")
+        return "ipc", [mine]
 
     def commit_weights(self, version: int, lora_id: int = 0, lora_path: str | None = None) -> dict:
         """Make the staged update live under `version` (weight_update_plan has checked that it
@@ -776,19 +804,17 @@ class EngineCore:
             os.sched_setaffinity(0, self._cpus_before)
 
 
-def spare_handles_of(handles: dict, replica: int) -> dict:
-    """This replica's part of a push written into every replica's leased spare: {"kind": "spare",
-    "replicas": [each one's handles, with its "replica"]} (a replica that joined since the lease
-    has none: lease again)."""
+def replica_part(handles: dict, replica: int) -> dict | None:
+    """This replica's part of handles for several replicas, {"replicas": [parts, each with its
+    "replica"]}; None where none names it."""
     parts = handles.get("replicas")
-    if handles.get("kind") != "spare" or not isinstance(parts, list) or not all(isinstance(h, dict) for h in parts):
-        raise InvalidRequestError('a push into several replicas\' spares is {"kind": "spare", "replicas": [handles]}',
+    if not isinstance(parts, list) or not all(isinstance(h, dict) and "replica" in h for h in parts):
+        raise InvalidRequestError('handles for several replicas are {"replicas": [handles, each with its "replica"]}',
                                   "handles")
-    mine = [h for h in parts if h.get("replica") == replica]
-    if len(mine) != 1:
-        raise InvalidRequestError(f"the push has {len(mine)} parts for replica {replica} (one each: a replica that "
-                                  "joined since the lease has none; lease the spares again)", "handles")
-    return mine[0]
+    mine = [h for h in parts if h["replica"] == replica]
+    if len(mine) > 1:
+        raise InvalidRequestError(f"the push has {len(mine)} parts for replica {replica} (one each)", "handles")
+    return mine[0] if mine else None
 
 
 def _drains_first(fn: Callable) -> Callable:

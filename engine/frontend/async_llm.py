@@ -34,7 +34,7 @@ from engine.frontend.processor import Processor, PromptType, load_tokenizer
 from engine.frontend.tracing import RequestTracer
 from engine.process.core_client import AsyncMPClient
 from engine.process.replicas import Route
-from engine.process.utility import UpdateTrace
+from engine.process.utility import UpdateTrace, group_replicas
 from engine.protocol import EngineConnection, EngineCoreRequest, StreamInput
 from engine.routed_experts import routing_shape
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -350,16 +350,17 @@ class AsyncLLM:
     # ---- RL control: weights and sleep ------------------------------------------------------------
     async def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
                                    backend: str = "gloo", timeout_s: float = 60.0, rank_offset: int = 1,
-                                   group_name: str | None = None) -> list[int]:
+                                   group_name: str | None = None, replicas: list[int] | None = None) -> list[int]:
         """See LLM.init_weight_transfer."""
         return await self._call("init_weight_transfer", master_address, master_port, world_size, backend, timeout_s,
-                                replica_ranks=self.client.replica_ranks(), rank_offset=rank_offset,
-                                group_name=group_name)
+                                replica_ranks=group_replicas(self.client.replica_ranks(), replicas),
+                                rank_offset=rank_offset, group_name=group_name)
 
     # `lora_id`: update that loaded LoRA adapter instead (see LLM.update_weights).
-    async def update_weights(self, version: int | None = None, lora_id: int = 0) -> dict:
-        """Receive one push from the trainer's WeightSender; bumps the version, clears caches."""
-        return await self.update_weights_from("broadcast", [], version, lora_id)
+    async def update_weights(self, version: int | None = None, lora_id: int = 0, shared: dict | None = None) -> dict:
+        """Receive one push from the trainer's WeightSender; bumps the version, clears caches
+        (`shared`: see LLM.update_weights)."""
+        return await self.update_weights_from("broadcast", [] if shared is None else [shared], version, lora_id)
 
     async def update_weights_from_named(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         flattened: bool = False, version: int | None = None) -> dict:
@@ -395,9 +396,9 @@ class AsyncLLM:
         self._start_output_handler()  # utility results arrive through it
         return await self.client.update_weights_async(source, args, version, lora_id, deadline_s, trace)
 
-    async def lease_weight_spare(self, holder: str, layouts: list[str] = ()) -> dict:
+    async def lease_weight_spare(self, holder: str, layouts: list[str] = (), replicas: list[int] | None = None) -> dict:
         """See LLM.lease_weight_spare."""
-        return await self._call("lease_weight_spare", holder, list(layouts))
+        return await self._call("lease_weight_spare", holder, list(layouts), replicas)
 
     async def close_weight_transfer(self) -> bool:
         return await self._call("close_weight_transfer")

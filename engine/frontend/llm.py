@@ -27,7 +27,7 @@ from engine.frontend.outputs import PoolingOutput, RequestOutput
 from engine.frontend.processor import Processor, PromptType, load_tokenizer
 from engine.frontend.tracing import RequestTracer
 from engine.process.core_client import InprocClient, SyncMPClient
-from engine.process.utility import UpdateTrace
+from engine.process.utility import UpdateTrace, group_replicas
 from engine.routed_experts import routing_shape
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.worker.functions import function_path
@@ -240,22 +240,29 @@ class LLM:
 
     def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
                              backend: str = "gloo", timeout_s: float = 60.0, rank_offset: int = 1,
-                             group_name: str | None = None) -> list[int]:
+                             group_name: str | None = None, replicas: list[int] | None = None) -> list[int]:
         """Every worker joins the trainer's group (the trainer is rank 0; the workers take
         `rank_offset`, `rank_offset` + 1, ...); returns their ranks. `group_name`: form it as a
         named torch.distributed group, as SGLang's trainers (slime, AReaL) do, for
-        update_weights_from_named."""
+        update_weights_from_named. `replicas`: only those data-parallel replicas' workers join
+        (the others leave any group they were in: a trainer on their machine writes their part
+        through shared memory, update_weights' `shared`)."""
         return self.client.call_utility("init_weight_transfer", master_address, master_port, world_size,
-                                        backend, timeout_s, replica_ranks=self.client.replica_ranks(),
+                                        backend, timeout_s,
+                                        replica_ranks=group_replicas(self.client.replica_ranks(), replicas),
                                         rank_offset=rank_offset, group_name=group_name)
 
     # Every update_weights* takes `lora_id`: then it updates that loaded LoRA adapter instead
     # (tensors by PEFT names, a subset is fine; "disk": a PEFT folder), atomically, under the
     # adapter's own version (its tokens carry it in CompletionOutput.lora_versions). A pushed
     # adapter is pinned: its weights exist nowhere else.
-    def update_weights(self, version: int | None = None, lora_id: int = 0) -> dict:
-        """Receive one push from the trainer's WeightSender; bumps the version, clears caches."""
-        return self.client.update_weights("broadcast", [], version, lora_id)
+    def update_weights(self, version: int | None = None, lora_id: int = 0, shared: dict | None = None) -> dict:
+        """Receive one push from the trainer's WeightSender; bumps the version, clears caches.
+        `shared`: {"replicas": [handles, each with its "replica"]}: the replicas it names read
+        the push from shared memory instead (their leased spares written, or a segment), the
+        others receive it over the group (which the named ones are not in: init_weight_transfer's
+        `replicas`); one update, atomic across all of them."""
+        return self.client.update_weights("broadcast", [] if shared is None else [shared], version, lora_id)
 
     def update_weights_from_named(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                   flattened: bool = False, version: int | None = None) -> dict:
@@ -287,13 +294,15 @@ class LLM:
         AsyncLLM.update_weights_from)."""
         return self.client.update_weights(source, args, version, lora_id, deadline_s, trace)
 
-    def lease_weight_spare(self, holder: str, layouts: list[str] = ()) -> dict:
+    def lease_weight_spare(self, holder: str, layouts: list[str] = (), replicas: list[int] | None = None) -> dict:
         """For a trainer on this machine: where to write its next update itself (the engine's
         staging memory in shared memory; engine/worker/weight_buffers.py). Write the tensors the
         layout names, then update_weights_from_ipc({"kind": "spare", "lease", "tensors": names}):
         weight_sync.SpareWriter writes them and makes those handles. `layouts`: the packs the
-        trainer can run (its SpareWriter's `layouts`): the projections' panels are then leased."""
-        return self.client.call_utility("lease_weight_spare", holder, list(layouts))
+        trainer can run (its SpareWriter's `layouts`): the projections' panels are then leased.
+        With data parallelism every replica lends its own ({"replicas": [leases]}), or only
+        `replicas`."""
+        return self.client.call_utility("lease_weight_spare", holder, list(layouts), replicas)
 
     def close_weight_transfer(self) -> bool:
         return self.client.call_utility("close_weight_transfer")

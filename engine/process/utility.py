@@ -73,6 +73,7 @@ class StageArgs(_Args):
 class LeaseArgs(_Args):
     holder: str
     layouts: list[str] | None = None  # the pack functions the trainer can run (weight_sync.SpareWriter.layouts)
+    replicas: list[int] | None = None  # only these replicas lend theirs (None: every one)
 
 
 class CommitArgs(_Args):
@@ -155,8 +156,8 @@ def agree(results: list) -> Any:
 
 def per_replica(results: list) -> Any:
     """One replica's answer as it is; several as {"replicas": [their answers]} (each lends its own
-    weight spare)."""
-    return results[0] if len(results) == 1 else {"replicas": list(results)}
+    weight spare), without those that gave None (not asked to lend)."""
+    return results[0] if len(results) == 1 else {"replicas": [r for r in results if r is not None]}
 
 
 def combine_checksum(results: list) -> str:
@@ -255,6 +256,18 @@ UTILITIES: dict[str, Utility] = {
     "collective_rpc": Utility(RPCArgs, concat),
     "apply_model": Utility(ApplyModelArgs, concat),
 }
+
+
+def group_replicas(live: list[int], replicas: list[int] | None) -> list[int]:
+    """The live replicas (data_parallel_ranks) whose workers join a weight transfer group:
+    `replicas` (a trainer on the machine of the others pushes to those through shared memory),
+    in the live order, or every live one."""
+    if replicas is None:
+        return live
+    unknown = sorted(set(replicas) - set(live))
+    if unknown or not replicas:
+        raise InvalidRequestError(f"replicas must name live replicas ({live}), got {list(replicas)}", "replicas")
+    return [r for r in live if r in replicas]
 
 
 def replicas_for(method: str, live: list) -> list:

@@ -37,7 +37,11 @@
                                                             `vllm_config` (the parts TRL reads); `shm_host`:
                                                             weight_sync.host_key() when every engine process
                                                             runs on this machine (a trainer with the same
-                                                            key pushes through shared memory), else null
+                                                            key pushes through shared memory), else null;
+                                                            `replica_hosts`: {data_parallel_rank: its host
+                                                            key, null if it cannot answer} (a trainer
+                                                            beside some replicas pushes to those through
+                                                            shared memory, over the group to the others)
 
 Like vLLM's /sleep, a sleep while generating first pauses with `mode`; the wake-up that
 leaves nothing asleep resumes what that sleep paused. The engine core owns the pause and sleep
@@ -298,18 +302,24 @@ async def server_info(request: Request, config_format: Literal["json"] = Query("
             "api_server": state.config.api_server_index, "api_server_count": state.config.api_server_count,
             "supported_tasks": list(state.engine.get_supported_tasks()),
             "tracing": await state.engine.is_tracing_enabled(),
-            "shm_host": await _shm_host(state)}
+            **await _hosts(state)}
 
 
-async def _shm_host(state) -> str | None:
-    """This machine's host key when every engine process runs here: local processes always; Ray
-    actors when each reports this key (a local cluster: Ray may place replicas on other nodes,
-    whose shared memory is not ours). Asked anew each time: replicas come and go (/scale)."""
-    here = host_key()
+async def _hosts(state) -> dict:
+    """{"shm_host": this machine's host key when every engine process runs here, "replica_hosts":
+    each replica's}. Local processes are always here; a Ray actor where it reports this key (a
+    local cluster: Ray may place replicas on other nodes, whose shared memory is not ours).
+    Asked anew each time: replicas come and go (/scale)."""
+    here, ranks = host_key(), state.engine.client.replica_ranks()
     if here is None or state.engine.config.data_parallel_backend == "mp":
-        return here
-    try:
-        keys = await state.engine.collective_rpc("host_key", timeout=10)
-    except Exception:  # noqa: BLE001 - a replica that cannot answer now: the group is the safe way
-        return None
-    return here if keys and all(k == here for k in keys) else None
+        hosts = dict.fromkeys(ranks, here)
+    else:
+        try:
+            keys = await state.engine.collective_rpc("host_key", timeout=10)
+        except Exception:  # noqa: BLE001 - a replica that cannot answer now: the group is the safe way
+            keys = []
+        per = state.engine.config.tensor_parallel_size  # (one key per worker, replica after replica)
+        hosts = {r: (keys[i * per] if len(keys) == per * len(ranks) and len(set(keys[i * per:(i + 1) * per])) == 1
+                     else None) for i, r in enumerate(ranks)}
+    local = bool(hosts) and here is not None and all(k == here for k in hosts.values())
+    return {"shm_host": here if local else None, "replica_hosts": {str(r): k for r, k in hosts.items()}}

@@ -364,6 +364,9 @@ class InitInfo(_Strict):
     rank_offset: int = 1
     backend: Literal["gloo", "nccl"] | None = None
     timeout_s: float = Field(default=60.0, gt=0, le=MAX_GROUP_TIMEOUT_S)
+    # (ours) only these data-parallel replicas' workers join; the trainer writes the others'
+    # part through shared memory (/weights/update's handles beside the group's push)
+    replicas: list[int] | None = Field(default=None, min_length=1)
 
 
 class InitWeightTransferBody(_Strict):
@@ -444,6 +447,7 @@ def check_absolute(path: str, param: str) -> None:
 class LeaseSpareBody(_Strict):
     holder: str = Field(min_length=1)  # the trainer's own id: its retries lease again, others wait
     layouts: list[str] = []  # the engine kernels' pack functions the trainer runs (SpareWriter.layouts)
+    replicas: list[int] | None = Field(default=None, min_length=1)  # only these replicas lend theirs
 
 
 class UpdateFromIPCBody(_Strict):

@@ -8,6 +8,10 @@ it into /pause, /start_weight_update, /update_weights, /finish_weight_update, /r
          "update_info": {...}      gloo / nccl (optional): vLLM's update_info of the push that the
                                    trainer's WeightSender sends beside this call, over the group
                                    formed by /init_weight_transfer_engine
+         "handles": {"replicas": [...]}  gloo / nccl (optional): a trainer on the machine of some
+                                   replicas wrote their part into their leased spares (or a
+                                   segment): those read it, the others (the group's, formed with
+                                   init_info.replicas) receive the push
          "path": "/abs/folder"     disk: a safetensors folder on the server's disk
          "handles": {...}          ipc: weight_sync.SharedWeights.share()'s handles, or
                                    SpareWriter.write()'s for the spare leased by POST /weights/spare
@@ -88,10 +92,15 @@ class WeightsUpdateBody(_Strict):
     def _fields_fit_the_source(self):
         wants = SOURCE_FIELD[self.source]
         for name in ("update_info", "path", "handles"):
-            if name != wants and getattr(self, name) is not None:
+            beside = self.source in GROUP_SOURCES and name == "handles"  # (some replicas read shared memory)
+            if name != wants and not beside and getattr(self, name) is not None:
                 raise APIError(400, f"{name} does not go with source {self.source!r} (it takes {wants})", name)
         if self.source not in GROUP_SOURCES and getattr(self, wants) is None:
             raise APIError(400, f"source {self.source!r} needs {wants}", wants)
+        if self.source in GROUP_SOURCES and self.handles is not None and not isinstance(self.handles.get("replicas"),
+                                                                                          list):
+            raise APIError(400, 'handles beside a group push name replicas: {"replicas": [handles, each with its '
+                                '"replica"]}', "handles")
         if self.path is not None:
             check_absolute(self.path, "path")
         if self.recompute_kv and self.pause_mode != "keep":
@@ -107,9 +116,12 @@ class WeightsUpdateBody(_Strict):
     def fingerprint(self) -> str:
         """What makes two calls the same update: the body but its key and deadline (a retry may
         allow itself another deadline), and of IPC handles the tensor names (a retry shares the
-        tensors again, under new segment names or a new lease of the spare, or the other way)."""
+        tensors again, under new segment names or a new lease of the spare, or the other way;
+        beside a group push they only say where some replicas read the tensors update_info names)."""
         body = self.model_dump(exclude={"idempotency_key", "deadline_s"})
-        if self.handles is not None:
+        if self.source in GROUP_SOURCES:
+            body["handles"] = None
+        elif self.handles is not None:
             parts = self.handles.get("replicas")  # (every replica's spare written: the same tensors in each)
             first = parts[0] if isinstance(parts, list) and parts and isinstance(parts[0], dict) else self.handles
             tensors = first.get("tensors")
@@ -227,7 +239,7 @@ class Transaction:
         if left is not None and left <= 0:
             self.phase = "pause"
             raise TimeoutError(f"deadline_s ({body.deadline_s:g} s) passed while pausing generation")
-        args = {"gloo": [], "nccl": [], "disk": [body.path], "ipc": [body.handles]}[body.source]
+        args = [body.path] if body.source == "disk" else [] if body.handles is None else [body.handles]
         trace = UpdateTrace()
         update = asyncio.ensure_future(engine.update_weights_from(ENGINE_SOURCE[body.source], args, body.version,
                                                                   self.lora_id, deadline_s=left, trace=trace))

@@ -1,7 +1,8 @@
 """Weight routes. vLLM's four weight-transfer phases, same names and bodies:
 
     POST /init_weight_transfer_engine {"init_info": {"master_address", "master_port", "world_size",
-         "rank_offset": 1, "backend": "gloo"|"nccl" (ours; default by device), "timeout_s"}}
+         "rank_offset": 1, "backend": "gloo"|"nccl" (ours; default by device), "timeout_s",
+         "replicas" (ours: only these data-parallel replicas join; default all)}}
          -> the engine's workers join the trainer's group (blocks until every rank joined, so the
             trainer creates its rank-0 side concurrently)
     POST /start_weight_update {"is_checkpoint_format": true}   -> opens an update
@@ -40,6 +41,8 @@ from pathlib import Path
 import msgspec
 from fastapi import APIRouter, Request, Response
 
+from engine.errors import InvalidRequestError
+from engine.process.utility import group_replicas
 from rollout.api.cancel import until_disconnect
 from rollout.api.control import call
 from rollout.api.dispatch import alternate, json_object, one_of, parse
@@ -59,6 +62,13 @@ async def init_weight_transfer_engine(body: InitWeightTransferBody, request: Req
     state = get_state(request)
     info = body.init_info
     num_workers = len(await call(state.engine.collective_rpc("get_rank")))
+    if info.replicas is not None:
+        live = state.engine.client.replica_ranks()
+        try:
+            joining = group_replicas(live, info.replicas)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), "init_info.replicas") from None
+        num_workers = num_workers * len(joining) // len(live)
     # SkyRL gives each of its servers its own rank_offset in one group (1, 1 + workers, ...)
     if info.rank_offset < 1:
         raise APIError(400, "rank_offset must be at least 1 (the trainer is rank 0)", "init_info.rank_offset")
@@ -76,7 +86,7 @@ async def init_weight_transfer_engine(body: InitWeightTransferBody, request: Req
     try:
         ranks = await until_disconnect(request, call(state.engine.init_weight_transfer(
             info.master_address, info.master_port, info.world_size, backend, info.timeout_s,
-            rank_offset=info.rank_offset), "init_info"))
+            rank_offset=info.rank_offset, replicas=info.replicas), "init_info"))
     except APIError as e:
         if e.status == 499:
             await call(state.engine.close_weight_transfer())
@@ -219,8 +229,9 @@ async def lease_weight_spare(body: LeaseSpareBody, request: Request):
     (engine/worker/weight_buffers.py; the client's push_weights_shared does both). 400 where no
     spare is lent (CUDA, a replica of several ranks), 409 while another trainer holds it. With
     several replicas each lends its own: {"replicas": [each one's lease, with its "replica"]},
-    pushed as {"kind": "spare", "replicas": [each one's handles, with its "replica"]}."""
-    lease = await call(get_state(request).engine.lease_weight_spare(body.holder, body.layouts))
+    pushed as {"kind": "spare", "replicas": [each one's handles, with its "replica"]}; with
+    "replicas": [ranks] only those lend (the ones on the trainer's machine)."""
+    lease = await call(get_state(request).engine.lease_weight_spare(body.holder, body.layouts, body.replicas))
     # (encoded here: FastAPI's own encoder walking the default model's 272 entries cost 6-12 ms a push)
     return Response(msgspec.json.encode(lease), media_type="application/json")
 

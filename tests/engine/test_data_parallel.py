@@ -115,7 +115,7 @@ def test_every_replica_lends_its_spare_and_a_push_into_them_is_atomic(tiny_folde
         before = llm.weights_checksum()
         assert before == weights_checksum(state.items(), torch.float32)
         parts = write_all()
-        with pytest.raises(ValueError, match="0 parts for replica 1"):
+        with pytest.raises(ValueError, match="no part for replica 1"):
             llm.update_weights_from_ipc({"kind": "spare", "replicas": [p for p in parts if p["replica"] == 0]})
         assert llm.weights_checksum() == before and llm.get_weight_version() == 0
         result = llm.update_weights_from_ipc({"kind": "spare", "replicas": write_all()})  # (leased anew)
@@ -125,6 +125,70 @@ def test_every_replica_lends_its_spare_and_a_push_into_them_is_atomic(tiny_folde
     finally:
         for w in writers.values():
             w.close()
+        llm.shutdown()
+
+
+def test_a_push_goes_through_shared_memory_to_some_replicas_and_over_the_group_to_the_rest(tiny_folder):
+    """A trainer on the machine of replica 0 only (replica 1 elsewhere): the group is formed from
+    replica 1's worker alone, replica 0's spare is written, and one update takes both: replica 0
+    reads its spare while replica 1 receives the broadcast. Refused, weights whole: handles for
+    a replica that is in the group (the broadcast would wait on it), and a push that reaches
+    replica 0 by neither way (it is in no group)."""
+    import threading
+
+    from weight_sync import SpareWriter, WeightSender, WeightTransferGroup, load_safetensors_folder, weights_checksum
+
+    llm = tiny_llm(tiny_folder)
+    writer = SpareWriter()
+    state = dict(load_safetensors_folder(tiny_folder))
+    new = {n: t * 0.5 for n, t in state.items()}
+    port, ranks = find_free_port(), []
+    joining = threading.Thread(target=lambda: ranks.extend(llm.init_weight_transfer("127.0.0.1", port, 2,
+                                                                                    replicas=[1])))
+    joining.start()
+    group = WeightTransferGroup("127.0.0.1", port, 0, 2)
+    joining.join()
+
+    def spare_part() -> dict:
+        lease = llm.lease_weight_spare("trainer", writer.layouts, replicas=[0])
+        assert [one["replica"] for one in lease["replicas"]] == [0]  # (replica 1 lends nothing)
+        return dict(writer.write(lease["replicas"][0], new.items()), replica=0)
+
+    def push(shared: dict | None):
+        answer = {}
+
+        def update():
+            try:
+                answer["result"] = llm.update_weights(shared=shared)
+            except Exception as e:  # noqa: BLE001 - the test looks at it
+                answer["error"] = e
+
+        receiving = threading.Thread(target=update)
+        receiving.start()
+        sent = WeightSender(group).send(new.items())
+        receiving.join(timeout=60)
+        assert sent["num_tensors"] == len(new)
+        return answer
+
+    try:
+        assert ranks == [1]
+        before = llm.weights_checksum()
+        part = spare_part()
+        with pytest.raises(ValueError, match="replica 1 is in the weight transfer group"):
+            llm.update_weights(shared={"replicas": [part, dict(part, replica=1)]})  # (refused before receiving)
+        assert llm.weights_checksum() == before and llm.get_weight_version() == 0
+        missed = push(None)  # replica 1 receives it all; replica 0 has no group and no handles
+        assert "no weight transfer group" in str(missed["error"])
+        assert llm.weights_checksum() == before and llm.get_weight_version() == 0
+        result = push({"replicas": [spare_part()]})["result"]
+        assert result["weight_version"] == 1
+        assert llm.weights_checksum() == weights_checksum(new.items(), torch.float32)  # (both agree, or it raises)
+        assert [s["weight_version"] for s in replica_stats(llm)] == [1, 1]
+        outs = llm.generate(prompts(4), GREEDY, use_tqdm=False)
+        assert all(o.outputs[0].weight_versions == [1] * 8 for o in outs)
+    finally:
+        writer.close()
+        group.close()
         llm.shutdown()
 
 

@@ -310,6 +310,51 @@ def test_push_weights_shared_casts_to_the_served_dtype(server, original):
         assert c.weights_checksum() == good
 
 
+def test_a_server_with_one_replica_elsewhere_gets_its_part_over_the_group(tmp_path, default_model_path,
+                                                                         monkeypatch):
+    """A trainer beside replica 0 of a two-replica server whose replica 1 runs on another machine:
+    the group is formed from replica 1's worker alone and each push writes replica 0's spare
+    (a segment of ours while another trainer holds that spare) beside the broadcast to replica
+    1, one update for both. One machine cannot host a replica elsewhere, so the server's
+    `replica_hosts` is rewritten as a two-node Ray cluster's would read (every byte still moves
+    for real: shared memory to one replica process, gloo over TCP to the other). Updates in
+    chunks over that group are refused (replica 0 is not in it)."""
+    import weight_sync
+    from tests.rollout.conftest import start_server, stop_server, tiny_model_folder
+
+    folder = tiny_model_folder(tmp_path, default_model_path)
+    server = start_server(folder, "--max-model-len", "256", "--data-parallel-size", "2")
+    here = weight_sync.host_key()
+    try:
+        with RolloutClient(server.url, api_key=API_KEY, admin_api_key=ADMIN_KEY, timeout=120) as c, \
+                RolloutClient(server.url, api_key=API_KEY, admin_api_key=ADMIN_KEY, timeout=120) as other:
+            assert c.server_info()["replica_hosts"] == {"0": here, "1": here}
+            real_info = RolloutClient.server_info
+
+            def replica_1_elsewhere(self):
+                info = real_info(self)
+                return dict(info, shm_host=None, replica_hosts=dict(info["replica_hosts"], **{"1": "another-machine"}))
+
+            monkeypatch.setattr(RolloutClient, "server_info", replica_1_elsewhere)
+            state = load_file(str(Path(folder) / "model.safetensors"))
+            assert c.init_weight_transfer(backend="gloo", timeout_s=60)["ranks"] == [1]  # replica 1's worker alone
+            for scale, transport in ((0.5, "group+spare"), (2.0, "group+segment")):
+                if transport == "group+segment":  # another trainer holds replica 0's spare now
+                    other.lease_weight_spare("another-trainer", [], replicas=[0])
+                pushed = {n: t * scale for n, t in state.items()}
+                result = c.push_weights(pushed.items())
+                assert result["transport"] == transport and result["send"]["num_tensors"] == len(state)
+                # (each replica's checksum: they agree, or this raises)
+                assert c.weights_checksum() == weights_checksum(pushed.items(), torch.float32)
+                assert set(c.generate(PROMPT, GREEDY)[0].weight_versions) == {result["weight_version"]}
+            with pytest.raises(RuntimeError, match="in chunks"):
+                with c.weight_update():
+                    pass
+            c.close_weight_transfer()
+    finally:
+        assert stop_server(server) == 0, server.log()
+
+
 def test_a_ray_server_on_this_machine_takes_pushes_through_shared_memory(tmp_path, default_model_path, monkeypatch):
     """Ray may place replicas on any node, so the server asks its workers for their host keys:
     on a local Ray cluster (two replicas as Ray actors) every worker has this machine's key, the
