@@ -218,6 +218,9 @@ class WeightTransfer:
         self.beside: list[int] = []  # its replicas on this machine (the others not): written, not in the group
         self.shared = None  # weight_sync.SharedWeights of push_shared: its segment is reused push after push
         self._sharing = threading.Lock()  # held while a push reads self.shared or writes self.spare
+        # held from a group push's POST to its last byte: the server receives one update at a time,
+        # and each must get its own sender's bytes (two at once would mix, under each one's version)
+        self._group_turn = asyncio.Lock() if is_async else threading.Lock()
         self.spare: dict[int, Any] = {}  # replica -> weight_sync.SpareWriter: its staging memory, mapped
         self._spare_lent = True  # False once the server said it lends none (CUDA, several ranks, ...)
         self.holder = uuid.uuid4().hex  # who leases the server's spare
@@ -382,6 +385,7 @@ class WeightTransfer:
             with group.deadline(None if deadline_s is None else deadline_s + SENDER_DEADLINE_GRACE_S):
                 return sender.send(named, dtype)
 
+        yield lambda c: self._group_turn.acquire()
         try:
             if self.beside:  # (before the pause: those replicas generate while their part is written)
                 fields["handles"], done = yield from self._beside_plan(named, dtype, lora_name)
@@ -390,6 +394,7 @@ class WeightTransfer:
         finally:
             if done is not None:
                 done()
+            self._group_turn.release()
         if both.error is not None:  # the server's answer names the phase; a refused push ends the sender too
             raise both.error
         if both.work_error is not None:
@@ -477,8 +482,12 @@ class WeightTransfer:
         named = [(n, t) for n, t in named_tensors]
         sender = self._sender(update.group)
         info = _update_info(named, update.dtype, None)  # the version is set once, by the finish
-        both = yield Beside(lambda c: c.update_weights(info), functools.partial(sender.send, named, update.dtype),
-                            on_stuck=lambda e: update.group.abort(f"the server failed the update: {e}"))
+        yield lambda c: self._group_turn.acquire()
+        try:
+            both = yield Beside(lambda c: c.update_weights(info), functools.partial(sender.send, named, update.dtype),
+                                on_stuck=lambda e: update.group.abort(f"the server failed the update: {e}"))
+        finally:
+            self._group_turn.release()
         if both.error is not None:  # a refused push ends the sender too, with the group intact
             raise both.error
         if both.work_error is not None:

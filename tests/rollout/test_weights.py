@@ -2,6 +2,7 @@
 server's engine worker rank 1. A push of changed tensors changes the engine's checksum to
 exactly what the trainer computes, labels the new tokens with the new version, and pushing the
 originals back restores the original output; vLLM's four phases driven by hand work too."""
+import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollout.client import RolloutAPIError, RolloutClient
+from rollout.client import AsyncRolloutClient, RolloutAPIError, RolloutClient
 from tests.rollout.conftest import ADMIN_KEY, API_KEY
 from kernels import cpu_ext
 from weight_sync import SpareWriter, WeightSender, weights_checksum
@@ -51,6 +52,50 @@ def test_push_changes_weights_checksum_and_version(transfer, original):
     assert result["weight_version"] == version + 1
     assert client.weights_checksum() == weights_checksum(original.items(), torch.float32)
     assert client.generate(PROMPT, GREEDY)[0].token_ids == before.token_ids
+
+
+def test_two_pushes_at_once_over_one_group_land_whole_in_turn(transfer, original):
+    """Two threads push over one client's group at the same moment (same names and shapes,
+    different values): the server takes one update at a time, so the client must send one at a
+    time too, or an update could receive the other push's bytes under its own version. The
+    push answered with the higher version is the one live."""
+    client = transfer
+    names = ("model.norm.weight", "model.layers.1.mlp.up_proj.weight")
+    states = [{n: original[n] * s for n in names} for s in (0.5, 2.0)]
+    base = client.weight_version()
+    go = threading.Barrier(2)
+
+    def push(i: int) -> dict:
+        go.wait(60)
+        return client.push_weights(states[i].items())
+
+    for _ in range(3):
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(push, (0, 1), timeout=300))
+        versions = [r["weight_version"] for r in results]
+        assert sorted(versions) == [base + 1, base + 2]
+        last = states[versions.index(base + 2)]
+        assert client.weights_checksum() == weights_checksum({**original, **last}.items(), torch.float32)
+        base += 2
+    client.push_weights([(n, original[n]) for n in names])
+    assert client.weights_checksum() == weights_checksum(original.items(), torch.float32)
+
+    async def both_at_once():  # the asyncio client: two tasks
+        async with AsyncRolloutClient(client.url, api_key=API_KEY, admin_api_key=ADMIN_KEY, timeout=120) as c:
+            await c.init_weight_transfer(backend="gloo", shared_memory_when_local=False, timeout_s=60)
+            try:
+                return await asyncio.gather(*(c.push_weights(state.items()) for state in states))
+            finally:
+                await c.close_weight_transfer()
+
+    base = client.weight_version()
+    versions = [r["weight_version"] for r in asyncio.run(both_at_once())]
+    assert sorted(versions) == [base + 1, base + 2]
+    last = states[versions.index(base + 2)]
+    assert client.weights_checksum() == weights_checksum({**original, **last}.items(), torch.float32)
+    client.init_weight_transfer(backend="gloo", shared_memory_when_local=False, timeout_s=60)  # (the fixture's)
+    client.push_weights([(n, original[n]) for n in names])
+    assert client.weights_checksum() == weights_checksum(original.items(), torch.float32)
 
 
 def test_the_default_push_loses_no_work(transfer, original):
