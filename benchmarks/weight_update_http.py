@@ -21,8 +21,8 @@ for a trainer on this machine instead, beside the group every replica would take
                              from its worker alone, the others' spares written beside the broadcast
     push_weights (group)     every replica in the group (shared_memory_when_local=False)
 
-Each of these routes forms its own group before its turns (untimed: workers are in one group at a
-time) and takes them one after the other, after two warm-up pushes.
+Each of these routes forms its own group before its turn (untimed: workers are in one group at a
+time), after two warm-up rounds.
 
 A request streams while every push runs (pause mode "keep" freezes it), so the pause and
 resume do real work (--idle: none does); "paused s" is how long generation stood still (the resume's answer, best
@@ -121,14 +121,10 @@ def main():
         routes = {name: fn for name, (_, _, fn) in routed.items()}
         times, phases, paused, refused = {name: [] for name in routes}, {}, {name: [] for name in routes}, {}
         transports, grouped = {}, None
-        # Round robin, so that the box's drifting load hits every route alike; the replicas' routes
-        # in turn instead: a group push leaves a replica's spare where the next lease hands out
-        # fresh shared memory, whose page faults the spare's push would then measure.
-        # (two warm-up pushes there: a spare alternates between two segments, each touched once)
+        # Round robin, so that the box's drifting load hits every route alike; with replicas two
+        # warm-up rounds (a spare alternates between two segments, whose pages the first writes fault)
         warm = 2 if dp > 1 else 1
-        turns = ([(rep, name) for name in routes for rep in range(args.reps + warm)] if dp > 1 else
-                 [(rep, name) for rep in range(args.reps + warm) for name in routes])
-        for rep, name in turns:
+        for rep, name in [(rep, name) for rep in range(args.reps + warm) for name in routes]:
             fn = routes[name]
             if name in refused:
                 continue
@@ -144,7 +140,7 @@ def main():
                 continue
             if rep >= warm:
                 times[name].append(time.perf_counter() - t0)
-                transports[name] = (result or {}).get("transport")
+                transports[name] = (result or {}).get("transport") or (result or {}).get("shared_via")
                 if (result or {}).get("paused_seconds") is not None:
                     paused[name].append(result["paused_seconds"])
                 if times[name][-1] == min(times[name]):

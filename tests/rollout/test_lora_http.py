@@ -148,3 +148,36 @@ def test_more_adapters_in_use_than_max_loras(tmp_path_factory, default_model_pat
         for i, r in enumerate(asyncio.run(at_once())):
             assert r.status_code == 200, (i, r.text)
             assert r.json()["choices"][0]["token_ids"] == alone[names[i % 3]], i
+
+
+@pytest.mark.slow  # (a server of two replicas)
+def test_a_lora_push_to_replicas_here_and_elsewhere(tmp_path, default_model_path):
+    """Two replicas, the second seen on another machine (its host rewritten, as a multi-node Ray
+    cluster's reads; tests/rollout/test_weights.py has the full push): a LoRA push takes a
+    segment of the trainer's to replica 0 and the group to replica 1, and both then serve the
+    pushed adapter under its new version."""
+    folder, base, adapters = build_models(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(default_model_path) / name, Path(folder) / name)
+
+    class ReplicaOneElsewhere(RolloutClient):
+        def server_info(self):
+            info = super().server_info()
+            return dict(info, shm_host=None, replica_hosts=dict(info["replica_hosts"], **{"1": "another-machine"}))
+
+    trained = perturbed(adapters[0][1], 3)
+    with served(folder, "--dtype", "float32", "--data-parallel-size", "2", "--lora-modules",
+                f"first={adapters[0][0]}", log_path=tmp_path / "serve.log") as server, \
+            ReplicaOneElsewhere(server.url, timeout=120) as client:
+        client.init_weight_transfer(backend="gloo", timeout_s=60)
+        try:
+            result = client.push_weights(lora_tensors(trained), version=3, lora_name="first")
+        finally:
+            client.close_weight_transfer()
+        assert result["transport"] == "group+segment" and result["weight_version"] == 3
+        for replica in ("0", "1"):  # (vLLM's header pins the request to that replica)
+            choice = httpx.post(server.url + "/v1/completions", headers={"X-data-parallel-rank": replica},
+                                json={"model": "first", "prompt": PROMPT, "return_token_ids": True, **GREEDY},
+                                timeout=60).json()["choices"][0]
+            assert choice["token_ids"] == reference(trained, PROMPT), replica
+            assert choice["lora_versions"] == [3] * 12, replica

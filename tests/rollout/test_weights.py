@@ -362,8 +362,9 @@ def test_a_server_with_one_replica_elsewhere_gets_its_part_over_the_group(tmp_pa
     (a segment of ours while another trainer holds that spare) beside the broadcast to replica
     1, one update for both. One machine cannot host a replica elsewhere, so the server's
     `replica_hosts` is rewritten as a two-node Ray cluster's would read (every byte still moves
-    for real: shared memory to one replica process, gloo over TCP to the other). Updates in
-    chunks over that group are refused (replica 0 is not in it)."""
+    for real: shared memory to one replica process, gloo over TCP to the other). A new group
+    keeps the spares mapped. Updates in chunks over that group are refused (replica 0 is not in
+    it)."""
     import weight_sync
     from tests.rollout.conftest import start_server, stop_server, tiny_model_folder
 
@@ -383,7 +384,11 @@ def test_a_server_with_one_replica_elsewhere_gets_its_part_over_the_group(tmp_pa
             monkeypatch.setattr(RolloutClient, "server_info", replica_1_elsewhere)
             state = load_file(str(Path(folder) / "model.safetensors"))
             assert c.init_weight_transfer(backend="gloo", timeout_s=60)["ranks"] == [1]  # replica 1's worker alone
-            for scale, transport in ((0.5, "group+spare"), (2.0, "group+segment")):
+            for scale, transport in ((0.5, "group+spare"), (0.25, "group+spare"), (2.0, "group+segment")):
+                if scale == 0.25:  # a new group keeps the spares mapped (a remap would fault them in again)
+                    writers = dict(c.weights.spare)
+                    c.init_weight_transfer(backend="gloo", timeout_s=60)
+                    assert c.weights.spare == writers and 0 in writers
                 if transport == "group+segment":  # another trainer holds replica 0's spare now
                     other.lease_weight_spare("another-trainer", [], replicas=[0])
                 pushed = {n: t * scale for n, t in state.items()}
@@ -396,6 +401,7 @@ def test_a_server_with_one_replica_elsewhere_gets_its_part_over_the_group(tmp_pa
                 with c.weight_update():
                     pass
             c.close_weight_transfer()
+            assert c.weights.spare == {}  # (closed: unmapped)
     finally:
         assert stop_server(server) == 0, server.log()
 
