@@ -6,9 +6,9 @@ OpenAI fields we do not implement (penalties, logit_bias, best_of != n, suffix) 
 their neutral value and refused otherwise, naming the field.
 """
 import os
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from rollout.api.errors import APIError
@@ -357,8 +357,21 @@ class ScaleElasticEPBody(_Strict):
     drain_timeout: float = Field(120.0, ge=0)
 
 
+def _host(address: str) -> str:
+    """A host name or IP address a socket can take (checked without a lookup: a name the resolver
+    cannot even encode failed deep in the group's forming, as a 500)."""
+    try:
+        address.encode("idna")
+    except UnicodeError:
+        raise ValueError(f"not a host name or IP address: {address[:80]!r}") from None
+    return address
+
+
+HostAddress = Annotated[str, Field(min_length=1, max_length=253), AfterValidator(_host)]
+
+
 class InitInfo(_Strict):
-    master_address: str
+    master_address: HostAddress
     master_port: int = Field(ge=1, le=65535)
     world_size: int = Field(ge=2)
     rank_offset: int = 1

@@ -49,7 +49,7 @@ from rollout.api.control import call
 from rollout.api.dispatch import parse, register
 from rollout.api.errors import APIError
 from rollout.api.generate import final_output, tokenize_prompts
-from rollout.api.protocol import check_wire_values, make_sampling_params, refuse_penalties
+from rollout.api.protocol import HostAddress, check_wire_values, make_sampling_params, refuse_penalties
 from rollout.api.state import ServerState, get_state
 from rollout.api.streaming import DONE, merge, prime, sse
 from rollout.log import log
@@ -278,7 +278,7 @@ async def _streamed(request: Request, state: ServerState, body: SGLangGenerateRe
 
 # ---- weights --------------------------------------------------------------------------------------
 class InitWeightsUpdateGroupBody(_Body):
-    master_address: str
+    master_address: HostAddress
     master_port: int
     rank_offset: int
     world_size: int
