@@ -118,17 +118,15 @@ def main():
             routed = {"push_weights": (*group, lambda: client.push_weights(state)), "vllm phases": (*group, vllm_phases),
                       "push_weights_shared": (None, {}, lambda: client.push_weights_shared(state)),
                       "push_weights_from_disk": (None, {}, lambda: client.push_weights_from_disk(path))}
-        routes = {name: fn for name, (_, _, fn) in routed.items()}
-        times, phases, paused, refused = {name: [] for name in routes}, {}, {name: [] for name in routes}, {}
+        times, phases, paused, refused = {name: [] for name in routed}, {}, {name: [] for name in routed}, {}
         transports, grouped = {}, None
         # Round robin, so that the box's drifting load hits every route alike; with replicas two
         # warm-up rounds (a spare alternates between two segments, whose pages the first writes fault)
         warm = 2 if dp > 1 else 1
-        for rep, name in [(rep, name) for rep in range(args.reps + warm) for name in routes]:
-            fn = routes[name]
+        for rep, name in [(rep, name) for rep in range(args.reps + warm) for name in routed]:
             if name in refused:
                 continue
-            owner, init = routed[name][:2]
+            owner, init, fn = routed[name]
             if owner is not None and grouped is not owner:  # (untimed: the workers join its group)
                 owner.init_weight_transfer(backend="gloo", timeout_s=120, **init)
                 grouped = owner
@@ -147,7 +145,7 @@ def main():
                     phases[name] = (result or {}).get("phases")
         rows = [(name, None, None, None, refused[name]) if name in refused else
                 (name, min(times[name]), statistics.median(times[name]), min(paused[name], default=None),
-                 phases.get(name)) for name in routes]
+                 phases.get(name)) for name in routed]
         stop.set()
         for owner in {owner for owner, _, _ in routed.values() if owner is not None}:
             owner.close_weight_transfer()

@@ -319,7 +319,11 @@ async def _hosts(state) -> dict:
         except Exception:  # noqa: BLE001 - a replica that cannot answer now: the group is the safe way
             keys = []
         per = state.engine.config.tensor_parallel_size  # (one key per worker, replica after replica)
-        hosts = {r: (keys[i * per] if len(keys) == per * len(ranks) and len(set(keys[i * per:(i + 1) * per])) == 1
-                     else None) for i, r in enumerate(ranks)}
+        if len(keys) != per * len(ranks):
+            keys = [None] * per * len(ranks)
+        hosts = {}
+        for i, r in enumerate(ranks):  # a replica whose workers sit on different machines has no one host
+            workers = set(keys[i * per:(i + 1) * per])
+            hosts[r] = workers.pop() if len(workers) == 1 else None
     local = bool(hosts) and here is not None and all(k == here for k in hosts.values())
     return {"shm_host": here if local else None, "replica_hosts": {str(r): k for r, k in hosts.items()}}
