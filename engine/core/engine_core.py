@@ -9,7 +9,9 @@ gathered on the device), reads N's samples back and returns N's outputs, so sche
 handling overlap the forward pass, and on a GPU the two steps' kernels run back to back.
 Every other public method but the request path (add_request, add_stream_input, abort_requests)
 and a few reads first finishes the step in flight (`_drains_first`; its outputs join the pending
-ones), and so does a Deferred's finish: no call ever runs beside a step.
+ones), and so does a Deferred's finish: no call ever runs beside a step, but the receive of a
+weight update (stage_weights), which touches nothing a step reads and which every call that may
+touch the weights waits for.
 
 It speaks token ids only (EngineCoreRequest in, EngineCoreOutput out). `LLM(multiprocess=False)`
 drives it in process; normally it runs inside the engine-core process
@@ -44,6 +46,7 @@ import resource
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -74,15 +77,17 @@ class Deferred:
     """A utility call's result that is ready later: `done()` is checked after every step and
     every input (and every few ms while idle); once it holds, `finish()` gives the result (or
     raises the call's error). `needs_steps`: only engine steps can make it done (a drain), as
-    opposed to work in a thread of its own."""
+    opposed to work in a thread of its own (`thread`)."""
 
     done: Callable[[], bool]
     finish: Callable[[], Any]
     needs_steps: bool = True
+    thread: threading.Thread | None = None
 
     @classmethod
-    def in_thread(cls, fn: Callable[[], Any], name: str) -> "Deferred":
-        """Run `fn` in a thread while the engine goes on serving; its result is the answer."""
+    def in_thread(cls, fn: Callable[[], Any], name: str, then: Callable[[Any], Any] | None = None) -> "Deferred":
+        """Run `fn` in a thread while the engine goes on serving; its result is the answer, or
+        `then(result)`'s, run in the caller's thread once `fn` returned."""
         box: dict = {}
 
         def run():
@@ -98,9 +103,9 @@ class Deferred:
         def finish():
             if "error" in box:
                 raise box["error"]
-            return box["result"]
+            return box["result"] if then is None else then(box["result"])
 
-        return cls(lambda: not thread.is_alive(), finish, needs_steps=False)
+        return cls(lambda: not thread.is_alive(), finish, needs_steps=False, thread=thread)
 
 
 def stale_version(version: int, live: int) -> EngineStateError | None:
@@ -148,6 +153,7 @@ class EngineCore:
         self._steps_version, self._version_moved = 0, False
         self.num_generated_tokens = 0
         self.forming_group: Deferred | None = None  # init_weight_transfer while its group forms
+        self.staging: Deferred | None = None  # stage_weights while its bytes are received beside the steps
         self.group_cancel = threading.Event()  # set by close_weight_transfer to stop the forming
         self.in_weight_group = False  # this replica's workers joined the trainer's group (it formed)
         self.asleep: set[str] = set()  # parts freed by sleep: "weights", "kv_cache"
@@ -408,12 +414,18 @@ class EngineCore:
         return bool(self.asleep)
 
     # ---- weights ----------------------------------------------------------------------------
-    def _check_can_update(self) -> None:
+    def _check_weights_awake(self) -> None:
         if "weights" in self.asleep:
             raise EngineStateError("the weights are asleep: wake_up(tags=['weights']) before updating them")
-        if (self._can_run() and self.scheduler.has_active()
-                and self.pause.state is not PauseState.PAUSED_ALL):
+
+    def _check_can_update(self) -> None:
+        self._check_weights_awake()
+        if self._generating():
             raise EngineStateError("requests are running: pause generation before updating the weights")
+
+    def _generating(self) -> bool:
+        """Admitted requests run (not frozen by a keep pause, nor stopped by sleep or no weights)."""
+        return self._can_run() and self.scheduler.has_active() and self.pause.state is not PauseState.PAUSED_ALL
 
     def init_weight_transfer(self, master_address: str, master_port: int, world_size: int,
                              backend: str = "gloo", timeout_s: float = 60.0,
@@ -492,32 +504,68 @@ class EngineCore:
     # A weight update has two phases so that it is atomic across data-parallel replicas: every
     # replica stages it (received / read, checked; nothing live changes), then it goes live on
     # all of them only if all staged (engine.process.core_client.weight_update_plan drives it).
-    def stage_weights(self, source: str, args: list, lora_id: int = 0, deadline_s: float | None = None) -> dict:
+    def stage_weights(self, source: str, args: list, lora_id: int = 0, deadline_s: float | None = None):
         """Stage an update from `source` ("broadcast": one push from the trainer's WeightSender;
         "disk" [path]; "tensors" [named tensors]; "ipc" [handles]; "reload": the start-up
         checkpoint; "peer": a live replica's weights, see send_weights_to_peers) on every worker.
         Returns its stats and the current weight_version. With `lora_id`: an update of that
         loaded LoRA adapter's tensors (PEFT names; "disk": a PEFT folder), its version instead.
-        `deadline_s`: the workers give up staging that many seconds from now (Worker.stage_weights)."""
-        self._check_can_update()
+        `deadline_s`: the workers give up staging that many seconds from now (Worker.stage_weights).
+
+        Where the config allows (EngineConfig.stages_weights_beside_steps; base weights) and
+        requests are generating, the bytes are received in a thread while they go on with the live
+        weights (Worker.receive_weights touches only the spare): a Deferred, answered once they are
+        all here and checked; only the commit needs generation paused. Meanwhile every call that
+        may touch the weights waits for the receive (_drains_first), as it waited for a staging
+        that held the loop. Elsewhere generation must be paused first, as for the commit; with
+        nothing generating the loop stages it itself, with all its threads (a thread beside it
+        would hold a second OpenMP team, and every parallel copy would wait on a futex wake-up)."""
+        unpaused = self.config.stages_weights_beside_steps and not lora_id  # (staging touches nothing a step reads)
+        if unpaused:
+            self._check_weights_awake()
+        else:
+            self._check_can_update()
         if lora_id:  # the update pins it: it must be resident, and its pin must strand no request
             self._check_lora(lora_id, "lora")
             self._check_pin(lora_id)
             self._make_resident(lora_id)
         if args and isinstance(args[0], dict) and (source == "broadcast" or source == "ipc" and "replicas" in args[0]):
             source, args = self._own_part(source, args[0])
-        try:
-            stats = self.executor.collective_rpc("stage_weights",
-                                                 [source, args, lora_id, self.needs_weights, deadline_s])[0]
-        except (ValueError, TypeError, KeyError) as e:
-            if source != "ipc" or isinstance(e, InvalidRequestError):
-                raise
-            raise InvalidRequestError(f"weight update from IPC handles: {e}") from e  # malformed handles
-        if lora_id:
-            if source == "disk":
-                stats["lora_path"] = args[0]
-            return dict(stats, weight_version=self.loras.get(lora_id).version)
-        return dict(stats, weight_version=self.weight_version)
+        written = source == "ipc" and bool(args) and isinstance(args[0], dict) and args[0].get("kind") == "spare"
+        if not (unpaused and self._generating()) or written:  # (a spare the trainer wrote: views are all to make)
+            with _malformed_handles(source):
+                stats = self.executor.collective_rpc("stage_weights",
+                                                     [source, args, lora_id, self.needs_weights, deadline_s])[0]
+            if lora_id:
+                if source == "disk":
+                    stats["lora_path"] = args[0]
+                return dict(stats, weight_version=self.loras.get(lora_id).version)
+            return dict(stats, weight_version=self.weight_version)
+
+        def receive() -> None:
+            # one thread's torch ops (a disk read's casts and copies): a second OpenMP team beside
+            # the steps' would slow every parallel region of theirs (engine/worker/executor.py)
+            n = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                with _malformed_handles(source):
+                    self.executor.collective_rpc("receive_weights", [source, args, deadline_s])
+            finally:
+                torch.set_num_threads(n)
+
+        def finish(_) -> dict:
+            with _malformed_handles(source):
+                stats = self.executor.collective_rpc("finish_staging", [self.needs_weights])[0]
+            return dict(stats, weight_version=self.weight_version)
+
+        self.staging = Deferred.in_thread(receive, "weight-receive", then=finish)
+        return self.staging
+
+    def _wait_for_staging(self) -> None:
+        """Block until a receive running beside the steps is over (its Deferred answers later)."""
+        if self.staging is not None:
+            self.staging.thread.join()
+            self.staging = None
 
     def _own_part(self, source: str, handles: dict) -> tuple[str, list]:
         """What this replica stages from handles that name replicas ({"replicas": [parts, each with
@@ -546,6 +594,7 @@ class EngineCore:
         the adapter is pinned from now on (the pushed weights exist nowhere else), `lora_path` (a
         disk update) becomes its folder. Returns {"weight_version", "swap_s" (the copy into the
         live weights), "clear_cache_s" (then the cache resets)}."""
+        self._check_can_update()  # (staging beside the steps did not ask for a pause)
         t0 = time.monotonic()
         self.executor.collective_rpc("commit_staged")
         swapped = time.monotonic()
@@ -817,12 +866,28 @@ def replica_part(handles: dict, replica: int) -> dict | None:
     return mine[0] if mine else None
 
 
+@contextmanager
+def _malformed_handles(source: str):
+    """Malformed IPC handles are bad input (InvalidRequestError), not an engine failure."""
+    try:
+        yield
+    except (ValueError, TypeError, KeyError) as e:
+        if source != "ipc" or isinstance(e, InvalidRequestError):
+            raise
+        raise InvalidRequestError(f"weight update from IPC handles: {e}") from e
+
+
 def _drains_first(fn: Callable) -> Callable:
     """`fn` after the step in flight finished (async scheduling; its outputs are kept for
-    take_pending_outputs); a Deferred it returns drains again before its finish. What the core
-    knew of the worker's LoRA adapters is forgotten."""
+    take_pending_outputs), and after a weight update's receive beside the steps, unless `fn`
+    cannot touch the weights (_BESIDE_STAGING); a Deferred it returns drains again before its
+    finish. What the core knew of the worker's LoRA adapters is forgotten."""
+    waits = fn.__name__ not in _BESIDE_STAGING
+
     @functools.wraps(fn)
     def call(self: EngineCore, *args, **kwargs):
+        if waits:
+            self._wait_for_staging()
         self._pending_outputs += self.drain()
         try:
             result = fn(self, *args, **kwargs)
@@ -848,6 +913,10 @@ def _drains_first(fn: Callable) -> Callable:
 # sees (a pause, a version, the KV cache), so it waits for the step in flight: new methods too.
 _UNDRAINED = {"add_request", "add_stream_input", "abort_requests", "has_work", "seconds_to_next_event",
               "take_pending_outputs", "step", "drain", "shutdown", "is_paused", "is_sleeping", "get_weight_version"}
+# The calls a receive beside the steps lets through (the pause that comes before the commit among
+# them): they touch neither the weights, the spare nor the trainer's group.
+_BESIDE_STAGING = {"pause_generation", "resume_generation", "get_stats", "reset_prefix_cache", "reset_encoder_cache",
+                   "reset_mm_cache", "set_weight_version"}
 for _name, _fn in list(vars(EngineCore).items()):
     if not _name.startswith("_") and _name not in _UNDRAINED and inspect.isfunction(_fn):
         setattr(EngineCore, _name, _drains_first(_fn))

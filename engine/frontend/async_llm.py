@@ -386,15 +386,21 @@ class AsyncLLM:
         return await self.update_weights_from("reload", [], version)
 
     async def update_weights_from(self, source: str, args: list, version: int | None = None, lora_id: int = 0,
-                                  deadline_s: float | None = None, trace: UpdateTrace | None = None) -> dict:
+                                  deadline_s: float | None = None, trace: UpdateTrace | None = None,
+                                  pause: dict | None = None) -> dict:
         """One update from any source ("broadcast" [], "disk" [path], "ipc" [handles], ...: the
         methods above name theirs), staged everywhere, then live everywhere or nowhere.
         `deadline_s`: staging gives up after that long (TimeoutError; over the trainer's group it
         breaks the group so that its sender fails at once), and what was staged past it never
         goes live. `trace` (engine.process.utility.UpdateTrace): the phase reached (the one that
-        failed, if it raises) and each phase's seconds."""
+        failed, if it raises) and each phase's seconds. `pause` ({"mode", "recompute_kv"}, as
+        pause_generation's): the update pauses generation itself unless it is paused; where the
+        engine receives beside its steps (EngineConfig.stages_weights_beside_steps) only for the
+        swap, so requests go on generating with the old weights while the bytes arrive. The
+        result's "paused" is that pause's answer; the caller resumes (trace.paused says whether
+        it must, also when the update failed)."""
         self._start_output_handler()  # utility results arrive through it
-        return await self.client.update_weights_async(source, args, version, lora_id, deadline_s, trace)
+        return await self.client.update_weights_async(source, args, version, lora_id, deadline_s, trace, pause)
 
     async def lease_weight_spare(self, holder: str, layouts: list[str] = (), replicas: list[int] | None = None) -> dict:
         """See LLM.lease_weight_spare."""

@@ -289,10 +289,11 @@ class LLM:
         return self.client.update_weights("reload", [], version)
 
     def update_weights_from(self, source: str, args: list, version: int | None = None, lora_id: int = 0,
-                            deadline_s: float | None = None, trace: UpdateTrace | None = None) -> dict:
-        """One update from any source, with a deadline and a trace of its phases (see
-        AsyncLLM.update_weights_from)."""
-        return self.client.update_weights(source, args, version, lora_id, deadline_s, trace)
+                            deadline_s: float | None = None, trace: UpdateTrace | None = None,
+                            pause: dict | None = None) -> dict:
+        """One update from any source, with a deadline, a trace of its phases and a pause of its
+        own (see AsyncLLM.update_weights_from)."""
+        return self.client.update_weights(source, args, version, lora_id, deadline_s, trace, pause)
 
     def lease_weight_spare(self, holder: str, layouts: list[str] = (), replicas: list[int] | None = None) -> dict:
         """For a trainer on this machine: where to write its next update itself (the engine's

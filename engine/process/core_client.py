@@ -61,8 +61,16 @@ class _SyncPlans:
             value = self.call_utility(method, **args) if how == "all" else self.call_utility_each(method, **args)
 
     def update_weights(self, source: str, args: list, version: int | None, lora_id: int = 0,
-                       deadline_s: float | None = None, trace: UpdateTrace | None = None) -> dict:
-        return self.run_plan(weight_update_plan(source, args, version, lora_id, deadline_s, trace))
+                       deadline_s: float | None = None, trace: UpdateTrace | None = None,
+                       pause: dict | None = None) -> dict:
+        return self.run_plan(weight_update_plan(source, args, version, lora_id, deadline_s, trace, pause,
+                                                pause_first(self.config, lora_id)))
+
+
+def pause_first(config: EngineConfig, lora_id: int) -> bool:
+    """Whether an update that pauses generation must pause before staging (the engine cannot
+    receive beside its steps: EngineCore.stage_weights) rather than only for the swap."""
+    return not config.stages_weights_beside_steps or bool(lora_id)
 
 
 # ---- in process ------------------------------------------------------------------------------------
@@ -74,6 +82,7 @@ class InprocClient(_SyncPlans):
 
         if config.data_parallel_size > 1:
             raise ValueError("data parallelism needs engine-core processes (multiprocess=True)")
+        self.config = config
         self.core = EngineCore(config)
         self.num_blocks, self.max_model_len = self.core.num_blocks, self.core.max_model_len
         self._outputs: list = []
@@ -621,8 +630,10 @@ class AsyncMPClient(ElasticScaling, _MPClientBase):
         return combine(method, results)
 
     async def update_weights_async(self, source: str, args: list, version: int | None, lora_id: int = 0,
-                                   deadline_s: float | None = None, trace: UpdateTrace | None = None) -> dict:
-        plan = weight_update_plan(source, args, version, lora_id, deadline_s, trace)
+                                   deadline_s: float | None = None, trace: UpdateTrace | None = None,
+                                   pause: dict | None = None) -> dict:
+        plan = weight_update_plan(source, args, version, lora_id, deadline_s, trace, pause,
+                                  pause_first(self.config, lora_id))
         value = None
         while True:
             try:

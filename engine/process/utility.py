@@ -314,13 +314,16 @@ class UpdateTrace:
     update raised; `seconds` what each finished phase took. Phases: "receive" (every replica
     stages: the bytes arrive or are read into fresh tensors), "stage" (the verdict: every replica
     accepted them, the version increases, the deadline holds; otherwise everything staged is
-    discarded), "swap" (the copy into the live weights, the new version), "clear_cache" (prefix
-    and encoder caches, in the same engine call as the swap). A refusal of what was sent
-    (names, shapes, dtypes, a bad checkpoint) fails "stage"; a transport failure or a deadline
-    while receiving fails "receive"."""
+    discarded), "pause" (when the update pauses generation itself: see weight_update_plan),
+    "swap" (the copy into the live weights, the new version), "clear_cache" (prefix and encoder
+    caches, in the same engine call as the swap). A refusal of what was sent (names, shapes,
+    dtypes, a bad checkpoint) fails "stage"; a transport failure or a deadline while receiving
+    fails "receive". `paused`: the answer of the update's own pause once it was asked for (a
+    pause that failed or ran out of time counts as made here: the caller resumes it)."""
 
     phase: str = ""
     seconds: dict[str, float] = field(default_factory=dict)
+    paused: dict | None = None
 
 
 def _refused(e: BaseException) -> bool:
@@ -332,7 +335,8 @@ def _refused(e: BaseException) -> bool:
 
 
 def weight_update_plan(source: str, args: list, version: int | None, lora_id: int = 0,
-                       deadline_s: float | None = None, trace: UpdateTrace | None = None) -> Generator:
+                       deadline_s: float | None = None, trace: UpdateTrace | None = None,
+                       pause: dict | None = None, pause_first: bool = True) -> Generator:
     """Stage the update on every replica; if one refuses, discard it everywhere and raise that
     refusal; else make it live everywhere under one version (default: the newest + 1). Versions
     increase strictly, so a token's version names one set of weights: a version at or below the
@@ -340,6 +344,10 @@ def weight_update_plan(source: str, args: list, version: int | None, lora_id: in
     receiver that walked away. `lora_id`: an update of that LoRA adapter (its own versions).
     `deadline_s`: staging gives up that many seconds from now (TimeoutError), and an update
     staged past it is discarded rather than made live. `trace`: filled with the phases.
+    `pause`: pause_generation's arguments (mode, recompute_kv): the update pauses generation
+    unless it is paused already, before staging (`pause_first`) or, where the engine stages
+    beside its steps (EngineConfig.stages_weights_beside_steps), only once every replica staged,
+    for the swap; its answer is the result's "paused" (and trace.paused). The caller resumes.
     Yields (how, method, kwargs): "each" wants every replica's answer or exception, "all" the
     combined answer."""
     trace = trace if trace is not None else UpdateTrace()
@@ -347,6 +355,10 @@ def weight_update_plan(source: str, args: list, version: int | None, lora_id: in
     stage = {"source": source, "args": args, "lora_id": lora_id}
     if deadline_s is not None:
         stage["deadline_s"] = deadline_s
+    if pause is not None and pause_first:
+        yield from _pause_plan(pause, deadline, trace)
+        if deadline is not None:
+            stage["deadline_s"] = deadline - time.monotonic()
     trace.phase, t0 = "receive", time.monotonic()
     staged = yield ("each", "stage_weights", stage)
     trace.seconds["receive"] = time.monotonic() - t0
@@ -367,10 +379,42 @@ def weight_update_plan(source: str, args: list, version: int | None, lora_id: in
     if version is None:
         version = max(s["weight_version"] for s in staged) + 1
     trace.seconds["stage"] = time.monotonic() - t0
+    if pause is not None and not pause_first:
+        try:
+            yield from _pause_plan(pause, deadline, trace)
+        except Exception:  # (not GeneratorExit: a plan dropped mid-way yields nothing more)
+            yield ("each", "discard_weights", {})
+            raise
     trace.phase, t0 = "swap", time.monotonic()
-    committed = yield ("all", "commit_weights", {"version": version, "lora_id": lora_id,
-                                                 "lora_path": staged[0].get("lora_path")})
+    answers = yield ("each", "commit_weights", {"version": version, "lora_id": lora_id,
+                                                "lora_path": staged[0].get("lora_path")})
+    failures = [a for a in answers if isinstance(a, BaseException)]
+    if failures:  # (refused: the engine fell asleep, or generation was resumed, since it was staged)
+        yield ("each", "discard_weights", {})
+        if len(failures) < len(answers):  # only where another frontend's sleep or resume raced this update
+            raise EngineStateError(f"the weight update went live on {len(answers) - len(failures)} of "
+                                   f"{len(answers)} replicas, the others refused it: {failures[0]}")
+        raise failures[0]
+    committed = answers[0]
     trace.seconds["swap"] = time.monotonic() - t0 - committed["clear_cache_s"]
     trace.seconds["clear_cache"] = committed["clear_cache_s"]
     trace.phase = "done"
-    return dict(staged[0], weight_version=version)
+    return dict(staged[0], weight_version=version, **({"paused": trace.paused} if pause is not None else {}))
+
+
+def _pause_plan(pause: dict, deadline: float | None, trace: UpdateTrace) -> Generator:
+    """An update's own pause (unless one is in place), within what is left of the deadline (a
+    "wait" pause waits for the running requests)."""
+    trace.phase, t0 = "pause", time.monotonic()
+    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+    answers = yield ("each", "pause_generation", dict(pause, clear_cache=False, unless_paused=True, timeout=left))
+    failures = [a for a in answers if isinstance(a, BaseException)]
+    if failures:  # (a pause that did not answer in time is in place, held by this update)
+        trace.paused = {"aborted": 0, "kept": 0, "mode": pause.get("mode"), "was_paused": False}
+        error = failures[0]
+        if isinstance(error, TimeoutError) and deadline is not None:
+            error = TimeoutError(f"the weight update's deadline passed while pausing generation (mode "
+                                 f"{pause.get('mode')!r}): {error}")
+        raise error
+    trace.paused = combine("pause_generation", answers)
+    trace.seconds["pause"] = time.monotonic() - t0

@@ -20,6 +20,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -45,6 +46,7 @@ class Worker:
         self.transfer_group = None  # weight_sync.WeightTransferGroup while a trainer's group is open
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # sleep level 1 on CUDA
         self._staged: dict[str, torch.Tensor] | None = None  # a checked update waiting for commit_staged
+        self._received: tuple[LlamaModel, dict[str, torch.Tensor]] | None = None  # received, not yet staged
         self._buffers = WeightBuffers()  # where updates are staged (engine/worker/weight_buffers.py)
         self._receiver = None  # weight_sync.WeightReceiver of transfer_group (its bucket buffers are reused)
         self._staged_lora: Adapter | None = None  # a LoRA adapter's checked update, the same
@@ -155,7 +157,7 @@ class Worker:
         rank on a CPU only (the core checks)."""
         if self.model is None:
             raise EngineStateError("the weights were dropped (sleep level 2): wake_up(['weights']) first")
-        if self._staged is not None:
+        if self._staged is not None or self._received is not None:
             raise EngineStateError("an update is staged: lease the spare once it is committed or discarded", "spare")
         return self._buffers.lease(self.model, holder, tuple(layouts))
 
@@ -169,15 +171,18 @@ class Worker:
         `deadline_s`: staging gives up that many seconds from now (TimeoutError, or over the
         trainer's group WeightDeadlineError, which breaks the group so the trainer's sender fails
         at once); nothing is staged then."""
-        self._deadline = _Deadline(deadline_s)
-        try:
-            return self._stage(source, args, lora_id, complete)
-        finally:
-            self._deadline = _Deadline(None)
-
-    def _stage(self, source: str, args: list, lora_id: int, complete: bool) -> dict:
         if lora_id:
-            return self._stage_lora(lora_id, source, args)
+            with self._staging_by(deadline_s):
+                return self._stage_lora(lora_id, source, args)
+        self.receive_weights(source, args, deadline_s)
+        return self.finish_staging(complete)
+
+    def receive_weights(self, source: str, args: list, deadline_s: float | None = None) -> None:
+        """The first part of stage_weights (base weights): the bytes received or read into the
+        spare, checked against the model's names, shapes and dtypes. It touches only what no step
+        reads (the spare, the receiver's buffers, the trainer's group), so the engine core runs it
+        in a thread while generation goes on; finish_staging, between two steps, does the rest."""
+        self._received = None
         model = self.model
         if model is None:
             raise EngineStateError("the weights were dropped (sleep level 2): wake_up(['weights']) first")
@@ -186,7 +191,26 @@ class Worker:
                 "peer": self._receive_from_peer}.get(source)
         if read is None:
             raise InvalidRequestError(f"unknown weight source {source!r}")
-        staged = read(model, source, args)
+        with self._staging_by(deadline_s):
+            self._received = (model, read(model, source, args))
+
+    @contextmanager
+    def _staging_by(self, deadline_s: float | None):
+        self._deadline = _Deadline(deadline_s)
+        try:
+            yield
+        finally:
+            self._deadline = _Deadline(None)
+
+    def finish_staging(self, complete: bool = False) -> dict:
+        """The rest of stage_weights, where steps cannot run beside it (a tied head's check may
+        unpack live weights): the received tensors become the staged update."""
+        received, self._received = self._received, None
+        if received is None:  # (discarded meanwhile: an update given up at its deadline)
+            raise EngineStateError("the received weight update was discarded before it was staged")
+        model, staged = received
+        if model is not self.model:  # (the engine slept, or loaded another model, since)
+            raise EngineStateError("the weights changed while the update was received: push it again")
         model.untie_pushed(staged)
         model.split_fused_experts(staged)
         if not staged:
@@ -376,7 +400,7 @@ class Worker:
         return True
 
     def discard_staged(self) -> bool:
-        self._staged = self._staged_lora = None
+        self._staged = self._staged_lora = self._received = None
         if self.model_runner.device.type != "cpu":
             torch.cuda.empty_cache()
         return True

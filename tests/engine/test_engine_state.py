@@ -73,10 +73,18 @@ def settle(core: EngineCore, result):
     for _ in range(1000):
         if result.done():
             return result.finish()
-        if not core.has_work():
+        if result.thread is not None:
+            result.thread.join(60)
+        elif not core.has_work():
             return None  # waits for a later call (resume, wake_up) in a real server
-        core.step()
+        else:
+            core.step()
     raise AssertionError("a deferred call never finished")
+
+
+def stage(core: EngineCore, source: str, args: list) -> dict:
+    """stage_weights, its receive beside the steps waited for without stepping."""
+    return settle(core, core.stage_weights(source, args))
 
 
 def add(core: EngineCore, rid: str):
@@ -86,7 +94,7 @@ def add(core: EngineCore, rid: str):
 
 def reload(core: EngineCore) -> None:
     """The start-up weights again, as a frontend updates weights: stage, then commit."""
-    core.stage_weights("reload", [])
+    stage(core, "reload", [])
     core.commit_weights(core.weight_version + 1)
 
 
@@ -272,7 +280,7 @@ def push_scaled_weights(core: EngineCore, folder: str):
         for name, p in hf.named_parameters():
             if "layers" in name and p.dim() == 2:
                 p.mul_(1.5)
-    core.stage_weights("tensors", [list(hf.state_dict().items())])
+    stage(core, "tensors", [list(hf.state_dict().items())])
     core.commit_weights(core.weight_version + 1)
     return hf
 

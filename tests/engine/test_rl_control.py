@@ -19,9 +19,9 @@ EXT = "tests.engine.rl_worker_ext.MemoryProbe"
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-def start_trainer(port: int, mode: str, world_size: int = 2) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.engine.trainer_proc", str(port), mode, str(world_size)],
-                            stdout=subprocess.PIPE, text=True)
+def start_trainer(port: int, mode: str, world_size: int = 2, seed: int = 0) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.engine.trainer_proc", str(port), mode, str(world_size),
+                             str(seed)], stdout=subprocess.PIPE, text=True)
 
 
 def trainer_result(proc: subprocess.Popen) -> dict:
@@ -484,3 +484,130 @@ def test_a_deadline_ends_staging_and_nothing_goes_live(llm, default_model_path):
         version + 1
     assert trace.phase == "done" and set(trace.seconds) == {"receive", "stage", "swap", "clear_cache"}
     assert llm.weights_checksum() == checksum
+
+
+# ---- an update received beside the steps (EngineConfig.stages_weights_beside_steps) ------------------
+LONG = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)  # (outlasts the late push)
+COUNT = "Count slowly from one to a thousand:"
+
+
+async def _late_push(llm, seed: int = 0, **kwargs):
+    """A trainer process that sends a full push (perturbed with `seed`) LATE_S after the group
+    formed, and the engine's update of it under way: (trainer, trace, update task)."""
+    from engine.process.utility import UpdateTrace
+
+    port = find_free_port()
+    trainer = start_trainer(port, "late", seed=seed)
+    await llm.init_weight_transfer("127.0.0.1", port, 2, timeout_s=20)
+    trace = UpdateTrace()
+    update = asyncio.ensure_future(llm.update_weights_from("broadcast", [], trace=trace, **kwargs))
+    return trainer, trace, update
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
+def test_requests_go_on_generating_while_a_push_is_received(dtype, default_model_path):
+    asyncio.run(_generates_while_receiving(dtype, default_model_path))
+
+
+async def _generates_while_receiving(dtype: str, model_path: str):
+    """The bytes of a push arrive while a request generates with the live weights (its tokens
+    those of the live weights, bit for bit: the receive writes only memory no step reads, also
+    the second time, into the storage the first swap took out of service); generation pauses
+    only once they are all staged, for the swap, and the request goes on under the new version
+    after the resume."""
+    llm = AsyncLLM(dtype=dtype, kv_cache_memory=128 << 20)
+    try:
+        for version in (1, 2):
+            reference = (await _collect(llm, COUNT, LONG, f"ref{version}", {})).outputs[0].token_ids
+            seen = {}
+            task = asyncio.ensure_future(_collect(llm, COUNT, LONG, f"r{version}", seen))
+            await _until(lambda: f"r{version}" in seen)
+            trainer, trace, update = await _late_push(llm, seed=version, pause={"mode": "keep"})
+            n0 = len(seen[f"r{version}"].outputs[0].token_ids)
+            await asyncio.sleep(1.0)  # (the trainer sends 2 s after the group formed)
+            assert trace.phase == "receive" and not update.done()
+            n1 = len(seen[f"r{version}"].outputs[0].token_ids)
+            assert n1 - n0 >= 5, f"generation stood still while the push was received ({n0} -> {n1} tokens)"
+            result = await update
+            assert result["weight_version"] == version and result["paused"]["kept"] == 1
+            assert result["paused"]["was_paused"] is False
+            assert list(trace.seconds) == ["receive", "stage", "pause", "swap", "clear_cache"]
+            assert await llm.is_paused()  # (the caller resumes)
+            await llm.resume_generation()
+            out = (await task).outputs[0]
+            k = out.weight_versions.count(version - 1)
+            assert out.weight_versions == [version - 1] * k + [version] * (LONG.max_tokens - k) and k >= n1
+            assert out.token_ids[:k] == reference[:k], "the receive changed what the live weights compute"
+            assert trainer_result(trainer)["ok"]
+            pushed = perturbed_state(model_path, seed=version)
+            assert await llm.weights_checksum() == weights_checksum(pushed.items(), dtype=getattr(torch, dtype))
+    finally:
+        llm.shutdown()
+
+
+def test_a_sleep_during_a_receive_waits_for_it_and_the_update_is_refused():
+    asyncio.run(_sleep_during_receive())
+
+
+async def _sleep_during_receive():
+    """A sleep asked for while a push is received beside a request (another frontend's sleep, say)
+    waits for the receive instead of freeing what it writes; the update then finds the weights
+    asleep and is refused, discarded whole: after the wake-up the old weights serve under the old
+    version."""
+    llm = AsyncLLM(dtype="float32", kv_cache_memory=128 << 20)
+    try:
+        checksum = await llm.weights_checksum()
+        seen = {}
+        running = asyncio.ensure_future(_collect(llm, COUNT, LONG, "r", seen))
+        await _until(lambda: "r" in seen)
+        trainer, trace, update = await _late_push(llm, pause={"mode": "keep"})
+        await asyncio.sleep(0.5)
+        sleeping = asyncio.ensure_future(llm.sleep(1))
+        await asyncio.sleep(0.5)
+        assert trace.phase == "receive" and not sleeping.done(), "the sleep did not wait for the receive"
+        with pytest.raises(EngineStateError, match="asleep"):
+            await update
+        assert trace.phase == "swap"
+        await sleeping
+        assert (await running).outputs[0].finish_reason == "abort"  # (the sleep's pause mode)
+        assert trainer_result(trainer)["ok"]  # every byte was received, then discarded
+        await llm.wake_up()
+        assert await llm.get_weight_version() == 0 and await llm.weights_checksum() == checksum
+        out = await _collect(llm, "Hi", SamplingParams(temperature=0, max_tokens=4), "after", {})
+        assert out.outputs[0].weight_versions == [0] * 4
+    finally:
+        llm.shutdown()
+
+
+def test_a_wait_pause_past_the_deadline_after_the_receive_changes_nothing():
+    asyncio.run(_wait_pause_past_deadline())
+
+
+async def _wait_pause_past_deadline():
+    """pause mode "wait" comes after the receive: a request that outlasts the deadline fails the
+    update in phase "pause" (trace.paused: the pause is the caller's to lift), nothing is live,
+    and the trainer's push itself completed (its group stays usable)."""
+    llm = AsyncLLM(dtype="float32", kv_cache_memory=256 << 20)
+    try:
+        checksum = await llm.weights_checksum()
+        seen = {}
+        task = asyncio.ensure_future(_collect(llm, COUNT, SamplingParams(temperature=0, max_tokens=3000,
+                                                                         ignore_eos=True), "long", seen))
+        await _until(lambda: "long" in seen)
+        port = find_free_port()
+        trainer = start_trainer(port, "full")
+        await llm.init_weight_transfer("127.0.0.1", port, 2, timeout_s=20)
+        from engine.process.utility import UpdateTrace
+
+        trace = UpdateTrace()
+        with pytest.raises(TimeoutError, match="pausing"):
+            await llm.update_weights_from("broadcast", [], trace=trace, deadline_s=4.0, pause={"mode": "wait"})
+        assert trace.phase == "pause" and trace.paused["was_paused"] is False and "receive" in trace.seconds
+        assert trainer_result(trainer)["ok"]
+        assert await llm.is_paused()  # (the update's pause, still waiting for the request)
+        await llm.resume_generation()
+        assert await llm.get_weight_version() == 0 and await llm.weights_checksum() == checksum
+        await llm.abort("long")
+        await task
+    finally:
+        llm.shutdown()

@@ -69,9 +69,9 @@ def test_weight_update_plan_stages_then_commits_or_discards():
     assert plan.send(None) == ("each", "stage_weights", {"source": "disk", "args": ["/w"], "lora_id": 0})
     assert trace.phase == "receive"
     how, method, kwargs = plan.send([{"weight_version": 3}, {"weight_version": 3}])
-    assert (how, method, kwargs["version"]) == ("all", "commit_weights", 4) and trace.phase == "swap"
+    assert (how, method, kwargs["version"]) == ("each", "commit_weights", 4) and trace.phase == "swap"
     with pytest.raises(StopIteration) as done:
-        plan.send({"weight_version": 4, "swap_s": 0.5, "clear_cache_s": 0.25})
+        plan.send([{"weight_version": 4, "swap_s": 0.5, "clear_cache_s": 0.25}] * 2)
     assert done.value.value["weight_version"] == 4
     assert trace.phase == "done" and set(trace.seconds) == {"receive", "stage", "swap", "clear_cache"}
     assert trace.seconds["clear_cache"] == 0.25
@@ -81,6 +81,50 @@ def test_weight_update_plan_stages_then_commits_or_discards():
     with pytest.raises(EngineStateError, match="must increase"):
         refused.send([True, True])
     assert trace.phase == "stage"
+
+
+def test_weight_update_plan_pauses_for_the_swap_or_first():
+    """With `pause` the plan pauses generation itself: once every replica staged (an engine that
+    receives beside its steps), or before staging; a pause that fails or runs out of time
+    discards the update and leaves trace.paused saying the caller resumes; a commit refused
+    (asleep, or resumed meanwhile by another frontend) is discarded everywhere too."""
+    trace = UpdateTrace()
+    plan = weight_update_plan("disk", ["/w"], None, trace=trace, pause={"mode": "keep"}, pause_first=False)
+    assert plan.send(None)[1] == "stage_weights"
+    how, method, kwargs = plan.send([{"weight_version": 3}, {"weight_version": 3}])
+    assert (how, method, trace.phase) == ("each", "pause_generation", "pause")
+    assert kwargs == {"mode": "keep", "clear_cache": False, "unless_paused": True, "timeout": None}
+    how, method, kwargs = plan.send([{"aborted": 0, "kept": k, "mode": "keep", "was_paused": False} for k in (1, 2)])
+    assert (how, method, kwargs["version"]) == ("each", "commit_weights", 4)
+    with pytest.raises(StopIteration) as done:
+        plan.send([{"weight_version": 4, "swap_s": 0.1, "clear_cache_s": 0.0}] * 2)
+    assert done.value.value["paused"] == {"aborted": 0, "kept": 3, "mode": "keep", "was_paused": False}
+    assert list(trace.seconds) == ["receive", "stage", "pause", "swap", "clear_cache"]
+
+    first = weight_update_plan("disk", ["/w"], None, pause={"mode": "abort"})  # (pause_first: the default)
+    assert first.send(None)[1] == "pause_generation"
+    assert first.send([{"aborted": 1, "kept": 0, "mode": "abort", "was_paused": True}])[1] == "stage_weights"
+
+    trace = UpdateTrace()
+    late = weight_update_plan("disk", ["/w"], None, deadline_s=30, trace=trace, pause={"mode": "wait"},
+                              pause_first=False)
+    late.send(None)
+    assert 0 < late.send([{"weight_version": 0}])[2]["timeout"] <= 30  # what is left of the deadline
+    assert late.send([TimeoutError("pause_generation did not answer within 29 s")])[1] == "discard_weights"
+    with pytest.raises(TimeoutError, match="deadline passed while pausing generation"):
+        late.send([True])
+    assert trace.phase == "pause" and trace.paused["was_paused"] is False
+
+    for answers, match in (([EngineStateError("the weights are asleep")] * 2, "asleep"),
+                           ([{"weight_version": 1}, EngineStateError("the weights are asleep")], "1 of 2 replicas")):
+        refused = weight_update_plan("disk", ["/w"], None, pause={"mode": "keep"}, pause_first=False)
+        refused.send(None)
+        refused.send([{"weight_version": 0}] * 2)
+        assert refused.send([{"aborted": 0, "kept": 0, "mode": "keep", "was_paused": True}] * 2)[1] == \
+            "commit_weights"
+        assert refused.send(answers)[1] == "discard_weights"
+        with pytest.raises(EngineStateError, match=match):
+            refused.send([True, True])
 
 
 def test_weight_update_plan_names_the_phase_that_failed_and_keeps_its_deadline():

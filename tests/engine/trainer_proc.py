@@ -4,11 +4,13 @@
 
 It perturbs every parameter of the default model (tests.engine.perturb, with SEED), pushes them with
 WeightSender, and prints one JSON line: {"ok": ..., "error": ..., "checksum": ...}.
-MODE: full | subset | wrong_shape | unknown_name | wrong_dtype | die (after the first bucket).
+MODE: full | subset | wrong_shape | unknown_name | wrong_dtype | die (after the first bucket) | late
+(a full push LATE_S after the group formed: the engine waits on its receive meanwhile).
 """
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -16,6 +18,8 @@ from engine.default_model import default_model_path
 from tests.engine.perturb import perturbed_state
 from tests.weight_sync.partial_push import send_first_bucket_only
 from weight_sync import WeightSender, WeightTransferGroup, weights_checksum
+
+LATE_S = 2.0
 
 
 def main(port: int, mode: str, world_size: int, seed: int) -> None:
@@ -35,6 +39,8 @@ def main(port: int, mode: str, world_size: int, seed: int) -> None:
         send_first_bucket_only(sender, state.items())
         os._exit(1)
     result = {"checksum": weights_checksum(state.items())}
+    if mode == "late":
+        time.sleep(LATE_S)
     try:
         result["stats"] = sender.send(state.items())
         result["ok"] = True
