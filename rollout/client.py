@@ -410,10 +410,10 @@ class _Endpoints:
 
     def weights_update(self, source: str, idempotency_key: str | None = None, deadline_s: float | None = None,
                        **fields):
-        """POST /weights/update: a whole update in one call (the server pauses, receives or reads,
-        swaps, clears caches and resumes; rollout/api/weight_update.py). `source` "gloo" / "nccl"
-        (the push a WeightSender sends beside this call: push_weights), "disk" (path=), "ipc"
-        (handles=); fields: version, lora_name, pause_mode, recompute_kv, update_info. With an
+        """POST /weights/update: a whole update in one call (the server receives or reads it while
+        generating, pauses, swaps, clears caches and resumes; rollout/api/weight_update.py).
+        `source` "gloo" / "nccl" (the push a WeightSender sends beside this call: push_weights),
+        "disk" (path=), "ipc" (handles=); fields: version, lora_name, pause_mode, recompute_kv, update_info. With an
         idempotency_key, a connection error is retried (the server answers a retry with the first
         call's answer). A failure raises RolloutAPIError with .phase and .weight_version."""
         return self._run(self._weights_update_call(source, idempotency_key, deadline_s, lambda b: b, **fields))
@@ -439,11 +439,11 @@ class _Endpoints:
 
     def push_weights_from_disk(self, path: str, version: int | None = None, lora_name: str | None = None,
                                idempotency_key: str | None = None, deadline_s: float | None = None):
-        """A safetensors folder on the server's disk, in one POST /weights/update: the server
-        pauses (mode keep: requests in flight freeze and continue on the new weights), reads it,
-        swaps, clears caches and resumes (a pause the caller made stays). With `lora_name`, a
-        PEFT folder: that adapter's new weights under its own version. `idempotency_key`,
-        `deadline_s`: see push_weights."""
+        """A safetensors folder on the server's disk, in one POST /weights/update: the server reads
+        it while generating, pauses (mode keep: requests in flight freeze and continue on the new
+        weights), swaps, clears caches and resumes (a pause the caller made stays). With
+        `lora_name`, a PEFT folder: that adapter's new weights under its own version.
+        `idempotency_key`, `deadline_s`: see push_weights."""
         return self._run(self._weights_update_call("disk", idempotency_key, deadline_s, self._push_logger("disk"),
                                                    path=str(path), version=version, lora_name=lora_name))
 
@@ -508,9 +508,10 @@ class _Endpoints:
     def push_weights(self, named_tensors, version: int | None = None, pause_mode: str = "keep", dtype=None,
                      recompute_kv: bool = False, lora_name: str | None = None, idempotency_key: str | None = None,
                      deadline_s: float | None = None):
-        """pause -> broadcast -> atomic swap -> clear caches -> resume, in one POST /weights/update
-        beside the broadcast (see WeightTransfer.push; `lora_name`: a LoRA adapter's tensors;
-        `idempotency_key`: a retry gets the first push's result; `deadline_s`: for all of it)."""
+        """broadcast (the server generates meanwhile) -> pause -> atomic swap -> clear caches ->
+        resume, in one POST /weights/update beside the broadcast (see WeightTransfer.push;
+        `lora_name`: a LoRA adapter's tensors; `idempotency_key`: a retry gets the first push's
+        result; `deadline_s`: for all of it)."""
         return self.weights.push(named_tensors, version, pause_mode, dtype, recompute_kv, lora_name,
                                  idempotency_key, deadline_s)
 
@@ -524,7 +525,7 @@ class _Endpoints:
                             idempotency_key: str | None = None, deadline_s: float | None = None):
         """Same machine: CUDA IPC on a shared GPU, shared memory on CPU; no group needed. Tensors
         are cast to the engine's dtype (or `dtype`), as push_weights does; one POST
-        /weights/update {source: ipc} pauses, swaps and resumes."""
+        /weights/update {source: ipc} pauses for the swap and resumes."""
         return self.weights.push_shared(named_tensors, version, pause_mode, recompute_kv, lora_name, dtype,
                                         idempotency_key, deadline_s)
 

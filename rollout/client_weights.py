@@ -2,7 +2,8 @@
 once for RolloutClient and AsyncRolloutClient.
 
     push_weights:        [POST /weights/update {source: gloo|nccl} || WeightSender.send]
-                         (the server pauses, receives, swaps, clears caches and resumes in that call);
+                         (the server receives while it generates, then pauses, swaps, clears caches
+                         and resumes in that call);
                          to a CPU server on this machine: push_weights_shared's route instead; to
                          one with some replicas here: their spares written, the rest over the group
     push_weights_shared: POST /weights/spare -> SpareWriter.write -> POST /weights/update {source: ipc}

@@ -2,7 +2,12 @@
 it into /pause, /start_weight_update, /update_weights, /finish_weight_update, /resume; SGLang into
 /pause_generation, /update_weights_from_distributed, /continue_generation):
 
-    pause (unless paused) -> receive -> stage -> swap -> clear caches -> resume
+    receive -> stage -> pause (unless paused) -> swap -> clear caches -> resume
+
+Generation goes on while the bytes arrive and pauses only for the swap (a few ms): the engine
+receives beside its steps (EngineConfig.stages_weights_beside_steps: one worker on a CPU). Where
+it cannot (tensor parallelism, CUDA, a LoRA adapter's update) the pause comes first. A caller
+that wants nothing generated while it pushes pauses before (POST /pause); the update keeps it.
 
     POST /weights/update {"source": "gloo" | "nccl" | "disk" | "ipc",
          "update_info": {...}      gloo / nccl (optional): vLLM's update_info of the push that the
@@ -19,9 +24,10 @@ it into /pause, /start_weight_update, /update_weights, /finish_weight_update, /r
          "lora_name": name         the tensors are that loaded LoRA adapter's (its own versions)
          "pause_mode": "keep"      | "abort" | "wait" (as /pause); "recompute_kv": false (with keep)
          "idempotency_key": k, "deadline_s": s}
-      -> {"weight_version", "phases": {"pause", "receive", "stage", "swap", "clear_cache", "resume":
-          seconds}, "seconds", "num_tensors", "num_bytes", "aborted", "kept", "paused_here",
-          "paused_seconds", "idempotency_key", "replayed", "message"}
+      -> {"weight_version", "phases": {"queue" (the wait for the control lock), "receive", "stage",
+          "pause", "swap", "clear_cache", "resume": seconds, in the order they ran}, "seconds",
+          "num_tensors", "num_bytes", "aborted", "kept", "paused_here", "paused_seconds" (how long
+          generation stood still), "idempotency_key", "replayed", "message"}
     GET /weights/update?idempotency_key=k -> {"status": "done", "result"} | {"status": "running"} | 404
 
 Rollback: a failure in any phase leaves nothing staged live (discarded on every replica), the
@@ -43,7 +49,7 @@ timeout only bounds each bucket). Past it over a group the engine's workers abor
 the trainer's sender fails at once; the server goes on serving the old weights and a new
 /init_weight_transfer_engine forms a new group, no restart needed.
 
-Concurrency: the call holds the control lock from the pause to the resume, so a second
+Concurrency: the call holds the control lock from the receive to the resume, so a second
 /weights/update, /pause, /resume, /sleep or /scale waits for it (a second update within its own
 deadline_s), and nothing lifts this call's pause halfway. Idempotency: rollout/api/idempotency.py
 (a failed update is forgotten, its key may be retried; keys are per API server process).
@@ -172,12 +178,13 @@ class Transaction:
         t0 = time.monotonic()
         try:
             await self._within(lock.acquire(), "waiting for the control lock (another control call was running)")
+            self.phases["queue"] = time.monotonic() - t0
         except BaseException as e:
             if self.body.source in GROUP_SOURCES:
                 await self._release_sender()
             raise await self._failure(e) from e
         try:
-            return await self._locked(t0)
+            return await self._locked()
         finally:
             if not self.lock_handed_off:
                 lock.release()
@@ -191,7 +198,7 @@ class Transaction:
             raise APIError(400, f"path {body.path!r} is not a folder on the server", "path")
         self.lora_id = await _loaded_lora(self.state, body.lora_name, "lora_name")
 
-    async def _locked(self, t0: float) -> dict:
+    async def _locked(self) -> dict:
         body, engine = self.body, self.state.engine
         try:
             # Over a group the trainer is already sending: a stale version is refused after the push
@@ -202,14 +209,6 @@ class Transaction:
                 if refusal is not None:
                     self.phase = "stage"
                     raise refusal
-            # One engine call, answered between two steps while requests run: a pause the caller
-            # made (or a sleep) stays as it is, and this call will not lift it.
-            self.paused_here = True  # (until the answer says otherwise: a pause that failed is lifted)
-            paused = await self._within(engine.pause_generation(
-                mode=body.pause_mode, clear_cache=False, recompute_kv=body.recompute_kv, unless_paused=True),
-                f"pausing generation (mode {body.pause_mode})")
-            self.paused_here = not paused["was_paused"]
-            self.phases["pause"] = time.monotonic() - t0
             self.phase = "receive"
             result = await self._receive()
             self.phase, t1 = "resume", time.monotonic()
@@ -217,10 +216,10 @@ class Transaction:
             self.phases["resume"] = time.monotonic() - t1
         except BaseException as e:
             await self._rollback()
-            if self.phase == "pause" and body.source in GROUP_SOURCES:
+            if self.phase == "pause" and "receive" not in self.phases and body.source in GROUP_SOURCES:
                 await self._release_sender()
             raise await self._failure(e) from e
-        return self._answer(result, paused, resumed)
+        return self._answer(result, result["paused"], resumed)
 
     async def _release_sender(self) -> None:
         """The trainer's sender is blocked on a push this call will never receive: close the
@@ -232,17 +231,21 @@ class Transaction:
             log(f"closing the weight transfer group after a failed update failed: {e}")
 
     async def _receive(self) -> dict:
-        """Receive, stage, swap, clear caches (AsyncLLM.update_weights_from, one plan on every
-        replica); the engine honours the deadline itself, waited for here BACKSTOP_S longer."""
+        """Receive, stage, pause, swap, clear caches (AsyncLLM.update_weights_from, one plan on
+        every replica). The pause is the plan's too: where the engine receives beside its steps,
+        generation pauses only once every replica staged, for the swap; elsewhere before the
+        receive. The engine honours the deadline itself, waited for here BACKSTOP_S longer."""
         body, engine = self.body, self.state.engine
         left = None if self.deadline is None else self.deadline - time.monotonic()
         if left is not None and left <= 0:
             self.phase = "pause"
-            raise TimeoutError(f"deadline_s ({body.deadline_s:g} s) passed while pausing generation")
+            raise TimeoutError(f"deadline_s ({body.deadline_s:g} s) passed while waiting for the control lock")
         args = [body.path] if body.source == "disk" else [] if body.handles is None else [body.handles]
         trace = UpdateTrace()
+        pause = {"mode": body.pause_mode, "recompute_kv": body.recompute_kv}
         update = asyncio.ensure_future(engine.update_weights_from(ENGINE_SOURCE[body.source], args, body.version,
-                                                                  self.lora_id, deadline_s=left, trace=trace))
+                                                                  self.lora_id, deadline_s=left, trace=trace,
+                                                                  pause=pause))
         backstop = None if left is None else time.monotonic() + left + BACKSTOP_S
         try:
             while True:
@@ -256,14 +259,23 @@ class Transaction:
                     continue
                 update.cancel()
                 self.phase = trace.phase or "receive"
+                self._note_pause(trace, asked=self.phase == "pause")
                 self._late_rollback()
                 raise TimeoutError(f"deadline_s ({body.deadline_s:g} s) passed in phase {self.phase!r} and the "
                                    f"engine did not give up within {BACKSTOP_S:g} s more; nothing goes live")
         except BaseException:
             self.phase = trace.phase if trace.phase not in ("", "done") else "receive"
+            self._note_pause(trace)
+            self.phases.update(trace.seconds)
             raise
+        self._note_pause(trace)
         self.phases.update(trace.seconds)
         return result
+
+    def _note_pause(self, trace: UpdateTrace, asked: bool = False) -> None:
+        """Whether generation is paused by this call (so its resume is this call's): the update's
+        pause answered that it paused, or (`asked`) its pause was cut off unanswered."""
+        self.paused_here = self.paused_here or asked or (trace.paused is not None and not trace.paused["was_paused"])
 
     def _late_rollback(self) -> None:
         """The engine is still staging (its call outlived the deadline): once it is done, drop what

@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.errors import InvalidRequestError
 from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.process.replicas import Route
+from engine.process.utility import UpdateTrace
 from engine.sampling_params import RequestOutputKind
 from rollout.api.cancel import gather_all, until_disconnect
 from rollout.api.control import call
@@ -379,10 +380,9 @@ async def update_weights_from_distributed(body: UpdateWeightsFromDistributedBody
         return _failed(f"no weight group {body.group_name!r}: POST /init_weights_update_group first")
     if body.load_format not in (None, "flattened_bucket"):
         return _failed(f"load_format {body.load_format!r} is not supported (None or 'flattened_bucket')")
-    version = _int_version(body.weight_version)
-    update = state.engine.update_weights_from_named(body.names, body.dtypes, body.shapes,
-                                                    body.load_format == "flattened_bucket", version)
-    return await _paused_update(state, update, body.abort_all_requests, "distributed")
+    args = [body.names, body.dtypes, body.shapes, body.load_format == "flattened_bucket"]
+    return await _paused_update(state, "named", args, _int_version(body.weight_version), body.abort_all_requests,
+                                "distributed")
 
 
 @router.post("/update_weights_from_tensor")
@@ -396,35 +396,36 @@ async def update_weights_from_disk(request: Request, data: dict):
     """SGLang's /update_weights_from_disk (our route of that name hands such bodies here)."""
     body: SGLangUpdateFromDiskBody = parse(SGLangUpdateFromDiskBody, data)
     state = get_state(request)
-    update = state.engine.update_weights_from_disk(body.model_path, _int_version(body.weight_version))
-    result = await _paused_update(state, update, body.abort_all_requests, "disk")
+    result = await _paused_update(state, "disk", [body.model_path], _int_version(body.weight_version),
+                                  body.abort_all_requests, "disk")
     if isinstance(result, dict):
         result["num_paused_requests"] = 0
     return result
 
 
-async def _paused_update(state: ServerState, update, abort_all: bool, source: str) -> dict | JSONResponse:
+async def _paused_update(state: ServerState, source: str, args: list, version: int | None, abort_all: bool,
+                         label: str) -> dict | JSONResponse:
     """Run one update as SGLang does: it waits for in-flight requests unless generation is paused
-    or `abort_all_requests`; here requests in flight are held in place (pause keep) for the swap
-    and go on after it."""
+    or `abort_all_requests`; here requests in flight go on generating while the bytes arrive and
+    are held in place (pause keep) for the swap only (AsyncLLM.update_weights_from's pause), then
+    go on; `abort_all_requests` ends them instead."""
     t0 = time.monotonic()
+    trace = UpdateTrace()
     async with state.control_lock:
-        paused_here = not await call(state.engine.is_paused())
-        if paused_here:
-            await call(state.engine.pause_generation(mode="abort" if abort_all else "keep", clear_cache=False))
-        elif abort_all:
+        if abort_all and await call(state.engine.is_paused()):
             await call(state.abort_all_in_flight())
         try:
-            result = await _weight_call(update)
+            result = await _weight_call(state.engine.update_weights_from(
+                source, args, version, trace=trace, pause={"mode": "abort" if abort_all else "keep"}))
         finally:
-            if paused_here:
+            if trace.paused is not None and not trace.paused["was_paused"]:
                 await call(state.engine.resume_generation())
     if isinstance(result, JSONResponse):
         return result
     seconds = time.monotonic() - t0
-    state.metrics.observe_push(source, seconds)
+    state.metrics.observe_push(label, seconds)
     version = result.get("weight_version")
-    log(f"weights version {version} in place (SGLang's {source} update, {seconds:.2f} s)")
+    log(f"weights version {version} in place (SGLang's {label} update, {seconds:.2f} s)")
     return {"success": True, "message": f"Succeeded to update model weights. Weight version updated to {version}."}
 
 

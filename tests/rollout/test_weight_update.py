@@ -24,7 +24,7 @@ from weight_sync import weights_checksum
 pytestmark = pytest.mark.slow
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
-PHASES = {"pause", "receive", "stage", "swap", "clear_cache", "resume"}
+PHASES = {"queue", "pause", "receive", "stage", "swap", "clear_cache", "resume"}
 
 
 @pytest.fixture(scope="module")
@@ -114,15 +114,16 @@ def test_bad_input_is_a_4xx_naming_the_field_before_anything_changes(tx_server, 
 
 def test_a_failure_rolls_back_and_names_its_phase(client, original, model_path, tmp_path):
     """Refused pushes (a shape over the group, a truncated checkpoint on disk) fail phase "stage":
-    the weights and the version are as before, generation is resumed, the group still carries the
-    next push. A pause the trainer made stays through a failed update and a successful one."""
+    the weights and the version are as before, generation never stopped (the refusal comes before
+    the pause, which is only for the swap), the group still carries the next push. A pause the
+    trainer made stays through a failed update and a successful one."""
     version, checksum = client.weight_version(), client.weights_checksum()
     client.init_weight_transfer(backend="gloo", shared_memory_when_local=False, timeout_s=60)
     try:
         with pytest.raises(RolloutAPIError) as e:
             client.push_weights([("model.norm.weight", torch.zeros(3))])
         assert (e.value.status, e.value.phase, e.value.weight_version) == (400, "stage", version), e.value
-        assert "shape" in e.value.message and "generation resumed" in e.value.message
+        assert "shape" in e.value.message and "generation resumed" not in e.value.message
         assert not client.is_paused() and client.weights_checksum() == checksum
         assert client.push_weights([("model.norm.weight", original["model.norm.weight"])])["weight_version"] == \
             version + 1
@@ -149,16 +150,19 @@ def test_a_failure_rolls_back_and_names_its_phase(client, original, model_path, 
     assert client.weights_checksum() == checksum
 
 
-def test_a_deadline_in_the_pause_resumes_generation(client, model_path):
-    """pause_mode "wait" drains a long request: past deadline_s the update fails in phase "pause"
-    (504), the request goes on and completes under the old version."""
+def test_a_deadline_in_the_pause_resumes_generation(client, original, tmp_path):
+    """pause_mode "wait" drains a long request once the update is staged: past deadline_s the
+    update fails in phase "pause" (504), the request goes on and completes under the old version."""
+    from safetensors.torch import save_file
+
     version = client.weight_version()
+    save_file({"model.norm.weight": original["model.norm.weight"]}, tmp_path / "model.safetensors")  # read at once
     # the shortest deadline the server takes and a request to the context's end (512): the drain outlasts
     # it on a fast machine too (300 tokens drain within 2 s at 150 tokens/s)
     deltas, stream = start_stream(client, dict(GREEDY, max_tokens=500))
     t0 = time.monotonic()
     with pytest.raises(RolloutAPIError) as e:
-        client.weights_update("disk", deadline_s=1.0, path=model_path, pause_mode="wait")
+        client.weights_update("disk", deadline_s=1.0, path=str(tmp_path), pause_mode="wait")
     assert (e.value.status, e.value.phase, e.value.weight_version) == (504, "pause", version), e.value
     assert time.monotonic() - t0 < 10
     assert not client.is_paused()
@@ -243,8 +247,8 @@ def test_two_updates_at_once_run_one_after_the_other(client, original, model_pat
     assert sorted(r["weight_version"] for r in results) == [version + 1, version + 2]
     first, second = sorted(results, key=lambda r: r["weight_version"])
     assert second["t0"] < first["t1"], "the two updates did not run at once"
-    # the second waited for the first (its pause phase counts the wait for the control lock)
-    assert second["phases"]["pause"] >= first["t1"] - second["t0"] - 0.5, (first, second)
+    # the second waited for the first (its "queue" phase is the wait for the control lock)
+    assert second["phases"]["queue"] >= first["t1"] - second["t0"] - 0.5, (first, second)
     assert client.weight_version() == version + 2 and not client.is_paused()
     assert client.weights_checksum() == weights_checksum(original.items(), torch.float32)
 

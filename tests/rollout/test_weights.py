@@ -4,6 +4,7 @@ exactly what the trainer computes, labels the new tokens with the new version, a
 originals back restores the original output; vLLM's four phases driven by hand work too."""
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -123,6 +124,55 @@ def test_the_default_push_loses_no_work(transfer, original):
     versions = [v for d in deltas for v in d.weight_versions]
     assert len(versions) == 120 and versions[0] == old_version and versions[-1] == result["weight_version"]
     assert versions == sorted(versions)
+
+
+def test_generation_goes_on_while_the_push_arrives(transfer, original):
+    """The server receives a push beside its steps and pauses only for the swap: while the
+    trainer's bytes are late, a streaming request keeps getting tokens (the old version's); the
+    answer's phases run receive, stage, pause, swap, and generation stood still for less than
+    the receive took. A trainer that pauses first (POST /pause) gets nothing generated while it
+    pushes, and its pause stays."""
+    client = transfer
+    named = [("model.norm.weight", original["model.norm.weight"])]
+    info = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[576]], "packed": True}
+    for paused_first in (False, True):
+        version = client.weight_version()
+        box, started = {"deltas": []}, threading.Event()
+
+        def stream():
+            for _, ds in client.generate_stream(PROMPT, dict(GREEDY, max_tokens=480)):
+                box["deltas"].extend(ds)
+                started.set()
+
+        streaming = threading.Thread(target=stream, daemon=True)
+        streaming.start()
+        assert started.wait(120)
+        if paused_first:
+            client.pause(mode="keep")
+        posting = threading.Thread(target=lambda: box.update(result=client.weights_update("gloo", update_info=info)))
+        posting.start()
+        time.sleep(0.5)  # (the update is under way: its receive waits for the trainer's bytes)
+        n0 = sum(len(d.token_ids) for d in box["deltas"])
+        time.sleep(1.0)
+        n1 = sum(len(d.token_ids) for d in box["deltas"])
+        WeightSender(client.weights.group).send(named, dtype=torch.float32)
+        posting.join(120)
+        result = box["result"]
+        assert result["weight_version"] == version + 1
+        if paused_first:
+            assert n1 == n0, "generation went on under the trainer's own pause"
+            assert result["paused_here"] is False and client.is_paused()
+            client.resume()
+        else:
+            assert n1 - n0 >= 5, f"generation stood still while the push arrived ({n0} -> {n1} tokens)"
+            assert result["paused_here"] is True and result["kept"] == 1 and not client.is_paused()
+            assert list(result["phases"]) == ["queue", "receive", "stage", "pause", "swap", "clear_cache", "resume"]
+            assert result["paused_seconds"] < result["phases"]["receive"], result
+        streaming.join(300)
+        versions = [v for d in box["deltas"] for v in d.weight_versions]
+        k = versions.count(version)
+        assert len(versions) == 480 and versions == [version] * k + [version + 1] * (480 - k) and k >= n1
+    assert client.weights_checksum() == weights_checksum(original.items(), torch.float32)
 
 
 def test_refused_push_leaves_weights_whole(transfer, original):
