@@ -24,10 +24,12 @@ for a trainer on this machine instead, beside the group every replica would take
 Each of these routes forms its own group before its turn (untimed: workers are in one group at a
 time), after two warm-up rounds.
 
-A request streams while every push runs (pause mode "keep" freezes it), so the pause and
-resume do real work (--idle: none does); "paused s" is how long generation stood still (the resume's answer, best
-round). The server's own phase times (the answer's `phases`, of the best round)
-are printed for the /weights/update routes. Times on a shared 2-core CPU are noisy: compare rows of one run.
+A request streams while every push runs (pause mode "keep" freezes it), so the pause and resume
+do real work (--idle: none does); "paused s" is how long generation stood still (the resume's
+answer, best round), "tok/s during" the tokens that request got per second of push (median):
+where the server receives beside its steps it generates on through the transfer and stands still
+for the swap only. The server's own phase times (the answer's `phases`, of the best round) are
+printed for the /weights/update routes. Times on a shared 2-core CPU are noisy: compare rows of one run.
 
     python benchmarks/weight_update_http.py            # --quick: float32, 3 rounds (~1 minute)
     python benchmarks/weight_update_http.py --reps 10  # for a comparison that outlasts this box's noise
@@ -52,11 +54,13 @@ from timing import machine_line  # noqa: E402  (benchmarks/timing.py)
 from weight_sync import load_safetensors_folder  # noqa: E402
 
 
-def _stream_forever(url: str, stop: threading.Event) -> None:
-    """Keep one request generating, so that every pause has a request to freeze."""
+def _stream_forever(url: str, stop: threading.Event, tokens: list[int]) -> None:
+    """Keep one request generating, so that every pause has a request to freeze; tokens[0]
+    counts the tokens it got."""
     with RolloutClient(url, timeout=600) as c:
         while not stop.is_set():
-            for _ in c.generate_stream([1, 2, 3], {"temperature": 1.0, "max_tokens": 400, "ignore_eos": True}):
+            for _, deltas in c.generate_stream([1, 2, 3], {"temperature": 1.0, "max_tokens": 400, "ignore_eos": True}):
+                tokens[0] += sum(len(d.token_ids) for d in deltas)
                 if stop.is_set():
                     break
 
@@ -101,9 +105,9 @@ def main():
         path = client.server_info()["model_path"]
         state = [(n, t.to(getattr(torch, args.dtype))) for n, t in load_safetensors_folder(path)]
         gb = sum(t.numel() * t.element_size() for _, t in state) / 1e9
-        stop = threading.Event()
+        stop, streamed = threading.Event(), [0]
         if not args.idle:
-            threading.Thread(target=_stream_forever, args=(server.url, stop), daemon=True).start()
+            threading.Thread(target=_stream_forever, args=(server.url, stop, streamed), daemon=True).start()
             time.sleep(2.0)
 
         def vllm_phases():
@@ -119,6 +123,7 @@ def main():
                       "push_weights_shared": (None, {}, lambda: client.push_weights_shared(state)),
                       "push_weights_from_disk": (None, {}, lambda: client.push_weights_from_disk(path))}
         times, phases, paused, refused = {name: [] for name in routed}, {}, {name: [] for name in routed}, {}
+        beside = {name: [] for name in routed}  # tokens/s the streaming request got during each push
         transports, grouped = {}, None
         # Round robin, so that the box's drifting load hits every route alike; with replicas two
         # warm-up rounds (a spare alternates between two segments, whose pages the first writes fault)
@@ -130,7 +135,7 @@ def main():
             if owner is not None and grouped is not owner:  # (untimed: the workers join its group)
                 owner.init_weight_transfer(backend="gloo", timeout_s=120, **init)
                 grouped = owner
-            t0 = time.perf_counter()
+            t0, n0 = time.perf_counter(), streamed[0]
             try:
                 result = fn()
             except RolloutAPIError as e:  # (an older client's route that refuses to run beside requests)
@@ -138,29 +143,34 @@ def main():
                 continue
             if rep >= warm:
                 times[name].append(time.perf_counter() - t0)
+                beside[name].append((streamed[0] - n0) / times[name][-1])
                 transports[name] = (result or {}).get("transport") or (result or {}).get("shared_via")
                 if (result or {}).get("paused_seconds") is not None:
                     paused[name].append(result["paused_seconds"])
                 if times[name][-1] == min(times[name]):
                     phases[name] = (result or {}).get("phases")
-        rows = [(name, None, None, None, refused[name]) if name in refused else
+        rows = [(name, None, None, None, None, refused[name]) if name in refused else
                 (name, min(times[name]), statistics.median(times[name]), min(paused[name], default=None),
-                 phases.get(name)) for name in routed]
+                 None if args.idle else statistics.median(beside[name]), phases.get(name)) for name in routed]
         stop.set()
         for owner in {owner for owner, _, _ in routed.values() if owner is not None}:
             owner.close_weight_transfer()
             if owner is not client:
                 owner.close()
-    print("\n| route                   | transport     | best s | median s | GB/s | paused s | server phases (best round) |")
-    print("|-------------------------|---------------|-------:|---------:|-----:|---------:|----------------------------|")
-    for name, best, median, stood, detail in rows:
+    print("\n| route                   | transport     | best s | median s | GB/s | paused s | tok/s during "
+          "| server phases (best round) |")
+    print("|-------------------------|---------------|-------:|---------:|-----:|---------:|-------------:"
+          "|----------------------------|")
+    for name, best, median, stood, rate, detail in rows:
         if best is None:
-            print(f"| {name:23s} | -             |      - |        - |    - |        - | {detail[:100]} |")
+            print(f"| {name:23s} | -             |      - |        - |    - |        - |            - "
+                  f"| {detail[:100]} |")
             continue
         shown = ", ".join(f"{k} {v:.3f}" for k, v in detail.items()) if detail else ""
         stood = "       -" if stood is None else f"{stood:8.3f}"
+        rate = "           -" if rate is None else f"{rate:12.1f}"
         print(f"| {name:23s} | {transports.get(name) or '-':13s} | {best:6.3f} | {median:8.3f} | {gb / best:4.2f} "
-              f"| {stood} | {shown} |")
+              f"| {stood} | {rate} | {shown} |")
     print(f"\n{gb:.2f} GB per push; server log: {log}")
 
 
