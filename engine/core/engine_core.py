@@ -154,6 +154,7 @@ class EngineCore:
         self.num_generated_tokens = 0
         self.forming_group: Deferred | None = None  # init_weight_transfer while its group forms
         self.staging: Deferred | None = None  # stage_weights while its bytes are received beside the steps
+        self.staged_update: str | None = None  # the update_id of what the workers stage or hold staged
         self.group_cancel = threading.Event()  # set by close_weight_transfer to stop the forming
         self.in_weight_group = False  # this replica's workers joined the trainer's group (it formed)
         self.asleep: set[str] = set()  # parts freed by sleep: "weights", "kv_cache"
@@ -504,13 +505,17 @@ class EngineCore:
     # A weight update has two phases so that it is atomic across data-parallel replicas: every
     # replica stages it (received / read, checked; nothing live changes), then it goes live on
     # all of them only if all staged (engine.process.core_client.weight_update_plan drives it).
-    def stage_weights(self, source: str, args: list, lora_id: int = 0, deadline_s: float | None = None):
+    def stage_weights(self, source: str, args: list, lora_id: int = 0, deadline_s: float | None = None,
+                      update_id: str | None = None):
         """Stage an update from `source` ("broadcast": one push from the trainer's WeightSender;
         "disk" [path]; "tensors" [named tensors]; "ipc" [handles]; "reload": the start-up
         checkpoint; "peer": a live replica's weights, see send_weights_to_peers) on every worker.
         Returns its stats and the current weight_version. With `lora_id`: an update of that
         loaded LoRA adapter's tensors (PEFT names; "disk": a PEFT folder), its version instead.
         `deadline_s`: the workers give up staging that many seconds from now (Worker.stage_weights).
+        `update_id` names the update for its commit and discard: the workers hold one update, and a
+        later stage replaces it (two frontends updating at once, e.g. through two API servers), so
+        the earlier one's commit is refused rather than making the later one's tensors live.
 
         Where the config allows (EngineConfig.stages_weights_beside_steps; base weights) and
         requests are generating, the bytes are received in a thread while they go on with the live
@@ -531,6 +536,7 @@ class EngineCore:
             self._make_resident(lora_id)
         if args and isinstance(args[0], dict) and (source == "broadcast" or source == "ipc" and "replicas" in args[0]):
             source, args = self._own_part(source, args[0])
+        self.staged_update = update_id
         written = source == "ipc" and bool(args) and isinstance(args[0], dict) and args[0].get("kind") == "spare"
         if not (unpaused and self._generating()) or written:  # (a spare the trainer wrote: views are all to make)
             with _malformed_handles(source):
@@ -554,12 +560,18 @@ class EngineCore:
                 torch.set_num_threads(n)
 
         def finish(_) -> dict:
+            if self.staged_update != update_id:  # (the workers' staging memory holds another update's now)
+                raise self._superseded(update_id)
             with _malformed_handles(source):
                 stats = self.executor.collective_rpc("finish_staging", [self.needs_weights])[0]
             return dict(stats, weight_version=self.weight_version)
 
         self.staging = Deferred.in_thread(receive, "weight-receive", then=finish)
         return self.staging
+
+    def _superseded(self, update_id: str | None) -> EngineStateError:
+        return EngineStateError(f"weight update {update_id} was replaced by another one staged since (two updates at "
+                                "once, through different frontends?): it is dropped, push it again")
 
     def _wait_for_staging(self) -> None:
         """Block until a receive running beside the steps is over (its Deferred answers later)."""
@@ -586,7 +598,8 @@ class EngineCore:
                                       "replicas)", "handles")
         return "ipc", [mine]
 
-    def commit_weights(self, version: int, lora_id: int = 0, lora_path: str | None = None) -> dict:
+    def commit_weights(self, version: int, lora_id: int = 0, lora_path: str | None = None,
+                       update_id: str | None = None) -> dict:
         """Make the staged update live under `version` (weight_update_plan has checked that it
         increases; a replica that joins by scaling takes the live version); no KV computed by
         the old weights is reused (prefix and encoder caches cleared, in this same call so that
@@ -595,8 +608,11 @@ class EngineCore:
         disk update) becomes its folder. Returns {"weight_version", "swap_s" (the copy into the
         live weights), "clear_cache_s" (then the cache resets)}."""
         self._check_can_update()  # (staging beside the steps did not ask for a pause)
+        if update_id is not None and update_id != self.staged_update:
+            raise self._superseded(update_id)
         t0 = time.monotonic()
         self.executor.collective_rpc("commit_staged")
+        self.staged_update = None
         swapped = time.monotonic()
         if self.pause.recompute_kv and self.pause.state is PauseState.PAUSED_ALL:
             self.scheduler.preempt_all()  # the frozen requests recompute under the new weights
@@ -616,8 +632,13 @@ class EngineCore:
         self._check_has_weights("to share")
         return self.executor.collective_rpc("send_weights_to_peers", [master_address, master_port, world_size])[0]
 
-    def discard_weights(self) -> bool:
+    def discard_weights(self, update_id: str | None = None) -> bool:
+        """Drop the staged update: the one `update_id` names, if the workers still hold it (False
+        if another one replaced it)."""
+        if update_id is not None and update_id != self.staged_update:
+            return False
         self.executor.collective_rpc("discard_staged")
+        self.staged_update = None
         return True
 
     def weights_checksum(self) -> str:

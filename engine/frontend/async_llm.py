@@ -409,6 +409,10 @@ class AsyncLLM:
     async def close_weight_transfer(self) -> bool:
         return await self._call("close_weight_transfer")
 
+    async def discard_weights(self, update_id: str | None = None) -> bool:
+        """See LLM.discard_weights."""
+        return await self._call("discard_weights", update_id)
+
     async def weights_checksum(self) -> str:
         return await self._call("weights_checksum")
 

@@ -308,6 +308,11 @@ class LLM:
     def close_weight_transfer(self) -> bool:
         return self.client.call_utility("close_weight_transfer")
 
+    def discard_weights(self, update_id: str | None = None) -> bool:
+        """Drop a staged update that never went live (every replica); with `update_id` (an
+        UpdateTrace's) only that one: False where another update replaced it since."""
+        return self.client.call_utility("discard_weights", update_id)
+
     def weights_checksum(self) -> str:
         return self.client.call_utility("weights_checksum")
 

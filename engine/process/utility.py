@@ -15,6 +15,7 @@ The weight update is the one call made of several (`weight_update_plan`: stage e
 then commit everywhere or discard everywhere; an `UpdateTrace` follows its phases).
 """
 import re
+import secrets
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -68,6 +69,11 @@ class StageArgs(_Args):
     args: list[Any]  # the source's own (a path, named tensors, IPC handles, a peer's address)
     lora_id: int = 0
     deadline_s: float | None = None
+    update_id: str | None = None  # (weight_update_plan's: its commit and discard name it again)
+
+
+class DiscardArgs(_Args):
+    update_id: str | None = None
 
 
 class LeaseArgs(_Args):
@@ -80,6 +86,7 @@ class CommitArgs(_Args):
     version: int
     lora_id: int = 0
     lora_path: str | None = None
+    update_id: str | None = None
 
 
 class PeersArgs(_Args):
@@ -230,7 +237,7 @@ UTILITIES: dict[str, Utility] = {
     "close_weight_transfer": Utility(NoArgs),
     "stage_weights": Utility(StageArgs),
     "commit_weights": Utility(CommitArgs),
-    "discard_weights": Utility(NoArgs),
+    "discard_weights": Utility(DiscardArgs),
     "lease_weight_spare": Utility(LeaseArgs, per_replica),
     "send_weights_to_peers": Utility(PeersArgs),
     "weights_checksum": Utility(NoArgs, combine_checksum),
@@ -319,11 +326,14 @@ class UpdateTrace:
     caches, in the same engine call as the swap). A refusal of what was sent (names, shapes,
     dtypes, a bad checkpoint) fails "stage"; a transport failure or a deadline while receiving
     fails "receive". `paused`: the answer of the update's own pause once it was asked for (a
-    pause that failed or ran out of time counts as made here: the caller resumes it)."""
+    pause that failed or ran out of time counts as made here: the caller resumes it).
+    `update_id`: what the update's stage, commit and discard calls name it by, so that an update
+    another frontend staged meanwhile is neither made live nor dropped in this one's name."""
 
     phase: str = ""
     seconds: dict[str, float] = field(default_factory=dict)
     paused: dict | None = None
+    update_id: str = field(default_factory=lambda: secrets.token_hex(8))
 
 
 def _refused(e: BaseException) -> bool:
@@ -352,7 +362,8 @@ def weight_update_plan(source: str, args: list, version: int | None, lora_id: in
     combined answer."""
     trace = trace if trace is not None else UpdateTrace()
     deadline = None if deadline_s is None else time.monotonic() + deadline_s
-    stage = {"source": source, "args": args, "lora_id": lora_id}
+    stage = {"source": source, "args": args, "lora_id": lora_id, "update_id": trace.update_id}
+    discard = ("each", "discard_weights", {"update_id": trace.update_id})
     if deadline_s is not None:
         stage["deadline_s"] = deadline_s
     if pause is not None and pause_first:
@@ -374,7 +385,7 @@ def weight_update_plan(source: str, args: list, version: int | None, lora_id: in
         failures = [TimeoutError(f"the weight update's deadline ({deadline_s:g} s) passed once it was staged: "
                                  "discarded, the old weights stay live")]
     if failures:
-        yield ("each", "discard_weights", {})
+        yield discard
         raise failures[0]
     if version is None:
         version = max(s["weight_version"] for s in staged) + 1
@@ -383,14 +394,14 @@ def weight_update_plan(source: str, args: list, version: int | None, lora_id: in
         try:
             yield from _pause_plan(pause, deadline, trace)
         except Exception:  # (not GeneratorExit: a plan dropped mid-way yields nothing more)
-            yield ("each", "discard_weights", {})
+            yield discard
             raise
     trace.phase, t0 = "swap", time.monotonic()
     answers = yield ("each", "commit_weights", {"version": version, "lora_id": lora_id,
-                                                "lora_path": staged[0].get("lora_path")})
+                                                "lora_path": staged[0].get("lora_path"), "update_id": trace.update_id})
     failures = [a for a in answers if isinstance(a, BaseException)]
     if failures:  # (refused: the engine fell asleep, or generation was resumed, since it was staged)
-        yield ("each", "discard_weights", {})
+        yield discard
         if len(failures) < len(answers):  # only where another frontend's sleep or resume raced this update
             raise EngineStateError(f"the weight update went live on {len(answers) - len(failures)} of "
                                    f"{len(answers)} replicas, the others refused it: {failures[0]}")

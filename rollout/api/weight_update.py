@@ -260,7 +260,7 @@ class Transaction:
                 update.cancel()
                 self.phase = trace.phase or "receive"
                 self._note_pause(trace, asked=self.phase == "pause")
-                self._late_rollback()
+                self._late_rollback(trace.update_id)
                 raise TimeoutError(f"deadline_s ({body.deadline_s:g} s) passed in phase {self.phase!r} and the "
                                    f"engine did not give up within {BACKSTOP_S:g} s more; nothing goes live")
         except BaseException:
@@ -277,7 +277,7 @@ class Transaction:
         pause answered that it paused, or (`asked`) its pause was cut off unanswered."""
         self.paused_here = self.paused_here or asked or (trace.paused is not None and not trace.paused["was_paused"])
 
-    def _late_rollback(self) -> None:
+    def _late_rollback(self, update_id: str) -> None:
         """The engine is still staging (its call outlived the deadline): once it is done, drop what
         it staged and resume, holding the control lock until then so that no other update lands
         in between."""
@@ -287,7 +287,7 @@ class Transaction:
 
         async def rollback():
             try:
-                await engine.collective_rpc("discard_staged")
+                await engine.discard_weights(update_id)
                 if paused_here:
                     await engine.resume_generation()
             except Exception as e:  # noqa: BLE001 - logged: the caller has had its answer

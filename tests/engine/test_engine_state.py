@@ -285,6 +285,42 @@ def push_scaled_weights(core: EngineCore, folder: str):
     return hf
 
 
+def test_an_update_staged_meanwhile_replaces_the_first_whose_commit_is_refused(core, tiny_folder):
+    """Two updates at once from two frontends (two API servers, say): the workers hold one staged
+    update and a later stage replaces it, so the first's commit is refused (it would make the
+    second's tensors live under its version) and its discard leaves the second staged; also when
+    the first is still being received beside a running request."""
+    from transformers import AutoModelForCausalLM
+
+    from weight_sync import weights_checksum
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32)
+    first, second = ({n: t * scale for n, t in hf.state_dict().items()} for scale in (1.5, 0.5))
+    before = core.weights_checksum()
+    for running in (False, True):
+        if running:
+            add(core, "r")
+            core.step()
+        a = core.stage_weights("tensors", [list(first.items())], update_id=f"a{running}")
+        b = core.stage_weights("tensors", [list(second.items())], update_id=f"b{running}")
+        assert isinstance(a, Deferred) == isinstance(b, Deferred) == running  # (received beside the steps)
+        if running:
+            with pytest.raises(EngineStateError, match="replaced by another"):
+                settle(core, a)
+            settle(core, b)
+            core.pause_generation("keep")
+        with pytest.raises(EngineStateError, match="replaced by another"):
+            core.commit_weights(core.weight_version + 1, update_id=f"a{running}")
+        assert core.discard_weights(update_id=f"a{running}") is False
+        assert core.weights_checksum() == before  # nothing went live
+        core.commit_weights(core.weight_version + 1, update_id=f"b{running}")
+        assert core.weights_checksum() == weights_checksum(second.items())
+        core.stage_weights("reload", [])
+        core.commit_weights(core.weight_version + 1)
+        assert core.weights_checksum() == before
+        core.resume_generation()
+
+
 @pytest.mark.parametrize("recompute_kv", [False, True])
 def test_keep_mode_kv_policies_against_a_trainer_recompute(core, tiny_folder, recompute_kv):
     """New weights pushed while a request is frozen (pause keep): with recompute_kv its later

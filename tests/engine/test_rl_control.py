@@ -19,9 +19,11 @@ EXT = "tests.engine.rl_worker_ext.MemoryProbe"
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-def start_trainer(port: int, mode: str, world_size: int = 2, seed: int = 0) -> subprocess.Popen:
+def start_trainer(port: int, mode: str, world_size: int = 2, seed: int = 0,
+                  dtype: str | None = None) -> subprocess.Popen:
+    """A trainer process (tests/engine/trainer_proc.py); `dtype`: every tensor sent cast to it."""
     return subprocess.Popen([sys.executable, "-m", "tests.engine.trainer_proc", str(port), mode, str(world_size),
-                             str(seed)], stdout=subprocess.PIPE, text=True)
+                             str(seed), *([dtype] if dtype else [])], stdout=subprocess.PIPE, text=True)
 
 
 def trainer_result(proc: subprocess.Popen) -> dict:
@@ -491,13 +493,13 @@ LONG = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)  # (outla
 COUNT = "Count slowly from one to a thousand:"
 
 
-async def _late_push(llm, seed: int = 0, **kwargs):
+async def _late_push(llm, seed: int = 0, dtype: str | None = None, **kwargs):
     """A trainer process that sends a full push (perturbed with `seed`) LATE_S after the group
     formed, and the engine's update of it under way: (trainer, trace, update task)."""
     from engine.process.utility import UpdateTrace
 
     port = find_free_port()
-    trainer = start_trainer(port, "late", seed=seed)
+    trainer = start_trainer(port, "late", seed=seed, dtype=dtype)
     await llm.init_weight_transfer("127.0.0.1", port, 2, timeout_s=20)
     trace = UpdateTrace()
     update = asyncio.ensure_future(llm.update_weights_from("broadcast", [], trace=trace, **kwargs))
@@ -522,7 +524,7 @@ async def _generates_while_receiving(dtype: str, model_path: str):
             seen = {}
             task = asyncio.ensure_future(_collect(llm, COUNT, LONG, f"r{version}", seen))
             await _until(lambda: f"r{version}" in seen)
-            trainer, trace, update = await _late_push(llm, seed=version, pause={"mode": "keep"})
+            trainer, trace, update = await _late_push(llm, seed=version, dtype=dtype, pause={"mode": "keep"})
             n0 = len(seen[f"r{version}"].outputs[0].token_ids)
             await asyncio.sleep(1.0)  # (the trainer sends 2 s after the group formed)
             assert trace.phase == "receive" and not update.done()

@@ -66,18 +66,22 @@ def test_save_weights_goes_to_the_first_replica_only():
 def test_weight_update_plan_stages_then_commits_or_discards():
     trace = UpdateTrace()
     plan = weight_update_plan("disk", ["/w"], None, trace=trace)
-    assert plan.send(None) == ("each", "stage_weights", {"source": "disk", "args": ["/w"], "lora_id": 0})
+    assert plan.send(None) == ("each", "stage_weights", {"source": "disk", "args": ["/w"], "lora_id": 0,
+                                                         "update_id": trace.update_id})
     assert trace.phase == "receive"
     how, method, kwargs = plan.send([{"weight_version": 3}, {"weight_version": 3}])
     assert (how, method, kwargs["version"]) == ("each", "commit_weights", 4) and trace.phase == "swap"
+    assert kwargs["update_id"] == trace.update_id  # (another frontend's update staged meanwhile is not made live)
     with pytest.raises(StopIteration) as done:
         plan.send([{"weight_version": 4, "swap_s": 0.5, "clear_cache_s": 0.25}] * 2)
     assert done.value.value["weight_version"] == 4
     assert trace.phase == "done" and set(trace.seconds) == {"receive", "stage", "swap", "clear_cache"}
     assert trace.seconds["clear_cache"] == 0.25
+    trace = UpdateTrace()
     refused = weight_update_plan("disk", ["/w"], 2, trace=trace)
     refused.send(None)
-    assert refused.send([{"weight_version": 3}, {"weight_version": 3}])[1] == "discard_weights"
+    assert refused.send([{"weight_version": 3}, {"weight_version": 3}]) == \
+        ("each", "discard_weights", {"update_id": trace.update_id})
     with pytest.raises(EngineStateError, match="must increase"):
         refused.send([True, True])
     assert trace.phase == "stage"

@@ -1,9 +1,10 @@
 """A real trainer process for weight-push tests: rank 0 of a gloo group with the engine.
 
-    python -m tests.engine.trainer_proc PORT MODE [WORLD_SIZE [SEED]]
+    python -m tests.engine.trainer_proc PORT MODE [WORLD_SIZE [SEED [DTYPE]]]
 
 It perturbs every parameter of the default model (tests.engine.perturb, with SEED), pushes them with
-WeightSender, and prints one JSON line: {"ok": ..., "error": ..., "checksum": ...}.
+WeightSender (cast to DTYPE when given), and prints one JSON line: {"ok": ..., "error": ...,
+"checksum": ...}.
 MODE: full | subset | wrong_shape | unknown_name | wrong_dtype | die (after the first bucket) | late
 (a full push LATE_S after the group formed: the engine waits on its receive meanwhile).
 """
@@ -22,7 +23,7 @@ from weight_sync import WeightSender, WeightTransferGroup, weights_checksum
 LATE_S = 2.0
 
 
-def main(port: int, mode: str, world_size: int, seed: int) -> None:
+def main(port: int, mode: str, world_size: int, seed: int, dtype: str | None) -> None:
     state = perturbed_state(str(default_model_path()), seed=seed)
     if mode == "subset":
         state = {"model.norm.weight": state["model.norm.weight"],
@@ -42,7 +43,7 @@ def main(port: int, mode: str, world_size: int, seed: int) -> None:
     if mode == "late":
         time.sleep(LATE_S)
     try:
-        result["stats"] = sender.send(state.items())
+        result["stats"] = sender.send(state.items(), dtype=dtype and getattr(torch, dtype))  # (DTYPE: all cast)
         result["ok"] = True
     except Exception as e:  # the engine refused: report it
         result.update(ok=False, error=str(e))
@@ -52,4 +53,4 @@ def main(port: int, mode: str, world_size: int, seed: int) -> None:
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 2,
-         int(sys.argv[4]) if len(sys.argv) > 4 else 0)
+         int(sys.argv[4]) if len(sys.argv) > 4 else 0, sys.argv[5] if len(sys.argv) > 5 else None)
