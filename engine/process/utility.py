@@ -335,6 +335,11 @@ class UpdateTrace:
     paused: dict | None = None
     update_id: str = field(default_factory=lambda: secrets.token_hex(8))
 
+    @property
+    def paused_here(self) -> bool:
+        """The update's own pause is in place: the caller lifts it (also after a failure)."""
+        return self.paused is not None and not self.paused["was_paused"]
+
 
 def _refused(e: BaseException) -> bool:
     """Bad input (what the trainer sent, a path), as opposed to a transport failure or a timeout."""

@@ -275,7 +275,7 @@ class Transaction:
     def _note_pause(self, trace: UpdateTrace, asked: bool = False) -> None:
         """Whether generation is paused by this call (so its resume is this call's): the update's
         pause answered that it paused, or (`asked`) its pause was cut off unanswered."""
-        self.paused_here = self.paused_here or asked or (trace.paused is not None and not trace.paused["was_paused"])
+        self.paused_here = self.paused_here or asked or trace.paused_here
 
     def _late_rollback(self, update_id: str) -> None:
         """The engine is still staging (its call outlived the deadline): once it is done, drop what

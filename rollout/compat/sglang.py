@@ -418,7 +418,7 @@ async def _paused_update(state: ServerState, source: str, args: list, version: i
             result = await _weight_call(state.engine.update_weights_from(
                 source, args, version, trace=trace, pause={"mode": "abort" if abort_all else "keep"}))
         finally:
-            if trace.paused is not None and not trace.paused["was_paused"]:
+            if trace.paused_here:
                 await call(state.engine.resume_generation())
     if isinstance(result, JSONResponse):
         return result
