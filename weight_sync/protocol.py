@@ -349,7 +349,8 @@ class WeightReceiver:
 
     def receive(self, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
                 select: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
-                into: Callable[[str], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                into: Callable[[str], torch.Tensor] | None = None,
+                write: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
         """Receive one push, checked against `expected` (name -> (shape, dtype) of the model).
 
         Returns name -> tensor for the pushed names only (a subset push is legal), once every
@@ -357,9 +358,14 @@ class WeightReceiver:
         per-bucket buffers, on `group.device`); with it, `into(name)` is where each one goes (the
         caller's staging memory, of the kept part's shape) and the returned tensors are those.
         `select(name, tensor)`: the part of each tensor to keep (a tensor-parallel rank's
-        slice), taken as its bucket arrives so that no receiver holds the whole push. Buckets
-        are received one ahead of the one being unpacked. Raises `WeightTransferError` with the
-        reason if this receiver refuses, another rank refuses or fails, or the transport fails.
+        slice), taken as its bucket arrives so that no receiver holds the whole push.
+        `write(name, part)`: stages a received tensor another way than a copy into `into(name)`
+        (the engine packs its matmul's panels straight from the bucket) and returns what stands
+        for it, or None to have it copied; a large tensor's pieces still land in `into(name)`
+        first. Buckets are received one ahead of the one being unpacked, and every copy and
+        write runs on this thread alone (the transport's threads want the other cores). Raises
+        `WeightTransferError` with the reason if this receiver refuses, another rank refuses or
+        fails, or the transport fails.
         """
         t0 = time.perf_counter()
         header = self._recv_header()
@@ -377,12 +383,13 @@ class WeightReceiver:
         self._largest = max((b.nbytes for b in buckets), default=0)
         try:
             posted: deque[tuple[Bucket, Pending | None, torch.Tensor]] = deque()
-            for b in buckets:
-                posted.append((b, *self._post(header, b, out, select, into)))
-                if len(posted) >= PIPELINE_DEPTH:
-                    self._unpack(header, *posted.popleft(), out, select, into)
-            while posted:
-                self._unpack(header, *posted.popleft(), out, select, into)
+            with _one_thread():
+                for b in buckets:
+                    posted.append((b, *self._post(header, b, out, select, into)))
+                    if len(posted) >= PIPELINE_DEPTH:
+                        self._unpack(header, *posted.popleft(), out, select, into, write)
+                while posted:
+                    self._unpack(header, *posted.popleft(), out, select, into, write)
         except WeightTransferError:
             raise
         except BaseException as e:  # the sender would block on us: break the group so it fails now
@@ -420,8 +427,9 @@ class WeightReceiver:
         return (self.group.broadcast_async(buf) if b.nbytes else None), buf
 
     def _unpack(self, header: PushHeader, b: Bucket, pending: Pending | None, buf: torch.Tensor, out: dict,
-                select, into) -> None:
-        """Wait for bucket `b`, then hand its tensors over (views, or copies into `into`)."""
+                select, into, write) -> None:
+        """Wait for bucket `b`, then hand its tensors over (views, or copies into `into`, or
+        what `write` made of them)."""
         if pending is not None:
             pending.wait()
         dtype = parse_dtype(b.dtype)
@@ -430,7 +438,10 @@ class WeightReceiver:
             if b.piece_start + b.nbytes == _nbytes(m):  # its last piece: the whole tensor is here
                 t = out[m.name]
                 part = t if select is None else select(m.name, t)
-                if into is not None and part.data_ptr() != into(m.name).data_ptr():
+                written = write(m.name, part) if write is not None else None
+                if written is not None:
+                    out[m.name] = written
+                elif into is not None and part.data_ptr() != into(m.name).data_ptr():
                     out[m.name] = _copy(into(m.name), part)
                 elif part is not t:
                     out[m.name] = part.clone()  # a copy: the whole tensor can go
@@ -439,7 +450,10 @@ class WeightReceiver:
             m = header.tensors[i]
             t = buf[offset : offset + _nbytes(m)].view(dtype).view(m.shape)
             part = t if select is None else select(m.name, t)
-            if into is not None:
+            written = write(m.name, part) if write is not None else None
+            if written is not None:
+                out[m.name] = written
+            elif into is not None:
                 out[m.name] = _copy(into(m.name), part)
             else:
                 out[m.name] = part if part is t else part.clone()  # (a slice: the bucket buffer can go)

@@ -123,9 +123,13 @@ class Linear:
         return self.panels is not None and self.panel_max == EVERY_STEP and self.packed is None
 
     def unpack(self) -> None:
-        """Write `weight` back from the panels (32 rows of `weight` a panel, k-major, in pairs or not)."""
-        n, k = self.weight.shape
-        p = self.panels
+        """Write `weight` back from the panels."""
+        self.weight.copy_(self.plain_of(self.panels, self.weight.shape[0]))
+
+    def plain_of(self, panels: torch.Tensor, n: int) -> torch.Tensor:
+        """The `n` rows that `panels` (in this linear's layout: 32 rows a panel, k-major, in pairs
+        or not) hold, as a plain (n, k) tensor."""
+        k, p = self.weight.shape[1], panels
         if self.pack_fn == "bf16_vnni_pack":  # (n / 32, k / 2, 32, 2)
             plain = p.permute(0, 2, 1, 3).reshape(p.shape[0] * 32, p.shape[1] * 2)
         else:  # f32_panel_pack, bf16_panel_pack: (n / 32, k, 32)
@@ -133,7 +137,7 @@ class Linear:
             if self.pack_fn == "bf16_panel_pack":  # a panel's rows interleaved for the kernel's widening loads
                 rows = rows[:, _bf16_panel_order()]
             plain = rows.reshape(p.shape[0] * 32, k)
-        self.weight.copy_(plain[:n, :k])
+        return plain[:n, :k]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of `weight` read from the panels (what `unpack` would write there): a tied
@@ -425,6 +429,8 @@ class LlamaModel:
             return
         embed_name = self.embed_name
         embed = staged[embed_name] if embed_name in staged else self.hf_view(embed_name)  # (no catch-up for a pushed one)
+        if embed.shape != head.shape:  # the pushed embedding was staged as the head's panels (weight_buffers.py)
+            embed = self.lm_head.plain_of(embed, head.shape[0])
         if not torch.equal(head.to(embed.device, embed.dtype), embed):
             raise InvalidRequestError("lm_head.weight differs from model.embed_tokens.weight, but this model ties "
                                       "them (tie_word_embeddings): push equal tensors, or only the embedding")

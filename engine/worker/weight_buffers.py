@@ -33,6 +33,12 @@ head's panels are all the trainer writes of it, and the model reads the embeddin
 them until something reads the plain weights (a copy of the embedding, and the head's repack,
 saved).
 
+An update the engine receives itself (a broadcast, a checkpoint, tensors handed over) is packed
+the same way where no lease is out: each such tensor goes from the receiver's buffer straight
+into the spare of its linear's panels (`write`, the same pass a plain copy would cost), so its
+pause holds the swap alone and no repack. That spare of the panels costs one more copy of those
+weights in memory; the plain spare is then written only by a large tensor's pieces on the way in.
+
 On CUDA, allocation is cheap and memory is scarce: tensors are staged into fresh memory and
 copied in (no spare).
 """
@@ -90,11 +96,13 @@ class WeightBuffers:
         # a lease's table, but for the segment each storage's spare is in (the layout is the model's:
         # made once, as a lease is asked for at every push and building it anew cost several ms)
         self._layout: list[_Storage] | None = None
+        self._packed: dict[str, _Storage] | None = None  # name -> its storage, where its linear's panels serve
 
     def release(self) -> None:
         """Drop the spare (sleep; a model that is replaced) and end any lease. Shared segments lose
         their names now and their memory with the last tensor in them."""
         self._model, self._spare, self._panel_spare, self._lease, self._layout = None, {}, {}, None, None
+        self._packed = None
         if self._segments is not None:
             self._segments.unlink()
             self._segments = None
@@ -107,6 +115,30 @@ class WeightBuffers:
         usable = self._lease is None and (name != "lm_head.weight" or not model.ties_head)
         spare = self._spare_of(model, view) if usable else None
         return spare if spare is not None else torch.empty_like(view)
+
+    def write(self, model: LlamaModel, name: str, t: torch.Tensor) -> torch.Tensor | None:
+        """Stage the received tensor `name` (whole, in the model's dtype) packed into the spare of
+        its linear's panels, where every step reads those panels alone, and return that view (the
+        update then swaps the panels in: see the module doc); None where it is staged plain
+        (`dest`): no such linear, a lease out, tensor parallelism, another device or dtype."""
+        if self._lease is not None or model.device.type != "cpu" or model.tp is not None:
+            return None
+        self._use(model)
+        if self._packed is None:
+            if self._layout is None:
+                self._layout = _layout(model)
+            self._packed = {e["name"]: st for st in self._layout if st.linear is not None for e in st.entries}
+        st = self._packed.get(name)
+        if st is None or t.dtype != st.root.dtype or not t.is_contiguous():
+            return None
+        panels, key = st.linear.panels, id(st.root)
+        spare = self._panel_spare.get(key)
+        if spare is None or spare.shape != panels.shape:
+            spare = self._panel_spare[key] = torch.empty_like(panels)
+        first, count = st.panel_rows[name]
+        dst = spare.narrow(0, first, count)
+        getattr(model.ops.ext, st.linear.pack_fn)(t, dst)
+        return dst
 
     def _use(self, model: LlamaModel) -> None:
         if self._model is not model:

@@ -233,7 +233,7 @@ class Worker:
             self._receiver = WeightReceiver(self.transfer_group)
         with self.transfer_group.deadline(self._deadline.left("waiting for the trainer's push")):
             return self._receiver.receive(model.accepted_weights(), select=_shard_selector(model),
-                                          into=self._dest(model))
+                                          into=self._dest(model), write=self._packer(model))
 
     def _receive_named(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
         """SGLang's wire (weight_sync/named.py): args = [names, dtypes, shapes, flattened]. Every
@@ -250,28 +250,28 @@ class Worker:
             if not t.is_floating_point():
                 raise InvalidRequestError(f"{name} has dtype {t.dtype}: weights must be floating point")
         # a trainer's precision (bf16 into an fp32 engine) is cast, as SGLang's loader does
-        dest = self._dest(model)
-        return {name: dest(name).copy_(model.shard_of(name, t)) for name, t in pushed.items()}
+        stage = self._stager(model)
+        return {name: stage(name, model.shard_of(name, t)) for name, t in pushed.items()}
 
     def _read_checkpoint(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
         path = self.config.model if source == "reload" else args[0]
         if is_sharded_state(path):  # this rank's slices as they are
             return model.checked_local(read_rank(path, self.rank, self.config.tensor_parallel_size), path)
-        staged, dest = {}, self._dest(model)
+        staged, stage = {}, self._stager(model)
         for name, t in model.checkpoint_tensors(path):
             self._deadline.check(f"reading {path}")
             model.check_weight(name, tuple(t.shape))
             if not t.is_floating_point():  # a float checkpoint of another precision is cast; this is not one
                 raise InvalidRequestError(f"{name} has dtype {t.dtype} in {path}: weights must be floating point")
-            staged[name] = dest(name).copy_(model.shard_of(name, t))
+            staged[name] = stage(name, model.shard_of(name, t))
         return staged
 
     def _copy_tensors(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
-        staged, dest = {}, self._dest(model)
+        staged, stage = {}, self._stager(model)
         for name, t in args[0]:
             self._deadline.check("copying the tensors")
             model.check_weight(name, tuple(t.shape), t.dtype)
-            staged[name] = dest(name).copy_(model.shard_of(name, t.detach()))
+            staged[name] = stage(name, model.shard_of(name, t.detach()))
         return staged
 
     def _map_shared(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
@@ -286,7 +286,7 @@ class Worker:
             return t if shard is None else shard(name, t)
 
         return read_shared(args[0], self.model_runner.device, check=model.check_weight, select=select,
-                           into=self._dest(model))
+                           into=self._dest(model), write=self._packer(model))
 
     def _receive_from_peer(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
         """A new data-parallel replica copies a live one (its send_weights_to_peers); `rank` is the
@@ -297,13 +297,29 @@ class Worker:
         group = WeightTransferGroup(master_address, master_port, rank + self.rank, world_size, backend=self._backend())
         try:
             return WeightReceiver(group).receive(model.expected_weights(), select=_shard_selector(model),
-                                                 into=self._dest(model))
+                                                 into=self._dest(model), write=self._packer(model))
         finally:
             group.close()
 
     def _dest(self, model: LlamaModel) -> Callable[[str], torch.Tensor]:
-        """Where a base-weight update writes each tensor (see engine/worker/weight_buffers.py)."""
+        """Where a base-weight update writes each tensor plain (see engine/worker/weight_buffers.py)."""
         return lambda name: self._buffers.dest(model, name)
+
+    def _packer(self, model: LlamaModel) -> Callable[[str, torch.Tensor], torch.Tensor | None]:
+        """A base-weight update's tensor packed for the matmul kernels as it is staged, or None
+        where it is staged plain (WeightBuffers.write)."""
+        return lambda name, t: self._buffers.write(model, name, t)
+
+    def _stager(self, model: LlamaModel) -> Callable[[str, torch.Tensor], torch.Tensor]:
+        """Stages a base-weight update's tensor (cast to the model's dtype where it differs):
+        packed where it can be, else copied into its place."""
+        dest, pack = self._dest(model), self._packer(model)
+
+        def stage(name: str, t: torch.Tensor) -> torch.Tensor:
+            packed = pack(name, t)
+            return packed if packed is not None else dest(name).copy_(t)
+
+        return stage
 
     def _stage_lora(self, lora_id: int, source: str, args: list) -> dict:
         """A loaded adapter's new weights: "disk" a whole PEFT folder; "broadcast", "tensors" and

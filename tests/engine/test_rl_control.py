@@ -603,7 +603,7 @@ async def _wait_pause_past_deadline():
 
         trace = UpdateTrace()
         with pytest.raises(TimeoutError, match="pausing"):
-            await llm.update_weights_from("broadcast", [], trace=trace, deadline_s=4.0, pause={"mode": "wait"})
+            await llm.update_weights_from("broadcast", [], trace=trace, deadline_s=6.0, pause={"mode": "wait"})
         assert trace.phase == "pause" and trace.paused["was_paused"] is False and "receive" in trace.seconds
         assert trainer_result(trainer)["ok"]
         assert await llm.is_paused()  # (the update's pause, still waiting for the request)

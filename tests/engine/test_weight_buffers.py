@@ -374,6 +374,72 @@ def test_a_tied_embedding_is_pushed_as_the_heads_panels(tmp_path, monkeypatch, d
     buffers.release()
 
 
+def _received_push(buffers: WeightBuffers, model: LlamaModel, tensors: dict, bucket_bytes: int) -> dict:
+    """`tensors` pushed over a real gloo group (the trainer on a thread) and staged as the worker
+    stages a broadcast: received into the spare, packed where a linear's panels serve."""
+    import threading
+
+    from weight_sync import WeightReceiver, WeightSender, WeightTransferGroup, find_free_port
+
+    port = find_free_port()
+
+    def trainer():
+        with WeightTransferGroup("127.0.0.1", port, 0, 2, timeout_s=30) as group:
+            WeightSender(group, bucket_bytes=bucket_bytes).send(tensors.items())
+
+    thread = threading.Thread(target=trainer, daemon=True)
+    thread.start()
+    try:
+        with WeightTransferGroup("127.0.0.1", port, 1, 2, timeout_s=30) as group:
+            staged = WeightReceiver(group).receive(model.accepted_weights(), into=lambda n: buffers.dest(model, n),
+                                                   write=lambda n, t: buffers.write(model, n, t))
+    finally:
+        thread.join(timeout=30)
+    model.untie_pushed(staged)
+    model.split_fused_experts(staged)
+    return staged
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_received_update_is_packed_as_it_arrives(tmp_path, monkeypatch, dtype, tied):
+    """An update the engine receives (gloo here; a checkpoint or tensors alike) is packed into the
+    spare of the projections' panels straight from the receiver's buffers, large tensors from
+    where their pieces landed: the update swaps the panels and repacks nothing, and the plain
+    weights follow only when read, equal to what was pushed. A tied model's pushed lm_head copy
+    is checked against the embedding staged as the head's panels: equal passes, different is
+    refused."""
+    from engine.errors import InvalidRequestError
+    from engine.model.decoder import Linear
+
+    build_model("qwen2" if tied else "qwen3", tmp_path)
+    model, buffers = _packed_model(str(tmp_path), dtype), WeightBuffers()
+    assert model.ties_head == tied
+    repacked = []
+    pack = Linear.pack
+    monkeypatch.setattr(Linear, "pack", lambda self, *a: (repacked.append(self), pack(self, *a))[1])
+    for seed in (1, 2):
+        new = {n: t.to(dtype) for n, t in _new_values(model, seed).items()}
+        if tied:
+            new["lm_head.weight"] = new[model.embed_name].clone()  # (a trainer's state_dict holds both)
+        bucket = min(t.numel() * t.element_size() for n, t in new.items() if "embed" in n) // 3  # (pieces)
+        staged = _received_push(buffers, model, new, bucket)
+        assert buffers.commit(model, staged) == 0 and not repacked  # nothing copied, nothing repacked
+        assert model._behind
+        if tied:
+            del new["lm_head.weight"]
+        _assert_panels_pack(model, new)
+        _assert_live(model, new)
+        assert not model._behind
+    if tied:
+        bad = {n: t.to(dtype) for n, t in _new_values(model, 3).items()}
+        bad["lm_head.weight"] = bad[model.embed_name] + 1
+        with pytest.raises(InvalidRequestError, match="lm_head.weight differs"):
+            _received_push(buffers, model, bad, 1 << 20)
+        _assert_live(model, new)  # (the refused update never went live)
+    buffers.release()
+
+
 @pytest.mark.parametrize("pack_fn", ["bf16_vnni_pack", "f32_panel_pack", "bf16_panel_pack"])
 @pytest.mark.parametrize("n, k", [(64, 96), (45, 33)])  # (ragged: a padded panel, an odd k)
 def test_unpack_inverts_every_pack(pack_fn, n, k):

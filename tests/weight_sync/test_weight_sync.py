@@ -182,6 +182,43 @@ def test_push_into_the_callers_staging_memory():
             assert r["ok"] and r["equal"] and r["into"] and r["names"] == sorted(model), r
 
 
+def test_a_writer_stages_the_tensors_it_takes_and_the_rest_are_copied():
+    """`receive(write=)`: each tensor, whole, goes to the writer (from its bucket, or from `into`
+    where a large one's pieces landed); what it returns stands for the tensor, and a None has it
+    copied into `into` as usual. The writer runs on one thread, and the caller's thread count is
+    back after. Both ranks in this process, the trainer on a thread."""
+    import threading
+
+    model = make_tensors()
+    assert any(t.numel() * t.element_size() > BUCKET for t in model.values())  # (pieces go through it too)
+    taken = sorted(model)[::2]
+    port = find_free_port()
+
+    def trainer():
+        with WeightTransferGroup("127.0.0.1", port, 0, 2, timeout_s=TIMEOUT_S) as group:
+            WeightSender(group, bucket_bytes=BUCKET).send(model.items())
+
+    thread = threading.Thread(target=trainer, daemon=True)
+    thread.start()
+    threads, seen = torch.get_num_threads(), {}
+
+    def write(name, t):
+        seen[name] = torch.get_num_threads()
+        return -t if name in taken else None  # (a stand-in for another layout: the engine's packed panels)
+
+    with WeightTransferGroup("127.0.0.1", port, 1, 2, timeout_s=TIMEOUT_S) as group:
+        staging = {n: torch.zeros_like(t) for n, t in model.items()}
+        got = WeightReceiver(group).receive(expected_of(model), into=staging.__getitem__, write=write)
+    thread.join(timeout=30)
+    assert sorted(seen) == sorted(model) and set(seen.values()) == {1}
+    assert torch.get_num_threads() == threads
+    for name, t in model.items():
+        if name in taken:
+            assert torch.equal(got[name], -t), name
+        else:
+            assert got[name] is staging[name] and torch.equal(got[name], t), name
+
+
 def test_the_receiver_keeps_its_bucket_buffers_from_push_to_push():
     """Buckets of one push differ in size (a dtype's last one is short); each buffer goes back
     whole, so the second and third pushes receive into the first one's buffers (fresh memory costs
