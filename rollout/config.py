@@ -22,6 +22,8 @@ class ServerConfig:
     shutdown_grace_s: on SIGINT/SIGTERM, in-flight requests get this long to finish, then are
         aborted (they still get a final response, finish_reason "abort").
     api_server_count: API-server processes sharing the listening socket (rollout/launcher.py).
+    control_lock: a file the API servers of one launcher lock in turn, so that their control
+        routes run one at a time across them (set by the launcher; rollout/api/state.py).
     exit_on_engine_death: once no engine replica lives, log why and exit with status 1 (as vLLM
         does, so that an orchestrator restarts the server); False: stay up answering 503.
     session_timeout_s: a session (rollout/api/sessions.py) idle this long is closed, its KV freed
@@ -58,6 +60,7 @@ class ServerConfig:
     model: str | None = None
     api_server_count: int = 1
     api_server_index: int = 0  # which of them this process is (set by the launcher)
+    control_lock: str | None = None
     exit_on_engine_death: bool = True
     session_timeout_s: float = 600.0
     max_sessions: int = 4096

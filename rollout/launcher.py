@@ -10,7 +10,9 @@ processes accepting on one listening socket, and the engine cores they all share
                  nothing of the server, which calls it for --api-server-count > 1)
 
 What holds across API servers: pause, sleep and weights live in the engine cores, so a /pause
-through one is seen by all (and by every replica); every API server routes to every replica.
+through one is seen by all (and by every replica); every API server routes to every replica; the
+control routes (pause, sleep, weight updates) run one at a time across all of them (a file lock,
+ServerConfig.control_lock), as within one.
 /metrics: the servers' own counters and histograms are aggregated with prometheus-client's
 multiprocess mode (PROMETHEUS_MULTIPROC_DIR, a folder of the launcher's); the engine series come
 from the engine cores, the same whichever server answers. W&B is logged by API server 0 only.
@@ -117,7 +119,7 @@ def _serve(config: ServerConfig, engine_config, sock: socket.socket, tmp: str, s
     for i in range(k):
         connection = EngineConnection(inputs[i], outputs[i], i, k, manager.pids(), manager.num_blocks,
                                       manager.max_model_len, coordinator.frontend_address if coordinator else "")
-        procs.servers.append(_start_server(config, i, connection, sock.fileno(), ready_w))
+        procs.servers.append(_start_server(config, i, connection, sock.fileno(), ready_w, f"{tmp}/control.lock"))
     os.close(ready_w)
     if not _wait_ready(ready_r, procs.servers, stop):
         return 1
@@ -126,8 +128,10 @@ def _serve(config: ServerConfig, engine_config, sock: socket.socket, tmp: str, s
     return _watch(procs.servers, stop)
 
 
-def _start_server(config: ServerConfig, index: int, connection, fd: int, ready_fd: int) -> subprocess.Popen:
-    own = replace(config, api_server_index=index, wandb_project=config.wandb_project if index == 0 else None)
+def _start_server(config: ServerConfig, index: int, connection, fd: int, ready_fd: int,
+                  control_lock: str) -> subprocess.Popen:
+    own = replace(config, api_server_index=index, control_lock=control_lock,
+                  wandb_project=config.wandb_project if index == 0 else None)
     spec = json.dumps({"config": asdict(own), "connection": msgspec.to_builtins(connection), "fd": fd,
                        "ready_fd": ready_fd, "parent": os.getpid()})
     entry = f"from rollout.server import run_api_server; run_api_server({spec!r})"

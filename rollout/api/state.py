@@ -9,7 +9,9 @@ APIErrors (the routes prime a stream before sending headers, so an engine refusa
 while asleep, is still a clean error response).
 """
 import asyncio
+import fcntl
 import itertools
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -40,6 +42,45 @@ class WeightUpdate:
     weight_version: int | None = None
 
 
+class ControlLock:
+    """The control routes' turn (pause, resume, sleep, wake, weight updates): one at a time in
+    this API server, and with several API servers (rollout/launcher.py) across all of them, by an
+    exclusive flock on the file `path` that each one opens. Without that, a sleep through one
+    server could land between another's stage and commit, and with several replicas leave them
+    on different versions. The kernel drops a dead server's lock."""
+
+    POLL_S = 0.005  # (flock cannot be awaited: a waiter polls, and stays cancellable)
+
+    def __init__(self, path: str | None = None):
+        self._local = asyncio.Lock()
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600) if path else None
+
+    async def acquire(self) -> bool:
+        await self._local.acquire()
+        try:
+            while self._fd is not None:
+                try:
+                    fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    await asyncio.sleep(self.POLL_S)
+        except BaseException:  # (cancelled while another server held it)
+            self._local.release()
+            raise
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._local.release()
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc) -> None:
+        self.release()
+
+
 class ServerState:
     def __init__(self, engine, config: ServerConfig):
         self.engine = engine
@@ -53,7 +94,7 @@ class ServerState:
         self.weight_update: WeightUpdate | None = None
         self.weight_group_name: str | None = None  # the SGLang dialect's named weight group, while one is open
         self.shutting_down = asyncio.Event()
-        self.control_lock = asyncio.Lock()  # pause/resume/sleep/wake/weight routes run one at a time
+        self.control_lock = ControlLock(config.control_lock)  # pause/resume/sleep/wake/weight routes: one at a time
         self.weight_updates = KeyedCalls()  # POST /weights/update's answers by idempotency_key
         self.sessions = Sessions(self, config.session_timeout_s, config.max_sessions)
         self.loras: dict[str, LoRARequest] = {}  # LoRA adapters by served name (/v1/load_lora_adapter)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from tests.rollout.conftest import ADMIN_KEY, API_KEY, children_of, start_server
 
@@ -89,6 +90,52 @@ def test_two_api_servers_two_replicas():
     while [p for p in procs if Path(f"/proc/{p}").exists() and "zombie" not in _state(p)]:
         assert time.monotonic() < deadline, f"processes left: {procs}"
         time.sleep(0.2)
+
+
+def test_a_sleep_through_one_api_server_waits_for_an_update_through_the_other(tmp_path, default_model_path):
+    """The control routes take turns across API servers as within one: while an update through
+    one server waits for the trainer's bytes, a /sleep through the other waits for it, and the
+    update lands whole on both replicas (before, the sleep went through at once, and the update's
+    commit was refused on the replicas it reached: a 409, or replicas on different versions)."""
+    from safetensors.torch import load_file
+
+    from rollout.client import RolloutClient
+    from tests.rollout.conftest import stop_server, tiny_model_folder
+    from weight_sync import WeightSender, weights_checksum
+
+    folder = tiny_model_folder(tmp_path, default_model_path)
+    server = start_server(folder, "--max-model-len", "256", "--api-server-count", "2", "--data-parallel-size", "2")
+    try:
+        with RolloutClient(server.url, api_key=API_KEY, admin_api_key=ADMIN_KEY, timeout=120) as c:
+            c.init_weight_transfer(backend="gloo", shared_memory_when_local=False, timeout_s=60)
+            version = c.weight_version()
+            here = c.http.get(server.url + "/health").headers["x-rollout-api-server"]  # (its kept connection's)
+            others = [httpx.Client(timeout=120, headers=ADMIN) for _ in range(32)]
+            try:
+                other = next(h for h in others if h.get(server.url + "/health").headers["x-rollout-api-server"] != here)
+                state = load_file(str(Path(folder) / "model.safetensors"))
+                pushed = {n: t * 0.5 for n, t in state.items()}
+                box = {}
+                posting = threading.Thread(target=lambda: box.update(result=c.weights_update("gloo")))
+                posting.start()
+                time.sleep(0.5)  # (the update holds the control routes' turn, waiting for the bytes)
+                sleeping = threading.Thread(target=lambda: box.update(
+                    slept=other.post(server.url + "/sleep", params={"level": 1, "mode": "abort"})))
+                sleeping.start()
+                time.sleep(1.0)
+                assert "slept" not in box, "the sleep went through during another server's update"
+                WeightSender(c.weights.group).send(pushed.items())
+                posting.join(120)
+                sleeping.join(120)
+            finally:
+                for h in others:
+                    h.close()
+            assert box["result"]["weight_version"] == version + 1, box["result"]
+            assert box["slept"].status_code == 200, box["slept"].text
+            c.wake_up()
+            assert c.weights_checksum() == weights_checksum(pushed.items(), torch.float32)  # (both replicas agree)
+    finally:
+        assert stop_server(server) == 0, server.log()
 
 
 def _state(pid: int) -> str:
