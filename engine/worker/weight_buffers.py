@@ -117,10 +117,11 @@ class WeightBuffers:
         return spare if spare is not None else torch.empty_like(view)
 
     def write(self, model: LlamaModel, name: str, t: torch.Tensor) -> torch.Tensor | None:
-        """Stage the received tensor `name` (whole, in the model's dtype) packed into the spare of
-        its linear's panels, where every step reads those panels alone, and return that view (the
-        update then swaps the panels in: see the module doc); None where it is staged plain
-        (`dest`): no such linear, a lease out, tensor parallelism, another device or dtype."""
+        """Stage the received tensor `name` (whole, in the model's dtype or float32 for a bf16
+        model: cast on the way) packed into the spare of its linear's panels, where every step
+        reads those panels alone, and return that view (the update then swaps the panels in: see
+        the module doc); None where it is staged plain (`dest`): no such linear, a lease out,
+        tensor parallelism, another device or dtype."""
         if self._lease is not None or model.device.type != "cpu" or model.tp is not None:
             return None
         self._use(model)
@@ -128,8 +129,10 @@ class WeightBuffers:
             if self._layout is None:
                 self._layout = _layout(model)
             self._packed = {e["name"]: st for st in self._layout if st.linear is not None for e in st.entries}
-        st = self._packed.get(name)
-        if st is None or t.dtype != st.root.dtype or not t.is_contiguous():
+        st, ext = self._packed.get(name), model.ops.ext
+        cast = t.dtype == torch.float32 and model.dtype == torch.bfloat16  # (a float32 checkpoint)
+        if st is None or not (t.dtype == model.dtype or cast) or not t.is_contiguous() \
+                or not hasattr(ext, "write_many"):
             return None
         panels, key = st.linear.panels, id(st.root)
         spare = self._panel_spare.get(key)
@@ -137,7 +140,7 @@ class WeightBuffers:
             spare = self._panel_spare[key] = torch.empty_like(panels)
         first, count = st.panel_rows[name]
         dst = spare.narrow(0, first, count)
-        getattr(model.ops.ext, st.linear.pack_fn)(t, dst)
+        ext.write_many([t], [dst], [st.linear.pack_fn])  # (the trainer's SpareWriter runs the same)
         return dst
 
     def _use(self, model: LlamaModel) -> None:

@@ -440,6 +440,25 @@ def test_a_received_update_is_packed_as_it_arrives(tmp_path, monkeypatch, dtype,
     buffers.release()
 
 
+def test_float32_tensors_are_cast_as_they_are_packed_for_a_bf16_model(folder):
+    """A float32 checkpoint (or tensors) staged into a bf16 engine: each projection's tensor is
+    cast on its way into the panels' spare, rounded as torch rounds; the rest is copied (cast) into
+    the plain spare. Nothing is repacked; the live weights then equal the pushed ones in bf16."""
+    model, buffers = _packed_model(folder, torch.bfloat16), WeightBuffers()
+    new = _new_values(model, 21)  # (float32)
+    staged = {}
+    for name, t in new.items():
+        packed = buffers.write(model, name, t)
+        staged[name] = packed if packed is not None else buffers.dest(model, name).copy_(t)
+    assert any(staged[n].shape != t.shape for n, t in new.items())  # (some went into panels)
+    model.untie_pushed(staged)
+    model.split_fused_experts(staged)
+    assert buffers.commit(model, staged) == 0 and model._behind
+    _assert_panels_pack(model, new)
+    _assert_live(model, {n: t.to(torch.bfloat16) for n, t in new.items()})
+    buffers.release()
+
+
 @pytest.mark.parametrize("pack_fn", ["bf16_vnni_pack", "f32_panel_pack", "bf16_panel_pack"])
 @pytest.mark.parametrize("n, k", [(64, 96), (45, 33)])  # (ragged: a padded panel, an odd k)
 def test_unpack_inverts_every_pack(pack_fn, n, k):
