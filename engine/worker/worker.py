@@ -501,6 +501,9 @@ class Worker:
         if "weights" in tags:
             if runner.model is None:  # level 2: fresh (zero) tensors; a push or reload must fill them
                 runner.model = runner.new_model()
+                # packed like any awake model's: what a push's staging reads of the model (which
+                # projections take their panels, WeightBuffers) is then what it will be once filled
+                runner.model.repack()
             elif self._offloaded:
                 for t, host in self._offloaded:
                     t.data = host.to(t.device)

@@ -230,8 +230,11 @@ async def lease_weight_spare(body: LeaseSpareBody, request: Request):
     spare is lent (CUDA, a replica of several ranks), 409 while another trainer holds it. With
     several replicas each lends its own: {"replicas": [each one's lease, with its "replica"]},
     pushed as {"kind": "spare", "replicas": [each one's handles, with its "replica"]}; with
-    "replicas": [ranks] only those lend (the ones on the trainer's machine)."""
-    lease = await call(get_state(request).engine.lease_weight_spare(body.holder, body.layouts, body.replicas))
+    "replicas": [ranks] only those lend (the ones on the trainer's machine). It waits for an update
+    under way (the control routes' turn): an update staged but not yet live holds the spare."""
+    state = get_state(request)
+    async with state.control_lock:
+        lease = await call(state.engine.lease_weight_spare(body.holder, body.layouts, body.replicas))
     # (encoded here: FastAPI's own encoder walking the default model's 272 entries cost 6-12 ms a push)
     return Response(msgspec.json.encode(lease), media_type="application/json")
 

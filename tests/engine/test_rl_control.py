@@ -137,6 +137,12 @@ def test_update_refused_while_running_and_asleep_states(default_model_path, tmp_
         llm.generate("hi", GREEDY, use_tqdm=False)
     assert llm.update_weights_from_disk(str(tmp_path))["weight_version"] == 2
     assert llm.generate("hi", GREEDY, use_tqdm=False)[0].outputs[0].weight_versions == [2] * 16
+    from weight_sync import SpareWriter
+
+    layouts = SpareWriter().layouts
+    if layouts:  # (the C++ kernels are built here) a trainer still gets the projections' panels to pack
+        lease = llm.lease_weight_spare("trainer", layouts)
+        assert any("pack" in e for e in lease.get("replicas", [lease])[0]["tensors"])
     llm.shutdown()
 
 
