@@ -307,26 +307,23 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 def read_shared(handles: dict, device: torch.device, check: Callable | None = None,
                 select: Callable | None = None,
-                into: Callable[[str], torch.Tensor] | None = None,
-                write: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None) -> dict[str, torch.Tensor]:
+                stage: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The engine's side: copies on `device` of the tensors behind the handles. `check(name,
     shape, dtype)` runs for every tensor before anything is copied (raise to refuse the push);
-    `select(name, tensor)`: the part of each to copy (a tensor-parallel rank's slice); `into(name)`:
-    where to copy it (the caller's staging memory; fresh tensors without it); `write(name, part)`:
-    stages it another way (the engine packs its matmul's panels) and returns what stands for it,
-    or None to have it copied."""
+    `select(name, tensor)`: the part of each to copy (a tensor-parallel rank's slice); `stage(name,
+    part)`: copies it where the caller stages it and returns that (fresh tensors without it)."""
     if not isinstance(handles, dict) or handles.get("kind") not in ("cuda", "shm") \
             or not isinstance(handles.get("tensors"), list):
         raise ValueError('IPC handles must be {"kind": "cuda" | "shm", "tensors": [...]} (from SharedWeights)')
     if handles["kind"] == "cuda":
         named = [(m["name"], _load_cuda(m["handle"])) for m in handles["tensors"]]
-        return _checked_copies(named, device, check, select, into, write)
+        return _checked_copies(named, device, check, select, stage)
     with _kept_lock:
         shm = _mapped(str(handles.get("shm")))
         named = []
         try:
             named = list(_views(shm, handles["tensors"]))
-            return _checked_copies(named, device, check, select, into, write)
+            return _checked_copies(named, device, check, select, stage)
         finally:
             del named  # no view may outlive the mapping
             if shm is not _kept:
@@ -373,7 +370,7 @@ def forget_shared() -> None:
         _forget()
 
 
-def _checked_copies(named, device, check, select=None, into=None, write=None) -> dict[str, torch.Tensor]:
+def _checked_copies(named, device, check, select=None, stage=None) -> dict[str, torch.Tensor]:
     names = [n for n, _ in named]
     if len(set(names)) != len(names):
         raise ValueError("a tensor name appears twice in the handles")
@@ -383,11 +380,7 @@ def _checked_copies(named, device, check, select=None, into=None, write=None) ->
     out = {}
     for n, t in named:
         part = t if select is None else select(n, t)
-        written = write(n, part) if write is not None else None
-        if written is not None:
-            out[n] = written
-        else:
-            out[n] = part.to(device, copy=True) if into is None else into(n).copy_(part)
+        out[n] = part.to(device, copy=True) if stage is None else stage(n, part)
     return out
 
 

@@ -96,13 +96,13 @@ class WeightBuffers:
         # a lease's table, but for the segment each storage's spare is in (the layout is the model's:
         # made once, as a lease is asked for at every push and building it anew cost several ms)
         self._layout: list[_Storage] | None = None
-        self._packed: dict[str, _Storage] | None = None  # name -> its storage, where its linear's panels serve
+        self._storage_of: dict[str, _Storage] = {}  # each name of the layout -> its storage
 
     def release(self) -> None:
         """Drop the spare (sleep; a model that is replaced) and end any lease. Shared segments lose
         their names now and their memory with the last tensor in them."""
         self._model, self._spare, self._panel_spare, self._lease, self._layout = None, {}, {}, None, None
-        self._packed = None
+        self._storage_of = {}
         if self._segments is not None:
             self._segments.unlink()
             self._segments = None
@@ -125,13 +125,10 @@ class WeightBuffers:
         if self._lease is not None or model.device.type != "cpu" or model.tp is not None:
             return None
         self._use(model)
-        if self._packed is None:
-            if self._layout is None:
-                self._layout = _layout(model)
-            self._packed = {e["name"]: st for st in self._layout if st.linear is not None for e in st.entries}
-        st, ext = self._packed.get(name), model.ops.ext
+        self._make_layout(model)
+        st, ext = self._storage_of.get(name), model.ops.ext
         cast = t.dtype == torch.float32 and model.dtype == torch.bfloat16  # (a float32 checkpoint)
-        if st is None or not (t.dtype == model.dtype or cast) or not t.is_contiguous() \
+        if st is None or st.linear is None or not (t.dtype == model.dtype or cast) or not t.is_contiguous() \
                 or not hasattr(ext, "write_many"):
             return None
         panels, key = st.linear.panels, id(st.root)
@@ -142,6 +139,11 @@ class WeightBuffers:
         dst = spare.narrow(0, first, count)
         ext.write_many([t], [dst], [st.linear.pack_fn])  # (the trainer's SpareWriter runs the same)
         return dst
+
+    def _make_layout(self, model: LlamaModel) -> None:
+        if self._layout is None:
+            self._layout = _layout(model)
+            self._storage_of = {e["name"]: st for st in self._layout for e in st.entries}
 
     def _use(self, model: LlamaModel) -> None:
         if self._model is not model:
@@ -176,8 +178,7 @@ class WeightBuffers:
             raise EngineStateError(f"another trainer holds the weight spare (leased {now - self._lease.since:.0f} s "
                                    f"ago): push through a segment of your own", "spare")
         self._use(model)
-        if self._layout is None:
-            self._layout = _layout(model)
+        self._make_layout(model)
         if self._segments is None:
             slots = [list(_slots(st)) for st in self._layout]
             self._segments = SpareSegments(dict(kv for s in slots for kv in s),
@@ -225,10 +226,9 @@ class WeightBuffers:
         names = handles.get("tensors")
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
             raise InvalidRequestError('a spare update names its tensors once each: {"tensors": [names]}', "handles")
-        where = {e["name"]: st for st in self._layout for e in st.entries}  # (a current lease has made it)
         staged = {}
         for name in names:
-            st = where.get(name)
+            st = self._storage_of.get(name)  # (a current lease has made the layout)
             if st is None:
                 raise InvalidRequestError(f"the weight spare has no tensor {name!r}", "handles")
             if id(st.root) in lease.packed:

@@ -286,7 +286,7 @@ class Worker:
             return t if shard is None else shard(name, t)
 
         return read_shared(args[0], self.model_runner.device, check=model.check_weight, select=select,
-                           into=self._dest(model), write=self._packer(model))
+                           stage=self._stager(model))
 
     def _receive_from_peer(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
         """A new data-parallel replica copies a live one (its send_weights_to_peers); `rank` is the

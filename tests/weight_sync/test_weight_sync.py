@@ -264,7 +264,7 @@ def test_shared_weights_reuse_their_segment_and_cast_in_the_copy():
         assert cast["shm"] != first["shm"]
         staging = {n: torch.empty(t.shape, dtype=torch.bfloat16 if t.is_floating_point() else t.dtype)
                    for n, t in model.items()}
-        got = read_shared(cast, torch.device("cpu"), into=staging.__getitem__)
+        got = read_shared(cast, torch.device("cpu"), stage=lambda n, t: staging[n].copy_(t))
         assert all(got[n] is staging[n] and torch.equal(got[n], model[n].to(staging[n].dtype)) for n in model)
     with pytest.raises(ValueError, match="closed it too early"):
         read_shared(cast, torch.device("cpu"))
