@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.frontend.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, ENGINE_LABELED_COUNTERS, LATENCY_BUCKETS, PREFIX
+from engine.timeouts import wait_within
 
 logger = logging.getLogger("rollout")
 
@@ -136,7 +137,7 @@ class ServerMetrics:
 
     async def refresh(self, engine, timeout: float = 2.0) -> None:
         try:
-            self.update_engine_stats(await asyncio.wait_for(engine.get_stats(), timeout))
+            self.update_engine_stats(await wait_within(engine.get_stats(), timeout))
             self.healthy = True
         except asyncio.TimeoutError:
             pass  # the core is busy (a weight push blocks it): keep the last stats

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.errors import EngineDeadError
+from engine.timeouts import wait_within
 from rollout.api import control, generate, logprobs_compare, openai, pooling, sessions, weight_update, weights
 from rollout.api.dispatch import document_bodies
 from rollout.api.errors import ERROR_SCOPE_KEY, document_errors, error_body, install_error_handlers
@@ -261,7 +262,7 @@ async def _weights_ready(state, health: dict, min_weight_version: int | None) ->
     replica that holds no weights (a level-2 sleep), or one below the version wanted, which is the
     highest of `min_weight_version`, the server's --min-weight-version and the newest version any
     replica holds (a replica that missed a push, or one a /scale added, is behind until it has it)."""
-    stats = await asyncio.wait_for(state.engine.get_stats(), READY_STATS_TIMEOUT_S)
+    stats = await wait_within(state.engine.get_stats(), READY_STATS_TIMEOUT_S)
     replicas = [{"replica": replica, "weight_version": s["weight_version"], "has_weights": s["has_weights"]}
                 for replica, s in zip(health["alive"], stats["replicas"])]
     wanted = max(min_weight_version or 0, state.config.min_weight_version, *(r["weight_version"] for r in replicas))
@@ -296,7 +297,7 @@ async def health(request: Request, min_weight_version: int | None = Query(None, 
     if min_weight_version is not None:
         return await _ready_answer(state, health, min_weight_version, body)
     with contextlib.suppress(Exception):  # a busy or dying engine: liveness is the answer
-        stats = await asyncio.wait_for(engine.get_stats(), HEALTH_STATS_TIMEOUT_S)
+        stats = await wait_within(engine.get_stats(), HEALTH_STATS_TIMEOUT_S)
         if stats["is_paused"]:
             body["paused_seconds"] = round(stats["paused_seconds"], 3)
     return body

@@ -40,6 +40,7 @@ from engine.process.elastic import ElasticScaling
 from engine.process.managers import CoreEngineActorManager, CoreEngineProcManager, EngineWatcher, check_replica_count
 from engine.process.replicas import EngineState, Route, affinity
 from engine.serial import MsgpackDecoder, MsgpackEncoder
+from engine.timeouts import wait_within
 from engine.process.utility import UpdateTrace, bind, combine, replicas_for, weight_update_plan
 from engine.protocol import (DPLoads, EngineAddresses, EngineConnection, EngineCoreOutput, EngineCoreOutputs,
                              EngineCoreRequest, FinishReason, RequestType, StreamInput, UtilityOutput, UtilityRequest)
@@ -608,7 +609,7 @@ class AsyncMPClient(ElasticScaling, _MPClientBase):
             self._pending.pop(call_id, None)
             raise
         try:
-            result: UtilityOutput = await asyncio.wait_for(fut, timeout)
+            result: UtilityOutput = await wait_within(fut, timeout)
         except asyncio.TimeoutError:
             self._pending.pop(call_id, None)
             raise TimeoutError(f"{method} did not answer within {timeout} s") from None

@@ -14,6 +14,7 @@ from engine.errors import EngineDeadError, EngineStateError, InvalidRequestError
 from engine.process.core_proc import HANDSHAKE_TIMEOUT_MS, engine_identity
 from engine.process.managers import EngineWatcher, available_memory, check_replica_count
 from engine.process.replicas import EngineState
+from engine.timeouts import wait_within
 
 
 def check_room_for(config: EngineConfig, num_new: int, stats: dict) -> None:
@@ -129,7 +130,7 @@ class ElasticScaling:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"new engine cores did not connect: {sorted(identities)}")
-            frames = await asyncio.wait_for(self.input_socket.recv_multipart(), left)
+            frames = await wait_within(self.input_socket.recv_multipart(), left)
             identities.discard(frames[0])
 
     async def _scale_down(self, victims: list[int], drain_timeout_s: float) -> list[int]:

@@ -66,6 +66,7 @@ from pydantic import Field, model_validator
 
 from engine.core.engine_core import stale_version
 from engine.process.utility import UpdateTrace
+from engine.timeouts import wait_within
 from rollout.api.control import call
 from rollout.api.errors import APIError, engine_error
 from rollout.api.protocol import UpdateInfo, _Strict, check_absolute
@@ -314,7 +315,7 @@ class Transaction:
             raise e
         err = engine_error(e, self.param)
         try:
-            live = await asyncio.wait_for(self.state.engine.get_weight_version(self.lora_id), 5.0)
+            live = await wait_within(self.state.engine.get_weight_version(self.lora_id), 5.0)
         except Exception:  # noqa: BLE001 - a dead engine: what was live before
             live = self.version_before
         if self.phase == "resume":
@@ -333,7 +334,7 @@ class Transaction:
         if self.deadline is None:
             return await awaitable
         try:
-            return await asyncio.wait_for(awaitable, max(self.deadline - time.monotonic(), 0.0))
+            return await wait_within(awaitable, max(self.deadline - time.monotonic(), 0.0))
         except asyncio.TimeoutError:
             raise TimeoutError(f"deadline_s ({self.body.deadline_s:g} s) passed while {what}") from None
 

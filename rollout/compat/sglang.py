@@ -30,7 +30,6 @@ The weight wire is SGLang's (weight_sync/named.py): the group is a named torch.d
 order, or one uint8 buffer with load_format "flattened_bucket". A push that will be refused is
 still received whole, so the trainer's broadcasts never hang on us.
 """
-import asyncio
 import base64
 import datetime
 import time
@@ -45,6 +44,7 @@ from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.process.replicas import Route
 from engine.process.utility import UpdateTrace
 from engine.sampling_params import RequestOutputKind
+from engine.timeouts import wait_within
 from rollout.api.cancel import gather_all, until_disconnect
 from rollout.api.control import call
 from rollout.api.dispatch import parse, register
@@ -532,8 +532,8 @@ async def health_generate(request: Request):
     params = make_sampling_params({"max_tokens": 1, "temperature": 0.0, "output_kind": RequestOutputKind.FINAL_ONLY})
     rid = state.new_request_id(None, "health")
     try:
-        await asyncio.wait_for(final_output(state.generate([state.engine.processor.eos_token_id or 0], params, rid)),
-                               timeout=20.0)
+        await wait_within(final_output(state.generate([state.engine.processor.eos_token_id or 0], params, rid)),
+                          timeout=20.0)
     except Exception as e:  # noqa: BLE001 - any failure is "not healthy"
         return JSONResponse({"error": {"message": f"the engine did not generate: {e or type(e).__name__}"}},
                             status_code=503)

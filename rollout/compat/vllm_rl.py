@@ -32,7 +32,6 @@ parameters, output_mode "text", and vLLM's `reset` action of /weight_checker (it
 weights). Errors take our shape ({"error": {"message", "type", "param", "code"}}), which the
 clients read: SkyRL's raise_for_status takes `error.message`, prime-rl's raise_for_status the status.
 """
-import asyncio
 import math
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ from pydantic import Field, field_validator
 from engine.errors import InvalidRequestError
 from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.timeouts import wait_within
 from rollout.api.cancel import until_disconnect
 from rollout.api.control import call
 from rollout.api.control import load_lora_adapter as load_lora_adapter_v1
@@ -432,7 +432,7 @@ async def liveness(request: Request, timeout_s: float = Query(LIVENESS_TIMEOUT_S
     looks at heartbeats instead; this one proves a call gets through."""
     engine = get_state(request).engine
     try:
-        await asyncio.wait_for(engine.collective_rpc("ping", timeout=timeout_s), timeout_s + 1.0)
+        await wait_within(engine.collective_rpc("ping", timeout=timeout_s), timeout_s + 1.0)
     except Exception as e:  # noqa: BLE001 - timed out, dead, or refusing: all unresponsive
         return JSONResponse({"status": "engine_unresponsive", "error": f"{type(e).__name__}: {e}"}, status_code=503)
     return {"status": "ok"}

@@ -287,8 +287,10 @@ def test_each_dead_replica_logs_one_line():
         for t in streams:
             t.join(60)
     finally:
-        server.proc.send_signal(signal.SIGTERM)
-        server.proc.wait(60)
+        try:
+            server.stop(60)  # SIGTERM; killed if it does not stop
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server did not stop within 60 s of SIGTERM:\n" + server.log())
     log = Path(server.log_path).read_text()
     assert "never retrieved" not in log, log[-4000:]
     assert sorted(line.split("engine core ")[1].split()[0] for line in log.splitlines()
