@@ -23,7 +23,8 @@ class ServerConfig:
         aborted (they still get a final response, finish_reason "abort").
     api_server_count: API-server processes sharing the listening socket (rollout/launcher.py).
     control_lock: a file the API servers of one launcher lock in turn, so that their control
-        routes run one at a time across them (set by the launcher; rollout/api/state.py).
+        routes run one at a time across them; the state the routes share lies beside it (set by
+        the launcher; rollout/api/state.py).
     exit_on_engine_death: once no engine replica lives, log why and exit with status 1 (as vLLM
         does, so that an orchestrator restarts the server); False: stay up answering 503.
     session_timeout_s: a session (rollout/api/sessions.py) idle this long is closed, its KV freed

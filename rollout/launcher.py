@@ -12,7 +12,8 @@ processes accepting on one listening socket, and the engine cores they all share
 What holds across API servers: pause, sleep and weights live in the engine cores, so a /pause
 through one is seen by all (and by every replica); every API server routes to every replica; the
 control routes (pause, sleep, weight updates) run one at a time across all of them (a file lock,
-ServerConfig.control_lock), as within one.
+ServerConfig.control_lock), as within one; what routes keep between calls (LoRA adapters by name,
+a vLLM-phases update under way) is one document beside that lock (rollout/api/state.py SharedState).
 /metrics: the servers' own counters and histograms are aggregated with prometheus-client's
 multiprocess mode (PROMETHEUS_MULTIPROC_DIR, a folder of the launcher's); the engine series come
 from the engine cores, the same whichever server answers. W&B is logged by API server 0 only.

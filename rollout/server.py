@@ -33,7 +33,7 @@ from engine.errors import EngineDeadError
 from engine.timeouts import wait_within
 from rollout.api import control, generate, logprobs_compare, openai, pooling, sessions, weight_update, weights
 from rollout.api.dispatch import document_bodies
-from rollout.api.errors import ERROR_SCOPE_KEY, document_errors, error_body, install_error_handlers
+from rollout.api.errors import ERROR_SCOPE_KEY, APIError, document_errors, error_body, install_error_handlers
 from rollout.api.state import ServerState, get_state
 from rollout.compat import DIALECTS
 from rollout.config import ServerConfig
@@ -216,9 +216,14 @@ def _lifespan(engine, config: ServerConfig, holder: dict):
         state = ServerState(engine, config)
         app.state.rollout = holder["state"] = state
         for name, path in config.lora_modules:  # (a bad adapter stops the start-up with its error)
+            if name in state.loras:  # loaded by another API server of the launcher's
+                continue
             lora = state.new_lora(name, path)
             await engine.add_lora(lora)
-            state.loras[name] = lora
+            try:
+                state.record_lora(lora, replace=False)
+            except APIError:  # (that one was quicker)
+                await engine.remove_lora(lora.lora_int_id)
         tasks = [asyncio.ensure_future(state.metrics.poll(engine, config.stats_interval_s)),
                  asyncio.ensure_future(state.sessions.expire_forever())]
         wandb_logger = None

@@ -149,15 +149,17 @@ async def reset_prefix_cache(request: Request, reset_running_requests: bool = Qu
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoRARequest, request: Request):
     """Load a PEFT LoRA adapter under a name that requests then use as their `model` (the server
-    must run with --enable-lora). The name is this API server's: with several API servers, give
-    adapters at start-up (--lora-modules) so that every one knows them."""
+    must run with --enable-lora). With several API servers, every one serves it by that name."""
     state = get_state(request)
-    old = state.loras.get(body.lora_name)
-    if old is not None and not body.load_inplace:
+    if body.lora_name in state.loras and not body.load_inplace:
         raise APIError(400, f"the LoRA adapter {body.lora_name!r} is already loaded", "lora_name")
     lora = state.new_lora(body.lora_name, body.lora_path)
     await call(state.engine.add_lora(lora), "lora_path")
-    state.loras[body.lora_name] = lora
+    try:
+        old = state.record_lora(lora, replace=body.load_inplace)
+    except APIError:  # loaded under that name through another API server meanwhile
+        await call(state.engine.remove_lora(lora.lora_int_id), "lora_name")
+        raise
     if old is not None:  # load_inplace: the old id goes once the new one serves
         await call(state.engine.remove_lora(old.lora_int_id), "lora_name")
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -170,7 +172,7 @@ async def unload_lora_adapter(body: UnloadLoRARequest, request: Request):
     if lora is None:
         raise APIError(404, f"the LoRA adapter {body.lora_name!r} is not loaded", "lora_name")
     await call(state.engine.remove_lora(lora.lora_int_id), "lora_name")
-    del state.loras[body.lora_name]
+    state.forget_lora(body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 

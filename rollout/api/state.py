@@ -1,6 +1,7 @@
 """ServerState: what the routes share (one per app, in `app.state.rollout`): the engine, the
-config, metrics, the generation requests in flight, and the weight update under way. Pause and
-sleep state are not here: the engine core owns them and the routes ask it. The open sessions are
+config, metrics, the generation requests in flight, and (SharedState, the same in every API
+server) LoRA adapters by name and the weight update under way. Pause and sleep state are not
+here: the engine core owns them and the routes ask it. The open sessions are
 in `sessions` (rollout/api/session_store.py).
 
 `generate()` here is the only path from a route to `AsyncLLM.generate`: it tracks the request
@@ -9,14 +10,16 @@ APIErrors (the routes prime a stream before sending headers, so an engine refusa
 while asleep, is still a clean error response).
 """
 import asyncio
+import copy
 import fcntl
-import itertools
+import json
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import AsyncGenerator
+from typing import AsyncGenerator, TypeVar
 
 from fastapi import Request
 
@@ -81,6 +84,61 @@ class ControlLock:
         self.release()
 
 
+T = TypeVar("T")
+
+
+class SharedState:
+    """What the routes keep between calls beyond the engine's own state: the vLLM-phases update
+    under way, the SGLang dialect's named weight group, and the LoRA adapters loaded by name with
+    their engine ids. With several API servers (ServerConfig.control_lock set) it is one JSON
+    document beside the control lock that every server reads: a trainer's calls may land on any
+    server (each new connection goes to whichever accepts it), and an adapter's id must mean one
+    adapter across them, since the engine keeps the first adapter registered under an id. A
+    change is read-modify-write under a lock of its own, held for microseconds (never across an
+    await), and replaces the document by a rename, so a reader sees one version or the next."""
+
+    def __init__(self, control_lock: str | None = None):
+        self.path = None if control_lock is None else str(Path(control_lock).with_suffix(".json"))
+        self._lock_fd = None if self.path is None else \
+            os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._doc: dict = {}
+        self._seen = None  # the file version held in _doc
+
+    def read(self) -> dict:
+        """The document (do not change it: `update` does)."""
+        if self.path is None:
+            return self._doc
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return {}
+        if (st.st_ino, st.st_mtime_ns, st.st_size) != self._seen:
+            with open(self.path) as f:
+                self._doc = json.load(f)
+            self._seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+        return self._doc
+
+    def update(self, change: Callable[[dict], T]) -> T:
+        """`change(doc)` edits a copy of the document and returns what this returns; if it raises,
+        nothing is written."""
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            doc = copy.deepcopy(self.read())
+            out = change(doc)
+            if self.path is None:
+                self._doc = doc
+            else:
+                tmp = f"{self.path}.{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump(doc, f)
+                os.replace(tmp, self.path)
+            return out
+        finally:
+            if self._lock_fd is not None:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+
 class ServerState:
     def __init__(self, engine, config: ServerConfig):
         self.engine = engine
@@ -91,22 +149,83 @@ class ServerState:
         # what each caller in flight received so far (the manifest of /abort_requests wait: true)
         self.records: dict[str, RequestRecord] = {}
         self.recently_ended = RecentlyEnded()
-        self.weight_update: WeightUpdate | None = None
-        self.weight_group_name: str | None = None  # the SGLang dialect's named weight group, while one is open
         self.shutting_down = asyncio.Event()
         self.control_lock = ControlLock(config.control_lock)  # pause/resume/sleep/wake/weight routes: one at a time
+        self.shared = SharedState(config.control_lock)
         self.weight_updates = KeyedCalls()  # POST /weights/update's answers by idempotency_key
         self.sessions = Sessions(self, config.session_timeout_s, config.max_sessions)
-        self.loras: dict[str, LoRARequest] = {}  # LoRA adapters by served name (/v1/load_lora_adapter)
-        self._lora_ids = itertools.count(1)
+
+    # ---- shared across API servers (SharedState) -------------------------------------------------
+    @property
+    def weight_update(self) -> WeightUpdate | None:
+        """The /start_weight_update .. /finish_weight_update sequence under way, if one is."""
+        upd = self.shared.read().get("weight_update")
+        return None if upd is None else WeightUpdate(**upd)
+
+    @weight_update.setter
+    def weight_update(self, upd: WeightUpdate | None) -> None:
+        self.shared.update(lambda doc: doc.update(weight_update=None if upd is None else asdict(upd)))
+
+    def count_weight_update(self, version_before: int, weight_version: int | None) -> None:
+        """One more /update_weights in the sequence under way (opening one if none is: vLLM's
+        older protocol has no start phase)."""
+        def count(doc: dict) -> None:
+            upd = doc.get("weight_update") or asdict(WeightUpdate(time.monotonic(), version_before))
+            upd["num_updates"] += 1
+            upd["weight_version"] = weight_version
+            doc["weight_update"] = upd
+
+        self.shared.update(count)
+
+    @property
+    def weight_group_name(self) -> str | None:
+        """The SGLang dialect's named weight group, while one is open."""
+        return self.shared.read().get("weight_group_name")
+
+    @weight_group_name.setter
+    def weight_group_name(self, name: str | None) -> None:
+        self.shared.update(lambda doc: doc.update(weight_group_name=name))
+
+    @property
+    def loras(self) -> dict[str, LoRARequest]:
+        """The LoRA adapters served by name (--lora-modules, /v1/load_lora_adapter)."""
+        return {name: LoRARequest(name, i, path) for name, (i, path) in self.shared.read().get("loras", {}).items()}
 
     def new_lora(self, name: str, path: str) -> LoRARequest:
-        """A LoRA adapter's request under a new id. Its name must not be one the model answers to
-        (resolve_model would never reach it, /v1/models would list the id twice): 400."""
+        """A LoRA adapter's request under an id no adapter had before on this server (any API
+        server); `record_lora` names it once the engine took it. Its name must not be one the
+        model answers to (resolve_model would never reach it, /v1/models would list the id
+        twice): 400."""
         if name in self.model_names:
             raise APIError(400, f"lora_name {name!r} is a name of the served model (it answers to "
                                 f"{sorted(self.model_names)}): give the adapter another name", "lora_name")
-        return LoRARequest(name, next(self._lora_ids), path)
+
+        def allocate(doc: dict) -> int:
+            doc["next_lora_id"] = doc.get("next_lora_id", 1) + 1
+            return doc["next_lora_id"] - 1
+
+        return LoRARequest(name, self.shared.update(allocate), path)
+
+    def record_lora(self, lora: LoRARequest, replace: bool) -> LoRARequest | None:
+        """Serve `lora` under its name; returns the adapter it replaced. An adapter of that name
+        loaded meanwhile (through another API server) and `replace` False: 400, nothing changes."""
+        def record(doc: dict) -> LoRARequest | None:
+            loras = doc.setdefault("loras", {})
+            old = loras.get(lora.lora_name)
+            if old is not None and not replace:
+                raise APIError(400, f"the LoRA adapter {lora.lora_name!r} is already loaded", "lora_name")
+            loras[lora.lora_name] = [lora.lora_int_id, lora.lora_path]
+            return None if old is None else LoRARequest(lora.lora_name, *old)
+
+        return self.shared.update(record)
+
+    def forget_lora(self, name: str) -> LoRARequest | None:
+        """Stop serving the adapter `name`; returns it (None if none was)."""
+        def forget(doc: dict) -> LoRARequest | None:
+            old = doc.get("loras", {}).pop(name, None)
+            return None if old is None else LoRARequest(name, *old)
+
+        return self.shared.update(forget)
 
     @property
     def model_names(self) -> set[str]:

@@ -98,6 +98,7 @@ async def init_weight_transfer_engine(body: InitWeightTransferBody, request: Req
 @router.post("/start_weight_update")
 async def start_weight_update(request: Request, body: StartWeightUpdateBody | None = None):
     state = get_state(request)
+    # (kept by every API server alike: the trainer's next call may reach another one)
     state.weight_update = WeightUpdate(time.monotonic(), await call(state.engine.get_weight_version()))
     return {"message": "Weight update started"}
 
@@ -115,12 +116,10 @@ async def update_weights(request: Request):
         lora_id = await _loaded_lora(state, info.lora_name, "update_info.lora_name")
         return await _timed_update(state, "broadcast", state.engine.update_weights(info.weight_version, lora_id),
                                    "update_info", info.lora_name)
-    if state.weight_update is None:  # vLLM's older two-phase protocol has no start phase
-        state.weight_update = WeightUpdate(time.monotonic(), await call(state.engine.get_weight_version()))
     async with state.control_lock:
+        version_before = await call(state.engine.get_weight_version())
         result = await call(state.engine.update_weights(info.weight_version), "update_info")
-    state.weight_update.num_updates += 1
-    state.weight_update.weight_version = result.get("weight_version")
+    state.count_weight_update(version_before, result.get("weight_version"))
     return dict(result, message="Weights updated")
 
 

@@ -154,6 +154,64 @@ def generate_stream(url: str, i: int, box: dict) -> None:
     box[i] = (r.status_code, events)
 
 
+def fresh(method: str, url: str, **kw) -> httpx.Response:
+    """One call on a connection of its own: it reaches whichever API server accepts it, as the
+    calls of a trainer that does not keep its connection alive do."""
+    with httpx.Client(timeout=60) as http:
+        return http.request(method, url, **kw)
+
+
+def test_two_api_servers_share_adapters_and_an_update_sequence(tmp_path, default_model_path):
+    """What a route keeps between calls holds whichever API server a call reaches: LoRA adapters
+    loaded at run time serve by name through both (greedy token-exact against PEFT), under ids
+    that never collide (the engine keeps the first adapter of an id: two adapters loaded through
+    two servers served the first one's weights under both names); an unloaded name is a 404
+    through both; a /start_weight_update through one is seen through the other."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from rollout.subprocess_server import served
+    from tests.engine.test_lora import build_models, reference
+
+    folder, _, adapters = build_models(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(default_model_path) / name, Path(folder) / name)
+    prompt, greedy = [5, 6, 7, 8, 9], {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    with served(folder, "--dtype", "float32", "--api-server-count", "2", "--lora-modules", f"first={adapters[0][0]}",
+                log_path=tmp_path / "serve.log") as server:
+        url = server.url
+        for name, (path, _) in (("second", adapters[1]), ("third", adapters[2])):
+            r = fresh("POST", url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+            assert r.status_code == 200, r.text
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        answered = set()
+        for name, (_, peft) in zip(("first", "second", "third"), adapters):
+            want = tokenizer.decode(reference(peft, prompt))
+            for _ in range(8):
+                r = fresh("POST", url + "/v1/completions", json={"model": name, "prompt": prompt, **greedy})
+                assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, (name, r.text)
+                answered.add(r.headers["x-rollout-api-server"])
+        for _ in range(8):
+            r = fresh("GET", url + "/v1/models")
+            assert [m["id"] for m in r.json()["data"]][1:] == ["first", "second", "third"]
+            answered.add(r.headers["x-rollout-api-server"])
+
+        assert fresh("POST", url + "/v1/unload_lora_adapter", json={"lora_name": "second"}).status_code == 200
+        for _ in range(8):
+            r = fresh("POST", url + "/v1/completions", json={"model": "second", "prompt": prompt, **greedy})
+            assert r.status_code == 404, r.text
+            answered.add(r.headers["x-rollout-api-server"])
+
+        assert fresh("POST", url + "/start_weight_update", json={"is_checkpoint_format": True}).status_code == 200
+        for _ in range(8):  # a relabel inside a start .. finish sequence is refused, through either server
+            r = fresh("POST", url + "/update_weight_version", json={"new_version": 7})
+            assert r.status_code == 409 and "in progress" in r.text, r.text
+            answered.add(r.headers["x-rollout-api-server"])
+        assert fresh("GET", url + "/weights/version").json()["weight_version"] == 0
+        assert answered == {"0", "1"}, answered  # (the calls did reach both servers)
+
+
 def test_scale_1_2_1_while_32_requests_stream():
     """/scale grows to 2 replicas (the new one holds the weights pushed since start-up: same
     checksum, and /ready counts it at that version) and back to 1 while 32 requests stream: none lost, none duplicated, all complete."""
