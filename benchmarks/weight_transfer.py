@@ -21,6 +21,12 @@ Then the time of `weights_checksum` on the same tensors.
 
 NCCL rows need two GPUs (one rank per GPU); they are skipped otherwise.
 
+On a 2-core box the loopback transport is bound by the CPU (both ends of the socket copy every
+byte, on the cores the packing needs too). To see the push where a link is the bound, as between
+a trainer and an engine on two machines, shape the loopback first (root; push and raw alike):
+`tc qdisc add dev lo root tbf rate 16gbit burst 8mb latency 100ms`, and afterwards
+`tc qdisc del dev lo root`.
+
     python benchmarks/weight_transfer.py                  # ~1 minute on 2 cores
     python benchmarks/weight_transfer.py --buckets 64 one --reps 5
 """

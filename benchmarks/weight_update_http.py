@@ -35,6 +35,7 @@ printed for the /weights/update routes. Times on a shared 2-core CPU are noisy: 
     python benchmarks/weight_update_http.py --reps 10  # for a comparison that outlasts this box's noise
     python benchmarks/weight_update_http.py --dtype bfloat16 --reps 5
     python benchmarks/weight_update_http.py --data-parallel-size 2 --reps 5
+    python benchmarks/weight_update_http.py --tensor-parallel-size 2 --reps 5
 """
 import argparse
 import os
@@ -91,16 +92,18 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="the defaults: float32, 3 reps")
     ap.add_argument("--data-parallel-size", type=int, default=1)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--idle", action="store_true",
                     help="no request streams: the push alone (on 2 cores a streaming replica and the trainer's "
                          "writes share them)")
     args = ap.parse_args()
-    dp = args.data_parallel_size
+    dp, tp = args.data_parallel_size, args.tensor_parallel_size
     print(f"{machine_line()}; torch {torch.__version__}; dtype {args.dtype}, best of {args.reps}"
-          + (f"; {dp} replicas" if dp > 1 else ""))
+          + (f"; {dp} replicas" if dp > 1 else "") + (f"; {tp} tensor-parallel ranks" if tp > 1 else ""))
     with tempfile.NamedTemporaryFile(prefix="weight-update-http-", suffix=".log", delete=False) as f:
         log = f.name
-    with served("--dtype", args.dtype, "--data-parallel-size", str(dp), log_path=log) as server, \
+    with served("--dtype", args.dtype, "--data-parallel-size", str(dp), "--tensor-parallel-size", str(tp),
+                log_path=log) as server, \
             RolloutClient(server.url, timeout=600) as client:
         path = client.server_info()["model_path"]
         state = [(n, t.to(getattr(torch, args.dtype))) for n, t in load_safetensors_folder(path)]

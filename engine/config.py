@@ -389,11 +389,11 @@ class EngineConfig:
     @property
     def stages_weights_beside_steps(self) -> bool:
         """Whether a weight update is received while generation goes on, generation pausing only for
-        the swap (EngineCore.stage_weights): where the one worker runs in the engine-core process on
-        a CPU. Tensor-parallel ranks in processes of their own answer calls between steps, and on
-        CUDA the receive would need a stream of its own (not built yet): there generation pauses
-        for the whole update."""
-        return self.device == "cpu" and self.tensor_parallel_size == 1
+        the swap (EngineCore.stage_weights): on a CPU (tensor-parallel ranks in processes of their
+        own receive in a thread too: multiproc_executor.CONCURRENT_METHODS). On CUDA the receive
+        would need a stream of its own (not built yet): there generation pauses for the whole
+        update."""
+        return self.device == "cpu"
 
     @property
     def torch_dtype(self) -> torch.dtype:

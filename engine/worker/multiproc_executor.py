@@ -31,6 +31,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 
 from engine.config import EngineConfig
@@ -50,7 +51,8 @@ STEP, CALL, CANCEL, STOP = b"S", b"C", b"X", b"Q"
 HELLO_TIMEOUT_S = 60.0  # a rank process must start (import torch) and say hello within this
 READY_TIMEOUT_S = 600.0  # then load its shard
 MONITOR_POLL_S = 0.2
-CONCURRENT_METHODS = {"init_weight_transfer"}  # run beside the steps (it waits for a trainer)
+# run beside the steps, in a thread (they wait for a trainer); True: it takes the CANCEL event
+CONCURRENT_METHODS = {"init_weight_transfer": True, "receive_weights": False}
 
 
 class WorkerHello(msgspec.Struct, array_like=True):
@@ -363,7 +365,9 @@ class _WorkerLoop:
             elif kind == CALL:
                 call_id, method, args, kwargs = calls.decode(frames[1:])
                 if method in CONCURRENT_METHODS:
-                    self.cancel = threading.Event()
+                    if CONCURRENT_METHODS[method]:
+                        self.cancel = threading.Event()
+                        kwargs = dict(kwargs, cancel=self.cancel)
                     threading.Thread(target=self._call_beside, args=(call_id, method, args, kwargs), daemon=True).start()
                 else:
                     self._answer(self.outbox, self._call(call_id, method, args, kwargs))
@@ -379,7 +383,14 @@ class _WorkerLoop:
             return UtilityOutput.failed(call_id, e)
 
     def _call_beside(self, call_id: int, method: str, args: list, kwargs: dict) -> None:
-        out = self._call(call_id, method, args, kwargs, cancel=self.cancel)
+        # one thread's torch ops: a second OpenMP team beside the steps' would slow every parallel
+        # region of theirs (as the engine core runs rank 0's part: EngineCore.stage_weights)
+        n = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            out = self._call(call_id, method, args, kwargs)
+        finally:
+            torch.set_num_threads(n)
         sock = self.ctx.socket(zmq.PUSH)  # its own socket: zmq sockets belong to one thread
         sock.setsockopt(zmq.LINGER, 2000)
         sock.connect(f"{self.base}-from")

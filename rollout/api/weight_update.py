@@ -5,8 +5,8 @@ it into /pause, /start_weight_update, /update_weights, /finish_weight_update, /r
     receive -> stage -> pause (unless paused) -> swap -> clear caches -> resume
 
 Generation goes on while the bytes arrive and pauses only for the swap (a few ms): the engine
-receives beside its steps (EngineConfig.stages_weights_beside_steps: one worker on a CPU). Where
-it cannot (tensor parallelism, CUDA, a LoRA adapter's update) the pause comes first. A caller
+receives beside its steps (EngineConfig.stages_weights_beside_steps: on a CPU, every
+tensor-parallel rank too). Where it cannot (CUDA, a LoRA adapter's update) the pause comes first. A caller
 that wants nothing generated while it pushes pauses before (POST /pause); the update keeps it.
 
     POST /weights/update {"source": "gloo" | "nccl" | "disk" | "ipc",

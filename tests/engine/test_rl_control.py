@@ -499,38 +499,41 @@ LONG = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)  # (outla
 COUNT = "Count slowly from one to a thousand:"
 
 
-async def _late_push(llm, seed: int = 0, dtype: str | None = None, **kwargs):
+async def _late_push(llm, seed: int = 0, dtype: str | None = None, world_size: int = 2, **kwargs):
     """A trainer process that sends a full push (perturbed with `seed`) LATE_S after the group
     formed, and the engine's update of it under way: (trainer, trace, update task)."""
     from engine.process.utility import UpdateTrace
 
     port = find_free_port()
-    trainer = start_trainer(port, "late", seed=seed, dtype=dtype)
-    await llm.init_weight_transfer("127.0.0.1", port, 2, timeout_s=20)
+    trainer = start_trainer(port, "late", world_size, seed=seed, dtype=dtype)
+    await llm.init_weight_transfer("127.0.0.1", port, world_size, timeout_s=20)
     trace = UpdateTrace()
     update = asyncio.ensure_future(llm.update_weights_from("broadcast", [], trace=trace, **kwargs))
     return trainer, trace, update
 
 
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
-def test_requests_go_on_generating_while_a_push_is_received(dtype, default_model_path):
-    asyncio.run(_generates_while_receiving(dtype, default_model_path))
+@pytest.mark.parametrize("dtype,tp", [("float32", 1), pytest.param("bfloat16", 1, marks=pytest.mark.slow),
+                                      pytest.param("float32", 2, marks=pytest.mark.slow)])
+def test_requests_go_on_generating_while_a_push_is_received(dtype, tp, default_model_path):
+    asyncio.run(_generates_while_receiving(dtype, tp, default_model_path))
 
 
-async def _generates_while_receiving(dtype: str, model_path: str):
+async def _generates_while_receiving(dtype: str, tp: int, model_path: str):
     """The bytes of a push arrive while a request generates with the live weights (its tokens
     those of the live weights, bit for bit: the receive writes only memory no step reads, also
     the second time, into the storage the first swap took out of service); generation pauses
     only once they are all staged, for the swap, and the request goes on under the new version
-    after the resume."""
-    llm = AsyncLLM(dtype=dtype, kv_cache_memory=128 << 20)
+    after the resume. With tensor parallelism every rank receives its shard in a thread of its
+    process while the ranks step together."""
+    llm = AsyncLLM(dtype=dtype, kv_cache_memory=128 << 20, tensor_parallel_size=tp)
     try:
         for version in (1, 2):
             reference = (await _collect(llm, COUNT, LONG, f"ref{version}", {})).outputs[0].token_ids
             seen = {}
             task = asyncio.ensure_future(_collect(llm, COUNT, LONG, f"r{version}", seen))
             await _until(lambda: f"r{version}" in seen)
-            trainer, trace, update = await _late_push(llm, seed=version, dtype=dtype, pause={"mode": "keep"})
+            trainer, trace, update = await _late_push(llm, seed=version, dtype=dtype, world_size=1 + tp,
+                                                      pause={"mode": "keep"})
             n0 = len(seen[f"r{version}"].outputs[0].token_ids)
             await asyncio.sleep(1.0)  # (the trainer sends 2 s after the group formed)
             assert trace.phase == "receive" and not update.done()
