@@ -131,7 +131,7 @@ class SharedState:
             else:
                 tmp = f"{self.path}.{os.getpid()}.tmp"
                 with open(tmp, "w") as f:
-                    json.dump(doc, f)
+                    json.dump(doc, f, default=str)
                 os.replace(tmp, self.path)
             return out
         finally:
@@ -152,7 +152,7 @@ class ServerState:
         self.shutting_down = asyncio.Event()
         self.control_lock = ControlLock(config.control_lock)  # pause/resume/sleep/wake/weight routes: one at a time
         self.shared = SharedState(config.control_lock)
-        self.weight_updates = KeyedCalls()  # POST /weights/update's answers by idempotency_key
+        self.weight_updates = KeyedCalls(self.shared)  # POST /weights/update's answers by idempotency_key
         self.sessions = Sessions(self, config.session_timeout_s, config.max_sessions)
 
     # ---- shared across API servers (SharedState) -------------------------------------------------

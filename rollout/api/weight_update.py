@@ -52,7 +52,7 @@ the trainer's sender fails at once; the server goes on serving the old weights a
 Concurrency: the call holds the control lock from the receive to the resume, so a second
 /weights/update, /pause, /resume, /sleep or /scale waits for it (a second update within its own
 deadline_s), and nothing lifts this call's pause halfway. Idempotency: rollout/api/idempotency.py
-(a failed update is forgotten, its key may be retried; keys are per API server process).
+(a failed update is forgotten, its key may be retried; every API server knows every key).
 """
 import asyncio
 import hashlib
@@ -148,12 +148,12 @@ async def weights_update(body: WeightsUpdateBody, request: Request):
 
 @router.get("/weights/update")
 async def weights_update_status(request: Request, idempotency_key: str = Query(min_length=1, max_length=200)):
-    """Whether the update with this key is done (its answer) or running here; 404 if this API
-    server does not know it (never seen, failed, or forgotten)."""
+    """Whether the update with this key is done (its answer) or running (through any API server);
+    404 for a key never seen, failed, or forgotten."""
     known = get_state(request).weight_updates.status(idempotency_key)
     if known is None:
         raise APIError(404, f"no /weights/update with idempotency_key {idempotency_key!r} is running or remembered "
-                            "here (a failed one is forgotten)", "idempotency_key")
+                            "(a failed one is forgotten)", "idempotency_key")
     status, answer = known
     return {"idempotency_key": idempotency_key, "status": status, **({"result": answer} if answer else {})}
 

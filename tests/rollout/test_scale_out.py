@@ -161,12 +161,13 @@ def fresh(method: str, url: str, **kw) -> httpx.Response:
         return http.request(method, url, **kw)
 
 
-def test_two_api_servers_share_adapters_and_an_update_sequence(tmp_path, default_model_path):
+def test_two_api_servers_share_adapters_update_keys_and_an_update_sequence(tmp_path, default_model_path):
     """What a route keeps between calls holds whichever API server a call reaches: LoRA adapters
     loaded at run time serve by name through both (greedy token-exact against PEFT), under ids
     that never collide (the engine keeps the first adapter of an id: two adapters loaded through
     two servers served the first one's weights under both names); an unloaded name is a 404
-    through both; a /start_weight_update through one is seen through the other."""
+    through both; a retried /weights/update gets the first answer through either; a
+    /start_weight_update through one is seen through the other."""
     import shutil
 
     from transformers import AutoTokenizer
@@ -203,12 +204,22 @@ def test_two_api_servers_share_adapters_and_an_update_sequence(tmp_path, default
             assert r.status_code == 404, r.text
             answered.add(r.headers["x-rollout-api-server"])
 
+        update = {"source": "disk", "path": str(folder), "idempotency_key": "step-1"}
+        first = fresh("POST", url + "/weights/update", json=update)
+        assert first.status_code == 200 and first.json()["weight_version"] == 1, first.text
+        for _ in range(8):  # the trainer's retries: the first answer, through either server, and no second update
+            r = fresh("POST", url + "/weights/update", json=update)
+            assert r.status_code == 200 and r.json()["replayed"] is True and r.json()["weight_version"] == 1, r.text
+            answered.add(r.headers["x-rollout-api-server"])
+            r = fresh("GET", url + "/weights/update", params={"idempotency_key": "step-1"})
+            assert r.json()["status"] == "done", r.text
+
         assert fresh("POST", url + "/start_weight_update", json={"is_checkpoint_format": True}).status_code == 200
         for _ in range(8):  # a relabel inside a start .. finish sequence is refused, through either server
             r = fresh("POST", url + "/update_weight_version", json={"new_version": 7})
             assert r.status_code == 409 and "in progress" in r.text, r.text
             answered.add(r.headers["x-rollout-api-server"])
-        assert fresh("GET", url + "/weights/version").json()["weight_version"] == 0
+        assert fresh("GET", url + "/weights/version").json()["weight_version"] == 1
         assert answered == {"0", "1"}, answered  # (the calls did reach both servers)
 
 
