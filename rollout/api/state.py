@@ -16,10 +16,10 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import AsyncGenerator, TypeVar
+from typing import TypeVar
 
 from fastapi import Request
 
