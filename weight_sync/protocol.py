@@ -305,7 +305,7 @@ def _pack(tensors: list[torch.Tensor], b: Bucket, buf: torch.Tensor) -> None:
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """dst.copy_(src) (returns dst), on one thread for CPU -> CPU: a plain memcpy without a cast,
-    torch's copy (a cast, a strided slice) inside `_one_thread` otherwise.
+    torch's copy (a cast, a strided slice) inside `one_thread` otherwise.
 
     Packing is memory-bound, and one thread already outruns loopback TCP; torch's OpenMP copy
     collapses several-fold when the cores are oversubscribed (trainer, engine and gloo's threads
@@ -316,13 +316,13 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     elif dst.dtype == src.dtype and src.is_contiguous() and dst.is_contiguous():
         np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
     else:
-        with _one_thread():
+        with one_thread():
             dst.copy_(src)
     return dst
 
 
 @contextmanager
-def _one_thread():
+def one_thread():
     """torch's CPU ops in this block run on the calling thread alone (OpenMP's team size is per
     thread; the old size comes back after)."""
     n = torch.get_num_threads()
@@ -383,7 +383,7 @@ class WeightReceiver:
         self._largest = max((b.nbytes for b in buckets), default=0)
         try:
             posted: deque[tuple[Bucket, Pending | None, torch.Tensor]] = deque()
-            with _one_thread():
+            with one_thread():
                 for b in buckets:
                     posted.append((b, *self._post(header, b, out, select, into)))
                     if len(posted) >= PIPELINE_DEPTH:

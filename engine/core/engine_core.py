@@ -66,6 +66,7 @@ from engine.worker.executor import InprocExecutor, StepThreadExecutor, beside_st
 from engine.worker.hf_export import DEFAULT_MAX_SHARD_BYTES
 from engine.worker.multiproc_executor import MultiprocExecutor
 from engine.worker.profiler import StepProfiler, phase
+from weight_sync.protocol import one_thread
 
 logger = logging.getLogger("engine")
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -551,13 +552,8 @@ class EngineCore:
         def receive() -> None:
             # one thread's torch ops (a disk read's casts and copies): a second OpenMP team beside
             # the steps' would slow every parallel region of theirs (engine/worker/executor.py)
-            n = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                with _malformed_handles(source):
-                    self.executor.collective_rpc("receive_weights", [source, args, deadline_s])
-            finally:
-                torch.set_num_threads(n)
+            with one_thread(), _malformed_handles(source):
+                self.executor.collective_rpc("receive_weights", [source, args, deadline_s])
 
         def finish(_) -> dict:
             if self.staged_update != update_id:  # (the workers' staging memory holds another update's now)

@@ -31,7 +31,6 @@ from concurrent.futures import Future
 from typing import Any
 
 import msgspec
-import torch
 import zmq
 
 from engine.config import EngineConfig
@@ -44,6 +43,7 @@ from engine.step_io import ModelRunnerOutput, SchedulerOutput
 from engine.worker.executor import worker_method
 from engine.worker.tp_group import TPSetup, choose_transport, tp_group
 from engine.worker.worker import worker_class
+from weight_sync.protocol import one_thread
 
 logger = logging.getLogger("engine")
 
@@ -385,12 +385,8 @@ class _WorkerLoop:
     def _call_beside(self, call_id: int, method: str, args: list, kwargs: dict) -> None:
         # one thread's torch ops: a second OpenMP team beside the steps' would slow every parallel
         # region of theirs (as the engine core runs rank 0's part: EngineCore.stage_weights)
-        n = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with one_thread():
             out = self._call(call_id, method, args, kwargs)
-        finally:
-            torch.set_num_threads(n)
         sock = self.ctx.socket(zmq.PUSH)  # its own socket: zmq sockets belong to one thread
         sock.setsockopt(zmq.LINGER, 2000)
         sock.connect(f"{self.base}-from")

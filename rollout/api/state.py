@@ -236,10 +236,11 @@ class ServerState:
         """The `model` field of a request: the served model (None) or a loaded LoRA adapter; 404 otherwise."""
         if model is None or model in self.model_names:
             return None
-        if model in self.loras:
-            return self.loras[model]
+        loras = self.loras  # (read once: it is built from the shared document)
+        if model in loras:
+            return loras[model]
         raise APIError(404, f"the model {model!r} does not exist (this server serves {self.model_name!r}"
-                            + (f" and the LoRA adapters {sorted(self.loras)}" if self.loras else "") + ")",
+                            + (f" and the LoRA adapters {sorted(loras)}" if loras else "") + ")",
                        "model", type="model_not_found")
 
     @property

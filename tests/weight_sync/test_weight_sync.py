@@ -37,7 +37,7 @@ from weight_sync.protocol import (
     PushHeader,
     TensorMeta,
     _copy,
-    _one_thread,
+    one_thread,
     check_header,
     plan_buckets,
 )
@@ -581,7 +581,7 @@ def test_pack_copies_cast_on_one_thread_and_keep_the_callers_thread_count():
     torch.testing.assert_close(_copy(torch.empty(1000, 100), src[:, ::3]), src[:, ::3], **exact)
     torch.testing.assert_close(_copy(torch.empty_like(src), src), src, **exact)
     assert torch.get_num_threads() == threads
-    with _one_thread():
+    with one_thread():
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == threads
 
