@@ -666,7 +666,7 @@ class LlamaModel:
         start, count = self.part.vocab
         local = input_ids - start
         outside = (local < 0) | (local >= count)
-        h = F.embedding(local.masked_fill(outside, 0), self.embed)
+        h = self._embed_rows(local.masked_fill(outside, 0))
         h.masked_fill_(outside[:, None], 0)
         return self.tp.all_reduce_(h)
 

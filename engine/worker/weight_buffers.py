@@ -117,18 +117,21 @@ class WeightBuffers:
         return spare if spare is not None else torch.empty_like(view)
 
     def write(self, model: LlamaModel, name: str, t: torch.Tensor) -> torch.Tensor | None:
-        """Stage the received tensor `name` (whole, in the model's dtype or float32 for a bf16
-        model: cast on the way) packed into the spare of its linear's panels, where every step
-        reads those panels alone, and return that view (the update then swaps the panels in: see
-        the module doc); None where it is staged plain (`dest`): no such linear, a lease out,
-        tensor parallelism, another device or dtype."""
-        if self._lease is not None or model.device.type != "cpu" or model.tp is not None:
+        """Stage the received tensor `name` (this rank's part of it, in the model's dtype or
+        float32 for a bf16 model: cast on the way) packed into the spare of its linear's panels,
+        where every step reads those panels alone, and return that view (the update then swaps the
+        panels in: see the module doc); None where it is staged plain (`dest`): no such linear, a
+        lease out, another device or dtype. A tensor-parallel rank's part of a row-parallel weight
+        is a column slice of the received tensor: the pack reads it in place (rows apart by the
+        full width), so no rank copies its share out first."""
+        if self._lease is not None or model.device.type != "cpu":
             return None
         self._use(model)
         self._make_layout(model)
         st, ext = self._storage_of.get(name), model.ops.ext
         cast = t.dtype == torch.float32 and model.dtype == torch.bfloat16  # (a float32 checkpoint)
-        if st is None or st.linear is None or not (t.dtype == model.dtype or cast) or not t.is_contiguous() \
+        rows_whole = t.dim() == 2 and t.stride(1) == 1  # (write_many packs rows apart by any stride)
+        if st is None or st.linear is None or not (t.dtype == model.dtype or cast) or not rows_whole \
                 or not hasattr(ext, "write_many"):
             return None
         panels, key = st.linear.panels, id(st.root)

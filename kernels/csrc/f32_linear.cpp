@@ -149,10 +149,10 @@ at::Tensor panels_for(const char* fn, const at::Tensor& w, const std::optional<a
 
 }  // namespace
 
-void f32_pack_panels(const float* src, float* dst, int64_t N, int64_t K, int64_t p0, int64_t p1) {
+void f32_pack_panels(const float* src, float* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t cols = std::min(kPanel, N - p * kPanel);
-    const float* rows = src + p * kPanel * K;
+    const float* rows = src + p * kPanel * ld;
     float* d = dst + p * K * kPanel;
     int64_t k = 0;
 #if ROLLOUT_F32_PANEL
@@ -165,7 +165,7 @@ void f32_pack_panels(const float* src, float* dst, int64_t N, int64_t K, int64_t
       for (int64_t h = 0; h < kPanel / kBlock; ++h) {
         for (k = 0; k + kBlock <= K; k += kBlock) {
           for (int64_t i = 0; i < kBlock; ++i) {
-            const float* row = rows + (h * kBlock + i) * K + k;
+            const float* row = rows + (h * kBlock + i) * ld + k;
             r[i] = load_row(row);
             __builtin_prefetch(row + 64);
           }
@@ -184,7 +184,7 @@ void f32_pack_panels(const float* src, float* dst, int64_t N, int64_t K, int64_t
       for (; k + kBlock <= K; k += kBlock) {
         for (int64_t h = 0; h < kPanel / kBlock; ++h) {
           for (int64_t i = 0; i < kBlock; ++i) {
-            const float* row = rows + (h * kBlock + i) * K + k;
+            const float* row = rows + (h * kBlock + i) * ld + k;
             r[i] = load_row(row);
             __builtin_prefetch(row + 64);  // 32 rows read side by side: more than the prefetcher follows
           }
@@ -198,7 +198,7 @@ void f32_pack_panels(const float* src, float* dst, int64_t N, int64_t K, int64_t
     }
 #endif
     for (; k < K; ++k) {  // (the rest: scalar; columns past N are zeros)
-      for (int64_t c = 0; c < cols; ++c) d[k * kPanel + c] = rows[c * K + k];
+      for (int64_t c = 0; c < cols; ++c) d[k * kPanel + c] = rows[c * ld + k];
       for (int64_t c = cols; c < kPanel; ++c) d[k * kPanel + c] = 0.0f;
     }
   }
@@ -212,7 +212,7 @@ at::Tensor f32_panel_pack(const at::Tensor& weight, const std::optional<at::Tens
   at::Tensor packed = panels_for("f32_panel_pack", w, out);
   const float* src = w.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
-  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) { f32_pack_panels(src, dst, N, K, p0, p1); });
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) { f32_pack_panels(src, dst, N, K, K, p0, p1); });
   return packed;
 }
 
@@ -261,11 +261,11 @@ inline void transpose8x8_epi16(__m256i r[8]) {
 }  // namespace
 #endif
 
-void bf16_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, int64_t p0, int64_t p1) {
+void bf16_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1) {
 #if ROLLOUT_F32_PANEL
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t cols = std::min(kPanel, N - p * kPanel);
-    const uint16_t* rows = src + p * kPanel * K;
+    const uint16_t* rows = src + p * kPanel * ld;
     uint16_t* d = dst + p * K * kPanel;
     int64_t k = 0;
     if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % 32 == 0) {
@@ -277,7 +277,7 @@ void bf16_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, 
       for (; k + 16 <= K; k += 16) {
         for (int64_t q = 0; q < kPanel; q += 8) {
           for (int64_t i = 0; i < 8; ++i) {
-            const uint16_t* row = rows + kBf16Col[q + i] * K + k;
+            const uint16_t* row = rows + kBf16Col[q + i] * ld + k;
             r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
             __builtin_prefetch(row + 128);  // 32 rows read side by side: more streams than the prefetcher follows
           }
@@ -295,7 +295,7 @@ void bf16_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, 
       _mm_sfence();
     }
     for (; k < K; ++k)  // (the rest: scalar; columns past N are zeros)
-      for (int64_t q = 0; q < kPanel; ++q) d[k * kPanel + q] = kBf16Col[q] < cols ? rows[kBf16Col[q] * K + k] : 0;
+      for (int64_t q = 0; q < kPanel; ++q) d[k * kPanel + q] = kBf16Col[q] < cols ? rows[kBf16Col[q] * ld + k] : 0;
   }
 #else
   TORCH_CHECK(false, "bf16_panel_pack: this CPU has neither AVX-512 nor AVX2 + FMA (see f32_panel_supported)");
@@ -311,7 +311,7 @@ at::Tensor bf16_panel_pack(const at::Tensor& weight, const std::optional<at::Ten
   at::Tensor packed = panels_for("bf16_panel_pack", w, out);
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
-  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) { bf16_pack_panels(src, dst, N, K, p0, p1); });
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) { bf16_pack_panels(src, dst, N, K, K, p0, p1); });
   return packed;
 #else
   TORCH_CHECK(false, "bf16_panel_pack: this CPU has neither AVX-512 nor AVX2 + FMA (see f32_panel_supported)");

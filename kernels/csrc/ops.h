@@ -56,8 +56,9 @@ at::Tensor invariant_linear(const at::Tensor& x, const at::Tensor& weight,
 namespace rollout_vnni {
 bool bf16_vnni_supported();
 at::Tensor bf16_vnni_pack(const at::Tensor& weight, const std::optional<at::Tensor>& out);
-// panels [p0, p1) of bf16_vnni_pack's layout of src (N, K) into dst (the whole packed tensor)
-void vnni_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, int64_t p0, int64_t p1);
+// panels [p0, p1) of bf16_vnni_pack's layout of src (N, K; row i at src + i * ld) into dst (the
+// whole packed tensor)
+void vnni_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1);
 at::Tensor bf16_vnni_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                             const std::optional<at::Tensor>& bias);
 }  // namespace rollout_vnni
@@ -76,9 +77,10 @@ at::Tensor f32_panel_pack(const at::Tensor& weight, const std::optional<at::Tens
 at::Tensor f32_panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                             const std::optional<at::Tensor>& bias);
 at::Tensor bf16_panel_pack(const at::Tensor& weight, const std::optional<at::Tensor>& out);
-// panels [p0, p1) of f32_panel_pack's / bf16_panel_pack's layout of src (N, K) into dst (the whole packed tensor)
-void f32_pack_panels(const float* src, float* dst, int64_t N, int64_t K, int64_t p0, int64_t p1);
-void bf16_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, int64_t p0, int64_t p1);
+// panels [p0, p1) of f32_panel_pack's / bf16_panel_pack's layout of src (N, K; row i at src + i * ld)
+// into dst (the whole packed tensor)
+void f32_pack_panels(const float* src, float* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1);
+void bf16_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1);
 at::Tensor bf16_panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                              const std::optional<at::Tensor>& bias);
 }  // namespace rollout_f32

@@ -5,7 +5,9 @@
 //     packs[i] names ("f32_panel_pack", "bf16_vnni_pack", "bf16_panel_pack": the layout the
 //     engine's matmul reads) or, for "", copied (both contiguous, as many elements); a float32
 //     source of a bfloat16 destination is cast on the way (a trainer's float32 master weights
-//     into a bf16 engine), rounded as torch's cast rounds
+//     into a bf16 engine), rounded as torch's cast rounds. A pack's source needs contiguous rows
+//     only: a tensor-parallel rank packs its column slice of a row-parallel weight straight from
+//     the full tensor it received
 //
 // Why one call: a push is a few hundred tensors, many of them a few hundred KB, and a parallel
 // region per tensor left threads idle at every small one and paid its start each time (packing
@@ -99,14 +101,16 @@ void write_many(const std::vector<at::Tensor>& srcs, const std::vector<at::Tenso
   for (int64_t j = 0; j < jobs; ++j) {
     const at::Tensor &s = srcs[j], &d = dsts[j];
     kinds[j] = kind_of(packs[j]);
-    TORCH_CHECK(s.device().is_cpu() && d.device().is_cpu() && s.is_contiguous() && d.is_contiguous() &&
+    TORCH_CHECK(s.device().is_cpu() && d.device().is_cpu() && d.is_contiguous() &&
                     (s.scalar_type() == d.scalar_type() || casts(s, d)),
-                "write_many: contiguous CPU tensors of one dtype, or float32 into bfloat16 (job ", j, ")");
+                "write_many: CPU tensors of one dtype, or float32 into bfloat16 (job ", j, ")");
     if (kinds[j] == kCopy) {
-      TORCH_CHECK(s.numel() == d.numel(), "write_many: a copy's source and destination hold as many elements");
+      TORCH_CHECK(s.is_contiguous() && s.numel() == d.numel(),
+                  "write_many: a copy's source is contiguous and holds as many elements as its destination");
       continue;
     }
-    TORCH_CHECK(s.dim() == 2, "write_many: a pack's source is (N, K)");
+    TORCH_CHECK(s.dim() == 2 && (s.stride(1) == 1 || s.size(1) <= 1) && s.stride(0) >= s.size(1),
+                "write_many: a pack's source is (N, K), its rows contiguous (job ", j, ")");
     const int64_t N = s.size(0), K = s.size(1), NP = (N + kPanel - 1) / kPanel;
     const bool f32 = kinds[j] == kF32;
     TORCH_CHECK(d.scalar_type() == (f32 ? at::kFloat : at::kBFloat16), "write_many: ", packs[j], " packs ",
@@ -160,16 +164,17 @@ void write_many(const std::vector<at::Tensor>& srcs, const std::vector<at::Tenso
           cast_bf16(s.data_ptr<float>() + x.begin, out + x.begin, x.end - x.begin);
           continue;
         }
-        const int64_t N = s.size(0), K = s.size(1), panel = kinds[x.job] == kVnni ? (K + 1) / 2 * kPanel * 2
-                                                                                  : K * kPanel;
+        const int64_t N = s.size(0), K = s.size(1), ld = s.stride(0);
+        const int64_t panel = kinds[x.job] == kVnni ? (K + 1) / 2 * kPanel * 2 : K * kPanel;
         rows.resize(kPanel * K);
         for (int64_t p = x.begin; p < x.end; ++p) {
           const int64_t n = std::min(kPanel, N - p * kPanel);
-          cast_bf16(s.data_ptr<float>() + p * kPanel * K, rows.data(), n * K);
+          const float* from = s.data_ptr<float>() + p * kPanel * ld;
+          for (int64_t i = 0; i < n; ++i) cast_bf16(from + i * ld, rows.data() + i * K, K);
           if (kinds[x.job] == kVnni) {
-            rollout_vnni::vnni_pack_panels(rows.data(), out + p * panel, n, K, 0, 1);
+            rollout_vnni::vnni_pack_panels(rows.data(), out + p * panel, n, K, K, 0, 1);
           } else {
-            rollout_f32::bf16_pack_panels(rows.data(), out + p * panel, n, K, 0, 1);
+            rollout_f32::bf16_pack_panels(rows.data(), out + p * panel, n, K, K, 0, 1);
           }
         }
         continue;
@@ -180,17 +185,18 @@ void write_many(const std::vector<at::Tensor>& srcs, const std::vector<at::Tenso
                       x.end - x.begin);
           break;
         case kF32:
-          rollout_f32::f32_pack_panels(s.data_ptr<float>(), d.data_ptr<float>(), s.size(0), s.size(1), x.begin, x.end);
+          rollout_f32::f32_pack_panels(s.data_ptr<float>(), d.data_ptr<float>(), s.size(0), s.size(1), s.stride(0),
+                                       x.begin, x.end);
           break;
         case kVnni:
           rollout_vnni::vnni_pack_panels(reinterpret_cast<const uint16_t*>(s.data_ptr<c10::BFloat16>()),
                                          reinterpret_cast<uint16_t*>(d.data_ptr<c10::BFloat16>()), s.size(0),
-                                         s.size(1), x.begin, x.end);
+                                         s.size(1), s.stride(0), x.begin, x.end);
           break;
         case kBf16Panel:
           rollout_f32::bf16_pack_panels(reinterpret_cast<const uint16_t*>(s.data_ptr<c10::BFloat16>()),
                                         reinterpret_cast<uint16_t*>(d.data_ptr<c10::BFloat16>()), s.size(0),
-                                        s.size(1), x.begin, x.end);
+                                        s.size(1), s.stride(0), x.begin, x.end);
           break;
       }
     }

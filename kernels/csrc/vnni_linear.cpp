@@ -74,7 +74,7 @@ inline void transpose16(__m512i r[16]) {
 }
 #endif
 
-void vnni_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, int64_t p0, int64_t p1) {
+void vnni_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1) {
   const int64_t KP = (K + 1) / 2;
   // Columns past N and the k past an odd K are zeros. With AVX-512 a full panel's first
   // 16 * (K / 32) k pairs go as 16 x 16 register transposes of k pairs (a weight update repacks
@@ -83,7 +83,7 @@ void vnni_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, 
   // 16 rows read side by side instead of 32 kept the pack near a copy's speed (1.8x slower else).
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t cols = std::min(kPanel, N - p * kPanel);
-    const uint16_t* rows = src + p * kPanel * K;
+    const uint16_t* rows = src + p * kPanel * ld;
     uint16_t* d = dst + p * KP * kPanel * 2;
     int64_t kp = 0;
 #if ROLLOUT_VNNI_BF16
@@ -95,7 +95,7 @@ void vnni_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, 
         for (int64_t b = 0; b < blocks; ++b) {
           uint16_t* db = d + b * 16 * kPanel * 2 + h * 32;
           for (int64_t i = 0; i < 16; ++i) {
-            const uint16_t* row = rows + (h * 16 + i) * K + 32 * b;
+            const uint16_t* row = rows + (h * 16 + i) * ld + 32 * b;
             r[i] = _mm512_loadu_si512(row);
             __builtin_prefetch(row + 128);
           }
@@ -115,10 +115,10 @@ void vnni_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, 
     for (; kp < KP; ++kp, d += kPanel * 2) {  // (the rest: scalar)
       const int64_t k = 2 * kp;
       if (k + 1 < K) {
-        for (int64_t c = 0; c < cols; ++c) std::memcpy(d + 2 * c, rows + c * K + k, 4);
+        for (int64_t c = 0; c < cols; ++c) std::memcpy(d + 2 * c, rows + c * ld + k, 4);
       } else {
         for (int64_t c = 0; c < cols; ++c) {
-          d[2 * c] = rows[c * K + k];
+          d[2 * c] = rows[c * ld + k];
           d[2 * c + 1] = 0;
         }
       }
@@ -146,7 +146,7 @@ at::Tensor bf16_vnni_pack(const at::Tensor& weight, const std::optional<at::Tens
   }
   const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
   auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<c10::BFloat16>());
-  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) { vnni_pack_panels(src, dst, N, K, p0, p1); });
+  at::parallel_for(0, NP, 1, [&](int64_t p0, int64_t p1) { vnni_pack_panels(src, dst, N, K, K, p0, p1); });
   return packed;
 }
 

@@ -44,3 +44,11 @@ class MemoryProbe:
             pass
         return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
                 "used": total - free, "process": process}
+
+    def packed_by_the_update(self) -> list[str]:
+        """The tensors the last update staged straight into their linears' panels (their plain
+        weights not unpacked yet: read nothing in between)."""
+        behind = self.model._behind
+        layout = self._buffers._layout or ()
+        return sorted(e["name"] for st in layout if st.linear is not None and id(st.linear) in behind
+                      for e in st.entries)

@@ -123,13 +123,21 @@ def test_tp2_push_lands_on_every_shard_and_a_bad_one_on_none(tiny_tp2):
     g = torch.Generator().manual_seed(7)
     new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
     llm.update_weights_from_tensors(new.items(), version=1)
-    assert llm.weights_checksum() == weights_checksum(new.items())
+    # each rank packed its shards for the matmul as they arrived, the row-parallel ones (column
+    # slices of the pushed tensors) read in place: the swap in the pause repacked nothing
+    for rank, packed in enumerate(llm.collective_rpc("packed_by_the_update")):
+        for i in range(model.config.num_hidden_layers):
+            assert f"model.layers.{i}.self_attn.o_proj.weight" in packed, (rank, packed)
+            assert f"model.layers.{i}.mlp.down_proj.weight" in packed, (rank, packed)
     reference = AutoModelForCausalLM.from_config(model.config, attn_implementation="eager").eval()
     reference.load_state_dict(new, strict=False)
     if model.config.tie_word_embeddings:
         reference.tie_weights()
     refs = [hf_greedy(reference, p) for p in prompts[:3]]
+    # generated before anything reads the plain weights back (a tied embedding's rows come out of
+    # the head's panels meanwhile), then the checksum, which unpacks them
     compare(name, prompts[:3], refs, llm.generate(prompts[:3], PARAMS, use_tqdm=False))
+    assert llm.weights_checksum() == weights_checksum(new.items())
     with pytest.raises(InvalidRequestError, match="one rank"):  # a trainer would write each rank's slices
         llm.lease_weight_spare("trainer")
     with SharedWeights() as shared:  # back, for the module's other tests, through shared memory

@@ -1,6 +1,7 @@
 """write_many (kernels/csrc/spare_write.cpp), a trainer's write into a leased weight spare in one
 call: every pack it runs equals the pack function of that name on its own (ragged N and K, every
-layout this CPU builds), its copies are byte-exact at any length and alignment (the streamed
+layout this CPU builds; sources that are column slices of a wider tensor, as a tensor-parallel
+rank's share of a row-parallel weight), its copies are byte-exact at any length and alignment (the streamed
 stores start at a line boundary), float32 sources of bfloat16 destinations (copies and packs) are
 rounded exactly as torch's cast rounds them, one call with 1 and 2 threads writes the same bytes,
 and bad jobs are refused before anything is written."""
@@ -23,6 +24,10 @@ def _jobs(ext, seed: int):
             w = torch.randn(n, k, generator=g).to(dt)
             ref = getattr(ext, fn)(w)
             srcs.append(w), dsts.append(torch.full_like(ref, 3.0)), packs.append(fn), want.append(ref)
+        for n, k, first in [(64, 96, 96), (45, 33, 7), (576, 384, 192)]:  # column slices: rows apart by more than k
+            w = torch.randn(n, first + k + 5, generator=g).to(dt)[:, first:first + k]
+            ref = getattr(ext, fn)(w.contiguous())
+            srcs.append(w), dsts.append(torch.full_like(ref, 3.0)), packs.append(fn), want.append(ref)
     buf = torch.randn(1 << 20, generator=g)  # copies at odd offsets and lengths, and a large one
     for start, length in [(0, 1), (3, 17), (5, 70000), (16, (1 << 20) - 16)]:
         src = buf[start:start + length].clone()
@@ -32,8 +37,8 @@ def _jobs(ext, seed: int):
     srcs.append(half), dsts.append(torch.zeros_like(half)), packs.append(""), want.append(half.clone())
     for fn, dt in _packs_here(ext):  # float32 masters into a bf16 engine's panels: cast, then packed
         if dt == torch.bfloat16:
-            for n, k in [(64, 96), (45, 33), (1728, 576)]:
-                w = torch.randn(n, k, generator=g) * 3
+            for n, k, first in [(64, 96, 0), (45, 33, 0), (1728, 576, 0), (64, 96, 32), (45, 33, 3)]:
+                w = (torch.randn(n, first + k + 2, generator=g) * 3)[:, first:first + k]
                 ref = getattr(ext, fn)(w.bfloat16())
                 srcs.append(w), dsts.append(torch.full_like(ref, 3.0)), packs.append(fn), want.append(ref)
     for length in (1, 70001):
@@ -78,6 +83,8 @@ def test_bad_jobs_are_refused_before_any_write(ext):
         (torch.randn(10), torch.zeros(9).bfloat16(), "", "as many elements"),  # (a cast: counted in elements)
         (torch.randn(10).bfloat16(), torch.zeros(10), "", "one dtype"),  # only float32 -> bfloat16 casts
         (torch.randn(4, 8).t(), torch.zeros(32), "", "contiguous"),
+        (torch.randn(32, 64).t(), torch.zeros(2, 32, 32), "f32_panel_pack", "rows contiguous"),
+        (torch.randn(64, 64)[:, ::2], torch.zeros(2, 32, 32), "f32_panel_pack", "rows contiguous"),
     ]
     for src, dst, pack, message in cases:
         with pytest.raises(RuntimeError, match=message):
