@@ -130,8 +130,8 @@ class WeightBuffers:
         self._make_layout(model)
         st, ext = self._storage_of.get(name), model.ops.ext
         cast = t.dtype == torch.float32 and model.dtype == torch.bfloat16  # (a float32 checkpoint)
-        rows_whole = t.dim() == 2 and t.stride(1) == 1  # (write_many packs rows apart by any stride)
-        if st is None or st.linear is None or not (t.dtype == model.dtype or cast) or not rows_whole \
+        rows_contiguous = t.dim() == 2 and t.stride(1) == 1  # (write_many packs rows apart by any stride)
+        if st is None or st.linear is None or not (t.dtype == model.dtype or cast) or not rows_contiguous \
                 or not hasattr(ext, "write_many"):
             return None
         panels, key = st.linear.panels, id(st.root)
