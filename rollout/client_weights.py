@@ -223,7 +223,7 @@ class WeightTransfer:
         # and each must get its own sender's bytes (two at once would mix, under each one's version)
         self._group_turn = asyncio.Lock() if is_async else threading.Lock()
         self.spare: dict[int, Any] = {}  # replica -> weight_sync.SpareWriter: its staging memory, mapped
-        self._spare_lent = True  # False once the server said it lends none (CUDA, several ranks, ...)
+        self._spare_lent = True  # False once the server said it lends none (CUDA, ...)
         self.holder = uuid.uuid4().hex  # who leases the server's spare
         self._sender_cache = None  # the last WeightSender (its bucket buffers are reused) and its (group, bucket size)
 
@@ -270,9 +270,10 @@ class WeightTransfer:
         hosts = {int(r): k for r, k in (info.get("replica_hosts") or {}).items()}
         beside = sorted(r for r, k in hosts.items() if k == here) if cpu_here else []
         others = sorted(set(hosts) - set(beside))
-        if not (beside and others and info.get("tensor_parallel_size", 1) == 1):  # (spares: replicas of one rank)
+        if not (beside and others):
             beside = []
-        world_size = (len(others) if beside else (yield lambda c: c.get_world_size())) + 1
+        ranks = len(others) * info.get("tensor_parallel_size", 1) if beside else (yield lambda c: c.get_world_size())
+        world_size = ranks + 1
         port = master_port or find_free_port(master_address)
         init_info = dict(master_address=master_address, master_port=port, world_size=world_size, rank_offset=1,
                          backend=backend, timeout_s=timeout_s, **({"replicas": others} if beside else {}))
@@ -597,7 +598,7 @@ class WeightTransfer:
         try:
             lease = yield lambda c: c.lease_weight_spare(self.holder, self._writer(0).layouts, replicas)
         except RolloutAPIError as e:
-            if e.status != 409:  # not lent by this server (CPU replicas of one rank only), or no such route
+            if e.status != 409:  # not lent by this server (CPU replicas only), or no such route
                 self._spare_lent = False
             return None  # (409: another trainer holds it now)
         leases = lease.get("replicas", [lease])

@@ -14,7 +14,9 @@ anything is copied, and swaps the copies into its weights atomically.
 
 Handles: {"kind": "cuda" | "shm", "tensors": [...], "shm": name (shm only)}, or {"kind": "spare",
 "lease", "tensors": [names]} for tensors a `SpareWriter` wrote into the engine's own staging memory
-(lent by LLM.lease_weight_spare: one copy in all, where a segment of the trainer's costs two).
+(lent by LLM.lease_weight_spare: one copy in all, where a segment of the trainer's costs two);
+{"kind": "spare", "ranks": [{"lease", "tensors"}, ...]} for a replica of several tensor-parallel
+ranks, each of which lent its own spare for its slices.
 """
 from __future__ import annotations
 
@@ -161,7 +163,8 @@ class SharedWeights:
 class SpareWriter:
     """The trainer's side of a leased spare (engine/worker/weight_buffers.py): `write(lease,
     named_tensors)` copies the tensors straight into the engine's staging memory (cast to its
-    dtype in that copy) and returns the handles for update_weights_from_ipc, or None, having
+    dtype in that copy; for a replica of tensor-parallel ranks, each rank's slices into the spare
+    that rank lent) and returns the handles for update_weights_from_ipc, or None, having
     written nothing, when the push does not fit the lease (a name twice, a name or shape it has
     no slot for, a tensor not floating point or not on the CPU, another dtype asked for, a tied
     head that differs, an engine on another machine whose segments are not here): push it
@@ -186,49 +189,66 @@ class SpareWriter:
               dtype: torch.dtype | None = None) -> dict | None:
         pairs = [(n, t.detach()) for n, t in named_tensors]
         named = dict(pairs)
-        if len(named) != len(pairs):
+        parts = lease.get("ranks", [lease])  # (a replica of several tensor-parallel ranks: a lease each)
+        if len(named) != len(pairs) or not all(self._fits(part, named, dtype) for part in parts):
             return None
+        wanted = [name for part in parts for name in part["segments"]]
+        try:
+            segments = {name: self._map(name) for name in wanted}
+        except ValueError:  # not this machine's shared memory (the engine runs elsewhere)
+            return None
+        for name in list(self._mapped):
+            if name not in segments:
+                self._mapped.pop(name).close()
+        batch = _Batch(self._kernels())  # (every write of every rank: one call of the kernels)
+        try:
+            written = [self._write_part(batch, [segments[n] for n in part["segments"]], part, named)
+                       for part in parts]
+            batch.run()
+        finally:
+            batch.views.clear()  # no view may outlive the mapping
+        handles = [{"lease": part["lease"], "tensors": names} for part, names in zip(parts, written)]
+        return {"kind": "spare", "ranks": handles} if "ranks" in lease else dict(handles[0], kind="spare")
+
+    def _fits(self, lease: dict, named: dict[str, torch.Tensor], dtype: torch.dtype | None) -> bool:
         slots = {m["name"]: m for m in lease["tensors"]}
         for name, t in named.items():
             tied_to = lease.get("tied", {}).get(name)
             if tied_to is not None:  # dropped by the engine after checking it is the embedding
                 if tied_to not in named or not _same_values(t, named[tied_to]):
-                    return None
+                    return False
                 continue
             slot = slots.get(name)
             if slot is None or t.device.type != "cpu" or not t.is_floating_point() or list(t.shape) != slot["shape"] \
                     or (dtype is not None and dtype_name(dtype) != slot["dtype"]) \
                     or ("pack" in slot and slot["pack"] not in self.layouts):
-                return None
-        try:
-            segments = [self._map(name) for name in lease["segments"]]
-        except ValueError:  # not this machine's shared memory (the engine runs elsewhere)
-            return None
-        for name in list(self._mapped):
-            if name not in lease["segments"]:
-                self._mapped.pop(name).close()
+                return False
+        return True
+
+    def _write_part(self, batch: _Batch, segments: list[_Attached], lease: dict,
+                    named: dict[str, torch.Tensor]) -> list[str]:
+        """Queue (or make) the writes of one lease's slots; the names written."""
+        slots = {m["name"]: m for m in lease["tensors"]}
         written = []
-        batch = _Batch(self._kernels())  # (every write it takes: one call of the kernels)
-        try:
-            for name, t in named.items():
-                slot = slots.get(name)
-                if slot is None:
-                    continue
-                d = parse_dtype(slot["dtype"])
-                if "pack" in slot:  # (a slot of the engine's panels: the pack writes it whole, pads included)
-                    self._pack(batch, segments[slot["segment"]].buf, slot, t, d)
-                elif t.numel():
-                    dst = torch.frombuffer(segments[slot["segment"]].buf, dtype=d, offset=slot["offset"],
-                                           count=1 + sum((n - 1) * st for n, st in zip(slot["shape"], slot["stride"])))
-                    dst = dst.as_strided(slot["shape"], slot["stride"])
-                    if not batch.copy(t, dst):
-                        dst.copy_(t)
-                    del dst
-                written.append(name)
-            batch.run()
-        finally:
-            batch.views.clear()  # no view may outlive the mapping
-        return {"kind": "spare", "lease": lease["lease"], "tensors": written}
+        for name, t in named.items():
+            slot = slots.get(name)
+            if slot is None:
+                continue
+            if "slice" in slot:  # (a tensor-parallel rank's part of the full tensor)
+                t = t.narrow(*slot["slice"])
+            d = parse_dtype(slot["dtype"])
+            buf = segments[slot["segment"]].buf
+            if "pack" in slot:  # (a slot of the engine's panels: the pack writes it whole, pads included)
+                self._pack(batch, buf, slot, t, d)
+            elif t.numel():
+                dst = torch.frombuffer(buf, dtype=d, offset=slot["offset"],
+                                       count=1 + sum((n - 1) * st for n, st in zip(t.shape, slot["stride"])))
+                dst = dst.as_strided(t.shape, slot["stride"])
+                if not batch.copy(t, dst):
+                    dst.copy_(t)
+                del dst
+            written.append(name)
+        return written
 
     def _pack(self, batch: _Batch, buf, slot: dict, t: torch.Tensor, dtype: torch.dtype) -> None:
         """The engine's pack `slot["pack"]` of `t` (cast to `dtype`) into the slot's panels (of
@@ -282,7 +302,9 @@ class _Batch:
 
     def _add(self, t: torch.Tensor, dst: torch.Tensor, pack: str) -> bool:
         cast = t.dtype == torch.float32 and dst.dtype == torch.bfloat16  # (float32 masters into a bf16 engine)
-        if self.ext is None or not (t.dtype == dst.dtype or cast) or not t.is_contiguous():
+        # a pack reads rows at any stride (a tensor-parallel rank's column slice), a copy whole tensors
+        readable = t.dim() == 2 and (t.stride(1) == 1 or t.size(1) <= 1) if pack else t.is_contiguous()
+        if self.ext is None or not (t.dtype == dst.dtype or cast) or not readable:
             return False
         self.srcs.append(t if pack else t.view(-1))
         self.views.append(dst)

@@ -477,8 +477,9 @@ class EngineCore:
     def lease_weight_spare(self, holder: str, layouts: list[str] | None = None,
                            replicas: list[int] | None = None) -> dict | None:
         """Lend the trainer `holder` the memory the next update is staged in, to write its tensors
-        into directly (Worker.lease_weight_spare): a CPU replica of one rank only (the ranks of a
-        tensor-parallel one would each need their slices written). Every replica lends its own,
+        into directly (Worker.lease_weight_spare): a CPU replica only. A replica of several
+        tensor-parallel ranks lends one per rank, {"ranks": [leases]}, each written with that
+        rank's slices (SpareWriter). Every replica lends its own,
         which the trainer writes one after the other (`replica` names this one's data-parallel
         rank; an update's handles say which lease each replica's part is: replica_part).
         `replicas`: only those lend (the ones on the trainer's machine); None from the others."""
@@ -488,10 +489,11 @@ class EngineCore:
         if "weights" in self.asleep:
             raise EngineStateError("the weights are asleep: wake_up(tags=['weights']) first", "spare")
         cfg = self.config
-        if not cfg.device.startswith("cpu") or cfg.tensor_parallel_size > 1:
-            raise InvalidRequestError("the weight spare is lent by a CPU replica of one rank only: share the tensors "
-                                      "in a segment of the trainer's own", "spare")
-        lease = self.executor.collective_rpc("lease_weight_spare", [holder, layouts or []])[0]
+        if not cfg.device.startswith("cpu"):
+            raise InvalidRequestError("the weight spare is lent by a CPU replica only: share the tensors in a segment "
+                                      "of the trainer's own", "spare")
+        leases = self.executor.collective_rpc("lease_weight_spare", [holder, layouts or []])
+        lease = leases[0] if len(leases) == 1 else {"ranks": leases}
         return dict(lease, replica=cfg.data_parallel_rank)
 
     def close_weight_transfer(self) -> bool:

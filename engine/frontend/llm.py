@@ -301,8 +301,9 @@ class LLM:
         layout names, then update_weights_from_ipc({"kind": "spare", "lease", "tensors": names}):
         weight_sync.SpareWriter writes them and makes those handles. `layouts`: the packs the
         trainer can run (its SpareWriter's `layouts`): the projections' panels are then leased.
-        With data parallelism every replica lends its own ({"replicas": [leases]}), or only
-        `replicas`."""
+        A replica of several tensor-parallel ranks lends one per rank ({"ranks": [leases]}, for its
+        slices). With data parallelism every replica lends its own ({"replicas": [leases]}), or
+        only `replicas`."""
         return self.client.call_utility("lease_weight_spare", holder, list(layouts), replicas)
 
     def close_weight_transfer(self) -> bool:

@@ -171,7 +171,8 @@ class WeightBuffers:
         """The right for `holder` (a trainer) to write the spare until its update stages it, and
         where: {"lease": token, "segments": [shared-memory names], "tensors": [{"name", "dtype",
         "shape", "stride", "segment", "offset" (bytes)}], "tied": {pushed name: the name it is
-        checked against and dropped for}}. `layouts`: the pack functions of the kernels the trainer
+        checked against and dropped for}}; a tensor-parallel rank's entries carry the full tensor's
+        shape and the "slice" it holds (_as_pushed). `layouts`: the pack functions of the kernels the trainer
         can run (kernels.cpu_ext; e.g. "bf16_vnni_pack"): a tensor whose storage takes one of them
         comes as {"name", "dtype", "shape", "pack": function, "packed_shape", "segment", "offset"},
         to be packed there (the module's doc). The same holder may lease again (a retry); another
@@ -196,14 +197,14 @@ class WeightBuffers:
                 step = panels[0].numel() * panels.element_size()  # bytes a panel
                 for e in st.entries:
                     first, count = st.panel_rows[e["name"]]
-                    tensors.append({"name": e["name"], "dtype": e["dtype"], "shape": e["shape"], "pack": lin.pack_fn,
-                                    "packed_shape": [count, *panels.shape[1:]], "segment": where,
-                                    "offset": start + first * step})
+                    tensors.append(_as_pushed(model, {"name": e["name"], "dtype": e["dtype"], "shape": e["shape"],
+                                                      "pack": lin.pack_fn, "packed_shape": [count, *panels.shape[1:]],
+                                                      "segment": where, "offset": start + first * step}))
                 packed.add(key)
                 continue
             spare = self._spare[key] = self._slot_beside(self._spare.get(key), st.root, key)
             where, start = segments.index_of(spare), segments.offset(key)
-            tensors += [dict(e, segment=where, offset=start + e["offset"]) for e in st.entries]
+            tensors += [_as_pushed(model, dict(e, segment=where, offset=start + e["offset"])) for e in st.entries]
         self._lease = Lease(secrets.token_hex(8), holder, now, frozenset(packed))
         tied = {"lm_head.weight": model.embed_name} if model.ties_head else {}
         return {"lease": self._lease.token, "segments": segments.names, "tensors": tensors, "tied": tied}
@@ -390,6 +391,17 @@ def _layout(model: LlamaModel) -> list[_Storage]:
         layout.append(_Storage(root, entries, lin if lin is not None and len(panel_rows) == len(names) else None,
                                panel_rows))
     return layout
+
+
+def _as_pushed(model: LlamaModel, entry: dict) -> dict:
+    """A lease's entry as the trainer sees it: "shape" that of the full tensor it pushes, and where
+    this rank holds a slice of it (tensor parallelism) "slice": [dim, start, count], the part the
+    slot takes (its "stride" and "packed_shape" are the slice's)."""
+    shard = model.hf_shard(entry["name"])
+    if shard.dim is None:
+        return entry
+    start, count = shard.ranges[model.part.rank]
+    return dict(entry, shape=list(shard.full_shape(tuple(entry["shape"]))), slice=[shard.dim, start, count])
 
 
 def _slots(st: _Storage):

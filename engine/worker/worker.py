@@ -153,8 +153,8 @@ class Worker:
 
     def lease_weight_spare(self, holder: str, layouts: list[str] = ()) -> dict:
         """Hand the trainer `holder` the spare its next update is written into (a shared-memory
-        layout; engine/worker/weight_buffers.py; `layouts`: the packs the trainer can run). One
-        rank on a CPU only (the core checks)."""
+        layout; engine/worker/weight_buffers.py; `layouts`: the packs the trainer can run); each
+        tensor-parallel rank lends its own, for its slices. On a CPU only (the core checks)."""
         if self.model is None:
             raise EngineStateError("the weights were dropped (sleep level 2): wake_up(['weights']) first")
         if self._staged is not None or self._received is not None:
@@ -278,7 +278,7 @@ class Worker:
         from weight_sync.ipc import read_shared
 
         if isinstance(args[0], dict) and args[0].get("kind") == "spare":  # written by the trainer into our spare
-            return self._buffers.leased(model, args[0])
+            return self._buffers.leased(model, self._rank_part(args[0]))
         shard = _shard_selector(model)
 
         def select(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -287,6 +287,18 @@ class Worker:
 
         return read_shared(args[0], self.model_runner.device, check=model.check_weight, select=select,
                            stage=self._stager(model))
+
+    def _rank_part(self, handles: dict) -> dict:
+        """This rank's part of spare handles: {"ranks": [each rank's]} for a replica of several
+        ranks (each lent its own spare, written with its slices), the handles themselves for one."""
+        ranks = handles.get("ranks")
+        size = self.config.tensor_parallel_size
+        if ranks is None and size == 1:
+            return handles
+        if not isinstance(ranks, list) or len(ranks) != size or not all(isinstance(h, dict) for h in ranks):
+            raise InvalidRequestError(f"a replica of {size} tensor-parallel ranks takes spare handles "
+                                      f'{{"kind": "spare", "ranks": [{size} handles, one per rank]}}', "handles")
+        return ranks[self.rank]
 
     def _receive_from_peer(self, model: LlamaModel, source: str, args: list) -> dict[str, torch.Tensor]:
         """A new data-parallel replica copies a live one (its send_weights_to_peers); `rank` is the

@@ -226,7 +226,9 @@ async def lease_weight_spare(body: LeaseSpareBody, request: Request):
     """Lend a trainer on this machine the memory the next update is staged in: it writes its
     tensors there itself (while generation goes on) and pushes {"kind": "spare", ...} handles
     (engine/worker/weight_buffers.py; the client's push_weights_shared does both). 400 where no
-    spare is lent (CUDA, a replica of several ranks), 409 while another trainer holds it. With
+    spare is lent (CUDA), 409 while another trainer holds it. A replica of several
+    tensor-parallel ranks lends one per rank ({"ranks": [leases]}), each written with that rank's
+    slices of the tensors and pushed as {"kind": "spare", "ranks": [each one's handles]}. With
     several replicas each lends its own: {"replicas": [each one's lease, with its "replica"]},
     pushed as {"kind": "spare", "replicas": [each one's handles, with its "replica"]}; with
     "replicas": [ranks] only those lend (the ones on the trainer's machine). It waits for an update

@@ -24,9 +24,9 @@ from engine.worker.lora import LoRARequest
 from tests.engine.hf_reference import CHATS, chat_token_ids, load_hf
 from tests.engine.hf_reference import hf_greedy as hf_greedy_real
 from tests.engine.perturb import hf_model_with, perturbed_state
-from tests.engine.test_rl_control import push
+from tests.engine.test_rl_control import push, start_ipc_trainer, stop_ipc_trainer
 from tests.engine.test_tiny_models import PARAMS, build_model, compare, hf_greedy, make_prompts
-from weight_sync import SharedWeights, WeightTransferError, weights_checksum
+from weight_sync import SharedWeights, SpareWriter, WeightTransferError, weights_checksum
 
 EXT = "tests.engine.rl_worker_ext.MemoryProbe"
 
@@ -138,10 +138,49 @@ def test_tp2_push_lands_on_every_shard_and_a_bad_one_on_none(tiny_tp2):
     # the head's panels meanwhile), then the checksum, which unpacks them
     compare(name, prompts[:3], refs, llm.generate(prompts[:3], PARAMS, use_tqdm=False))
     assert llm.weights_checksum() == weights_checksum(new.items())
-    with pytest.raises(InvalidRequestError, match="one rank"):  # a trainer would write each rank's slices
-        llm.lease_weight_spare("trainer")
-    with SharedWeights() as shared:  # back, for the module's other tests, through shared memory
+    with SharedWeights() as shared:  # back through shared memory, read by each rank for its slices
         llm.update_weights_from_ipc(shared.share(state.items()), version=2)
+    assert llm.weights_checksum() == before
+
+
+def test_tp2_trainer_writes_each_ranks_slices_into_its_spare(tiny_tp2):
+    """Each rank lends its own spare; the trainer's SpareWriter writes every rank's slices of the
+    full tensors into it (the row-parallel ones, column slices, packed from their strided rows),
+    and the update swaps them in: greedy tokens equal transformers on the new weights, the
+    checksum equals the trainer's, and no rank repacks a projection in the pause."""
+    name, model, llm, prompts, _ = tiny_tp2
+    state = {k: v.clone() for k, v in hf_state(model).items()}
+    before, version = llm.weights_checksum(), llm.get_weight_version()
+    writer = SpareWriter()
+    lease = llm.lease_weight_spare("trainer", writer.layouts)
+    assert len(lease["ranks"]) == 2 and lease["replica"] == 0
+    slots = {t["name"]: t for t in lease["ranks"][1]["tensors"]}
+    down, q = slots["model.layers.0.mlp.down_proj.weight"], slots["model.layers.0.self_attn.q_proj.weight"]
+    assert down["slice"][0] == 1 and "pack" in down  # (row-parallel: a column slice, packed by the trainer)
+    assert q["slice"][0] == 0 and q["shape"] == list(state["model.layers.0.self_attn.q_proj.weight"].shape)
+    halved = writer.write(lease, [(k, v * 0.5) for k, v in state.items()])
+    with pytest.raises(InvalidRequestError, match="2 handles, one per rank"):  # rank 0's handles alone
+        llm.update_weights_from_ipc(dict(halved["ranks"][0], kind="spare"), version=version + 1)
+    assert llm.weights_checksum() == before and llm.get_weight_version() == version
+    g = torch.Generator().manual_seed(11)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    handles = writer.write(llm.lease_weight_spare("trainer", writer.layouts), new.items())
+    assert [len(h["tensors"]) for h in handles["ranks"]] == [len(new)] * 2
+    llm.update_weights_from_ipc(handles, version=version + 1)
+    for rank, packed in enumerate(llm.collective_rpc("packed_by_the_update")):  # (swapped in, not repacked)
+        for i in range(model.config.num_hidden_layers):
+            assert f"model.layers.{i}.self_attn.o_proj.weight" in packed, (rank, packed)
+            assert f"model.layers.{i}.mlp.down_proj.weight" in packed, (rank, packed)
+    reference = AutoModelForCausalLM.from_config(model.config, attn_implementation="eager").eval()
+    reference.load_state_dict(new, strict=False)
+    if model.config.tie_word_embeddings:
+        reference.tie_weights()
+    refs = [hf_greedy(reference, p) for p in prompts[:3]]
+    compare(name, prompts[:3], refs, llm.generate(prompts[:3], PARAMS, use_tqdm=False))
+    assert llm.weights_checksum() == weights_checksum(new.items())
+    handles = writer.write(llm.lease_weight_spare("trainer", writer.layouts), state.items())
+    llm.update_weights_from_ipc(handles, version=version + 2)  # (back, for the module's other tests)
+    writer.close()
     assert llm.weights_checksum() == before
 
 
@@ -266,7 +305,8 @@ def assert_matches_hf(outs, refs, what: str):
 @pytest.mark.slow
 def test_real_model_tp2_matches_transformers_then_takes_a_trainer_push(real_tp2, chats, default_model_path):
     """SmolLM2-135M (9 heads in 3 kv groups: split 6+3) on two ranks against HF; a gloo push from a
-    trainer process (world: trainer + 2 ranks) lands on both shards; a wrong shape on none."""
+    trainer process (world: trainer + 2 ranks) lands on both shards; a wrong shape on none; a
+    trainer process that writes each rank's slices into the spare that rank lent does the same."""
     llm = real_tp2
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     assert_matches_hf(llm.generate(chats, params, use_tqdm=False),
@@ -281,8 +321,19 @@ def test_real_model_tp2_matches_transformers_then_takes_a_trainer_push(real_tp2,
     pushed = hf_model_with(default_model_path, perturbed_state(default_model_path))
     outs = llm.generate(chats, params, use_tqdm=False)
     assert all(o.outputs[0].weight_versions == [1] * 16 for o in outs)
-    assert_matches_hf(outs, hf_greedy_real(pushed, chats, 16), "tp2 after the push")
+    reference = hf_greedy_real(pushed, chats, 16)
+    assert_matches_hf(outs, reference, "tp2 after the push")
     llm.reload_weights(version=2)
+    assert llm.weights_checksum() == base
+    proc, shared = start_ipc_trainer("spare", llm.lease_weight_spare("trainer", SpareWriter().layouts))
+    try:
+        assert len(shared["handles"]["ranks"]) == 2
+        llm.update_weights_from_ipc(shared["handles"], version=3)
+    finally:
+        stop_ipc_trainer(proc)
+    assert llm.weights_checksum() == shared["checksum"]
+    assert_matches_hf(llm.generate(chats, params, use_tqdm=False), reference, "tp2 after the spare push")
+    llm.reload_weights(version=4)
     assert llm.weights_checksum() == base
 
 
@@ -299,7 +350,7 @@ def test_real_model_tp2_sleep_frees_every_ranks_memory(real_tp2, chats):
     for rank, (a, s, k, w) in enumerate(zip(awake, slept, kv, weights)):
         assert a - s >= 0.9 * (k + w), f"rank {rank}: RSS {a} -> {s}, its KV {k} + weights {w}"
     llm.wake_up()
-    llm.reload_weights(version=3)
+    llm.reload_weights(version=llm.get_weight_version() + 1)
     assert [o.outputs[0].token_ids for o in llm.generate(chats, params, use_tqdm=False)] == before
 
 

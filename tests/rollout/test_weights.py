@@ -405,10 +405,12 @@ def test_push_weights_shared_casts_to_the_served_dtype(server, original):
         assert c.weights_checksum() == good
 
 
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_server_with_one_replica_elsewhere_gets_its_part_over_the_group(tmp_path, default_model_path,
-                                                                         monkeypatch):
+                                                                         monkeypatch, tp):
     """A trainer beside replica 0 of a two-replica server whose replica 1 runs on another machine:
-    the group is formed from replica 1's worker alone and each push writes replica 0's spare
+    the group is formed from replica 1's workers alone (with `tp` 2: its two ranks; replica 0's
+    two ranks lend a spare each, written with their slices) and each push writes replica 0's spare
     (a segment of ours while another trainer holds that spare) beside the broadcast to replica
     1, one update for both. One machine cannot host a replica elsewhere, so the server's
     `replica_hosts` is rewritten as a two-node Ray cluster's would read (every byte still moves
@@ -419,7 +421,8 @@ def test_a_server_with_one_replica_elsewhere_gets_its_part_over_the_group(tmp_pa
     from tests.rollout.conftest import start_server, stop_server, tiny_model_folder
 
     folder = tiny_model_folder(tmp_path, default_model_path)
-    server = start_server(folder, "--max-model-len", "256", "--data-parallel-size", "2")
+    server = start_server(folder, "--max-model-len", "256", "--data-parallel-size", "2",  # (4 ranks on 2 cores: on purpose)
+                          "--tensor-parallel-size", str(tp), "--max-data-parallel-size", "2")
     here = weight_sync.host_key()
     try:
         with RolloutClient(server.url, api_key=API_KEY, admin_api_key=ADMIN_KEY, timeout=120) as c, \
@@ -433,7 +436,7 @@ def test_a_server_with_one_replica_elsewhere_gets_its_part_over_the_group(tmp_pa
 
             monkeypatch.setattr(RolloutClient, "server_info", replica_1_elsewhere)
             state = load_file(str(Path(folder) / "model.safetensors"))
-            assert c.init_weight_transfer(backend="gloo", timeout_s=60)["ranks"] == [1]  # replica 1's worker alone
+            assert c.init_weight_transfer(backend="gloo", timeout_s=60)["ranks"] == list(range(1, tp + 1))
             for scale, transport in ((0.5, "group+spare"), (0.25, "group+spare"), (2.0, "group+segment")):
                 if scale == 0.25:  # a new group keeps the spares mapped (a remap would fault them in again)
                     writers = dict(c.weights.spare)
