@@ -53,6 +53,7 @@
 #endif
 
 #include "ops.h"
+#include "pack_ahead.h"
 
 namespace rollout_f32 {
 
@@ -162,8 +163,10 @@ void f32_pack_panels(const float* src, float* dst, int64_t N, int64_t K, int64_t
       // out as whole lines: 16 rows read side by side instead of 32 (which the prefetchers did
       // not keep up with: 1.8x slower), no line read before it is written
       BlockRow r[kBlock];
+      rollout_pack::PanelAhead ahead(src, 4, N, K, ld, p, p1, kPanel / kBlock * (K / kBlock));
       for (int64_t h = 0; h < kPanel / kBlock; ++h) {
         for (k = 0; k + kBlock <= K; k += kBlock) {
+          ahead.step();
           for (int64_t i = 0; i < kBlock; ++i) {
             const float* row = rows + (h * kBlock + i) * ld + k;
             r[i] = load_row(row);
@@ -181,7 +184,9 @@ void f32_pack_panels(const float* src, float* dst, int64_t N, int64_t K, int64_t
       // the line first, and whole lines in order keep the write-combining buffers from flushing halves)
       alignas(64) float block[kBlock * kPanel];
       BlockRow r[kBlock];
+      rollout_pack::PanelAhead ahead(src, 4, N, K, ld, p, p1, K / kBlock);
       for (; k + kBlock <= K; k += kBlock) {
+        ahead.step();
         for (int64_t h = 0; h < kPanel / kBlock; ++h) {
           for (int64_t i = 0; i < kBlock; ++i) {
             const float* row = rows + (h * kBlock + i) * ld + k;
@@ -274,7 +279,9 @@ void bf16_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, 
       // not read again soon; a store that skips the cache skips reading the line first)
       alignas(64) uint16_t block[16][kPanel];
       __m256i r[8];
+      rollout_pack::PanelAhead ahead(src, 2, N, K, ld, p, p1, K / 16);
       for (; k + 16 <= K; k += 16) {
+        ahead.step();
         for (int64_t q = 0; q < kPanel; q += 8) {
           for (int64_t i = 0; i < 8; ++i) {
             const uint16_t* row = rows + kBf16Col[q + i] * ld + k;

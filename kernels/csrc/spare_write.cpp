@@ -156,7 +156,9 @@ void write_many(const std::vector<at::Tensor>& srcs, const std::vector<at::Tenso
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     std::vector<uint16_t> rows;  // a cast panel's rows, packed from here (L2-sized: 32 rows of K)
     for (int64_t u = first_unit_from(t0), last = first_unit_from(t1); u < last; ++u) {
-      const Unit& x = units[u];
+      Unit x = units[u];
+      if (kinds[x.job] != kCopy)  // a pack's panels in one call (it reads ahead into the next panel)
+        for (; u + 1 < last && units[u + 1].job == x.job; ++u) x.end = units[u + 1].end;
       const at::Tensor &s = srcs[x.job], &d = dsts[x.job];
       if (casts(s, d)) {
         uint16_t* out = reinterpret_cast<uint16_t*>(d.data_ptr<c10::BFloat16>());

@@ -34,6 +34,7 @@
 #endif
 
 #include "ops.h"
+#include "pack_ahead.h"
 
 namespace rollout_vnni {
 
@@ -91,8 +92,10 @@ void vnni_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, 
     if (cols == kPanel) {
       __m512i r[16];
       const int64_t blocks = K / 32;  // of 16 k pairs
+      rollout_pack::PanelAhead ahead(src, 2, N, K, ld, p, p1, 2 * blocks);
       for (int64_t h = 0; h < 2; ++h) {
         for (int64_t b = 0; b < blocks; ++b) {
+          ahead.step();
           uint16_t* db = d + b * 16 * kPanel * 2 + h * 32;
           for (int64_t i = 0; i < 16; ++i) {
             const uint16_t* row = rows + (h * 16 + i) * ld + 32 * b;
