@@ -75,9 +75,30 @@ struct Unit {
 };
 
 // float32 -> bfloat16 rounded to nearest even, NaN to a quiet NaN, as torch's cast: in integer
-// arithmetic (which the compiler vectorizes), because AVX-512 BF16's convert flushes denormals.
-void cast_bf16(const float* src, uint16_t* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
+// arithmetic, because AVX-512 BF16's convert flushes denormals; with AVX-512 16 at a time, else
+// in the loop below (which the compiler vectorizes). `stream`: the stores skip the cache where
+// aligned (a cast into the spare, not read again soon: a cached store reads each line first, a
+// third more traffic for a cast, which took 1.6x as long then).
+void cast_bf16(const float* src, uint16_t* dst, int64_t n, bool stream = false) {
+  int64_t i = 0;
+#if defined(__AVX512BW__)
+  const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), inf = _mm512_set1_epi32(0x7f800000),
+                abs = _mm512_set1_epi32(0x7fffffff);
+  const __m256i qnan = _mm256_set1_epi16(0x7fc0);
+  for (; i + 16 <= n; i += 16) {
+    const __m512i u = _mm512_loadu_si512(src + i);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
+    const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+    const __m256i v = _mm256_mask_blend_epi16(nan, h, qnan);
+    if (stream && reinterpret_cast<uintptr_t>(dst + i) % 32 == 0) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), v);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), v);
+    }
+  }
+#endif
+  for (; i < n; ++i) {
     uint32_t u;
     std::memcpy(&u, src + i, sizeof(u));
     const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
@@ -163,7 +184,7 @@ void write_many(const std::vector<at::Tensor>& srcs, const std::vector<at::Tenso
       if (casts(s, d)) {
         uint16_t* out = reinterpret_cast<uint16_t*>(d.data_ptr<c10::BFloat16>());
         if (kinds[x.job] == kCopy) {
-          cast_bf16(s.data_ptr<float>() + x.begin, out + x.begin, x.end - x.begin);
+          cast_bf16(s.data_ptr<float>() + x.begin, out + x.begin, x.end - x.begin, true);
           continue;
         }
         const int64_t N = s.size(0), K = s.size(1), ld = s.stride(0);

@@ -94,8 +94,13 @@ def test_bad_jobs_are_refused_before_any_write(ext):
         ext.write_many([good_src], [good_dst, good_dst], ["f32_panel_pack"])
 
 
-def test_a_cast_makes_nan_a_nan(ext):
-    src = torch.tensor([float("nan"), -float("nan"), 1.0])
-    dst = torch.zeros(3, dtype=torch.bfloat16)
+@pytest.mark.parametrize("offset", [0, 1])  # (a destination off the vector stores' alignment too)
+def test_a_cast_makes_nan_a_nan(ext, offset):
+    src = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    nans = [0, 1, 17, 50, 99]  # (in vector lanes and in the scalar tail)
+    src[nans] = torch.tensor([float("nan"), -float("nan")] * 2 + [float("nan")])
+    dst = torch.zeros(100 + offset, dtype=torch.bfloat16)[offset:]
     ext.write_many([src], [dst], [""])
-    assert dst[:2].isnan().all() and dst[2] == 1
+    assert dst[nans].isnan().all()
+    rest = [i for i in range(100) if i not in nans]
+    assert torch.equal(dst[rest], src[rest].bfloat16())
