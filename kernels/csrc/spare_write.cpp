@@ -30,6 +30,7 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16_round.h"
 #include "ops.h"
 
 namespace rollout_spare {
@@ -74,23 +75,14 @@ struct Unit {
   int64_t job, begin, end;  // panels [begin, end) of a pack, bytes [begin, end) of a copy (elements of a cast)
 };
 
-// float32 -> bfloat16 rounded to nearest even, NaN to a quiet NaN, as torch's cast: in integer
-// arithmetic, because AVX-512 BF16's convert flushes denormals; with AVX-512 16 at a time, else
-// in the loop below (which the compiler vectorizes). `stream`: the stores skip the cache where
+// A float32 -> bfloat16 cast of n values (bf16_round.h). `stream`: the stores skip the cache where
 // aligned (a cast into the spare, not read again soon: a cached store reads each line first, a
 // third more traffic for a cast, which took 1.6x as long then).
 void cast_bf16(const float* src, uint16_t* dst, int64_t n, bool stream = false) {
   int64_t i = 0;
 #if defined(__AVX512BW__)
-  const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), inf = _mm512_set1_epi32(0x7f800000),
-                abs = _mm512_set1_epi32(0x7fffffff);
-  const __m256i qnan = _mm256_set1_epi16(0x7fc0);
   for (; i + 16 <= n; i += 16) {
-    const __m512i u = _mm512_loadu_si512(src + i);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
-    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
-    const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-    const __m256i v = _mm256_mask_blend_epi16(nan, h, qnan);
+    const __m256i v = rollout_bf16::round16(_mm512_loadu_si512(src + i));
     if (stream && reinterpret_cast<uintptr_t>(dst + i) % 32 == 0) {
       _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), v);
     } else {
@@ -98,12 +90,7 @@ void cast_bf16(const float* src, uint16_t* dst, int64_t n, bool stream = false) 
     }
   }
 #endif
-  for (; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, src + i, sizeof(u));
-    const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
-    dst[i] = nan ? uint16_t{0x7fc0} : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  }
+  for (; i < n; ++i) dst[i] = rollout_bf16::round_bits(src[i]);
 }
 
 bool casts(const at::Tensor& s, const at::Tensor& d) {
@@ -175,7 +162,7 @@ void write_many(const std::vector<at::Tensor>& srcs, const std::vector<at::Tenso
     return std::lower_bound(start.begin(), start.end() - 1, total * t / threads) - start.begin();
   };
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<uint16_t> rows;  // a cast panel's rows, packed from here (L2-sized: 32 rows of K)
+    std::vector<uint16_t> rows;  // a cast panel's rows for bf16_pack_panels (L2-sized: 32 rows of K)
     for (int64_t u = first_unit_from(t0), last = first_unit_from(t1); u < last; ++u) {
       Unit x = units[u];
       if (kinds[x.job] != kCopy)  // a pack's panels in one call (it reads ahead into the next panel)
@@ -188,17 +175,16 @@ void write_many(const std::vector<at::Tensor>& srcs, const std::vector<at::Tenso
           continue;
         }
         const int64_t N = s.size(0), K = s.size(1), ld = s.stride(0);
-        const int64_t panel = kinds[x.job] == kVnni ? (K + 1) / 2 * kPanel * 2 : K * kPanel;
+        if (kinds[x.job] == kVnni) {  // (cast in the pack's registers)
+          rollout_vnni::vnni_pack_panels(s.data_ptr<float>(), out, N, K, ld, x.begin, x.end);
+          continue;
+        }
         rows.resize(kPanel * K);
         for (int64_t p = x.begin; p < x.end; ++p) {
           const int64_t n = std::min(kPanel, N - p * kPanel);
           const float* from = s.data_ptr<float>() + p * kPanel * ld;
           for (int64_t i = 0; i < n; ++i) cast_bf16(from + i * ld, rows.data() + i * K, K);
-          if (kinds[x.job] == kVnni) {
-            rollout_vnni::vnni_pack_panels(rows.data(), out + p * panel, n, K, K, 0, 1);
-          } else {
-            rollout_f32::bf16_pack_panels(rows.data(), out + p * panel, n, K, K, 0, 1);
-          }
+          rollout_f32::bf16_pack_panels(rows.data(), out + p * K * kPanel, n, K, K, 0, 1);
         }
         continue;
       }

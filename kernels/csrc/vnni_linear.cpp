@@ -33,6 +33,7 @@
 #define ROLLOUT_VNNI_BF16 1
 #endif
 
+#include "bf16_round.h"
 #include "ops.h"
 #include "pack_ahead.h"
 
@@ -75,7 +76,21 @@ inline void transpose16(__m512i r[16]) {
 }
 #endif
 
-void vnni_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1) {
+namespace {
+
+// a source row's 32 values from k on as bf16 (a float32 one rounded as torch's cast rounds), and one value
+#if ROLLOUT_VNNI_BF16
+inline __m512i load32(const uint16_t* row) { return _mm512_loadu_si512(row); }
+inline __m512i load32(const float* row) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(rollout_bf16::round16(_mm512_loadu_si512(row))),
+                            rollout_bf16::round16(_mm512_loadu_si512(row + 16)), 1);
+}
+#endif
+inline uint16_t bits(uint16_t v) { return v; }
+inline uint16_t bits(float v) { return rollout_bf16::round_bits(v); }
+
+template <typename T>
+void pack_panels(const T* src, uint16_t* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1) {
   const int64_t KP = (K + 1) / 2;
   // Columns past N and the k past an odd K are zeros. With AVX-512 a full panel's first
   // 16 * (K / 32) k pairs go as 16 x 16 register transposes of k pairs (a weight update repacks
@@ -84,7 +99,7 @@ void vnni_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, 
   // 16 rows read side by side instead of 32 kept the pack near a copy's speed (1.8x slower else).
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t cols = std::min(kPanel, N - p * kPanel);
-    const uint16_t* rows = src + p * kPanel * ld;
+    const T* rows = src + p * kPanel * ld;
     uint16_t* d = dst + p * KP * kPanel * 2;
     int64_t kp = 0;
 #if ROLLOUT_VNNI_BF16
@@ -92,15 +107,15 @@ void vnni_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, 
     if (cols == kPanel) {
       __m512i r[16];
       const int64_t blocks = K / 32;  // of 16 k pairs
-      rollout_pack::PanelAhead ahead(src, 2, N, K, ld, p, p1, 2 * blocks);
+      rollout_pack::PanelAhead ahead(src, sizeof(T), N, K, ld, p, p1, 2 * blocks);
       for (int64_t h = 0; h < 2; ++h) {
         for (int64_t b = 0; b < blocks; ++b) {
           ahead.step();
           uint16_t* db = d + b * 16 * kPanel * 2 + h * 32;
           for (int64_t i = 0; i < 16; ++i) {
-            const uint16_t* row = rows + (h * 16 + i) * ld + 32 * b;
-            r[i] = _mm512_loadu_si512(row);
-            __builtin_prefetch(row + 128);
+            const T* row = rows + (h * 16 + i) * ld + 32 * b;
+            r[i] = load32(row);
+            __builtin_prefetch(reinterpret_cast<const char*>(row) + 256);
           }
           transpose16(r);
           if (aligned) {  // streamed: the packed copy is not read again soon, and a store that
@@ -117,13 +132,9 @@ void vnni_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, 
 #endif
     for (; kp < KP; ++kp, d += kPanel * 2) {  // (the rest: scalar)
       const int64_t k = 2 * kp;
-      if (k + 1 < K) {
-        for (int64_t c = 0; c < cols; ++c) std::memcpy(d + 2 * c, rows + c * ld + k, 4);
-      } else {
-        for (int64_t c = 0; c < cols; ++c) {
-          d[2 * c] = rows[c * ld + k];
-          d[2 * c + 1] = 0;
-        }
+      for (int64_t c = 0; c < cols; ++c) {
+        d[2 * c] = bits(rows[c * ld + k]);
+        d[2 * c + 1] = k + 1 < K ? bits(rows[c * ld + k + 1]) : 0;
       }
       if (cols < kPanel) std::memset(d + 2 * cols, 0, (kPanel - cols) * 4);
     }
@@ -131,6 +142,16 @@ void vnni_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, 
 #if ROLLOUT_VNNI_BF16
   _mm_sfence();  // the streamed stores are visible before the pack returns
 #endif
+}
+
+}  // namespace
+
+void vnni_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1) {
+  pack_panels(src, dst, N, K, ld, p0, p1);
+}
+
+void vnni_pack_panels(const float* src, uint16_t* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1) {
+  pack_panels(src, dst, N, K, ld, p0, p1);
 }
 
 at::Tensor bf16_vnni_pack(const at::Tensor& weight, const std::optional<at::Tensor>& out) {

@@ -41,6 +41,9 @@ def _jobs(ext, seed: int):
                 w = (torch.randn(n, first + k + 2, generator=g) * 3)[:, first:first + k]
                 ref = getattr(ext, fn)(w.bfloat16())
                 srcs.append(w), dsts.append(torch.full_like(ref, 3.0)), packs.append(fn), want.append(ref)
+            w = _hard_floats(64 * 97, g).view(64, 97)[:, 1:]  # (the cast's hard cases inside the pack too)
+            ref = getattr(ext, fn)(w.bfloat16())
+            srcs.append(w), dsts.append(torch.full_like(ref, 3.0)), packs.append(fn), want.append(ref)
     for length in (1, 70001):
         src = _hard_floats(length, g)
         srcs.append(src), dsts.append(torch.zeros(length, dtype=torch.bfloat16)), packs.append("")
