@@ -110,21 +110,10 @@ def test_tp2_checksum_is_the_full_tensors(tiny_tp2):
     assert llm.weights_checksum() == weights_checksum(hf_state(model).items())
 
 
-def test_tp2_push_lands_on_every_shard_and_a_bad_one_on_none(tiny_tp2):
-    """Full HF tensors in; each rank keeps its slice; a wrong shape changes no rank."""
-    name, model, llm, prompts, _ = tiny_tp2
-    state = {k: v.clone() for k, v in hf_state(model).items()}
-    before = llm.weights_checksum()
-    bad = dict(state)
-    bad["model.layers.1.mlp.down_proj.weight"] = bad["model.layers.1.mlp.down_proj.weight"][:, :-1]
-    with pytest.raises(InvalidRequestError, match="shape"):
-        llm.update_weights_from_tensors(bad.items(), version=5)
-    assert llm.weights_checksum() == before and llm.get_weight_version() == 0
-    g = torch.Generator().manual_seed(7)
-    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
-    llm.update_weights_from_tensors(new.items(), version=1)
-    # each rank packed its shards for the matmul as they arrived, the row-parallel ones (column
-    # slices of the pushed tensors) read in place: the swap in the pause repacked nothing
+def assert_packed_and_serving(llm, name, model, prompts, new: dict) -> None:
+    """After a push of `new`: every rank's projections are the panels the update staged (the
+    row-parallel ones, column slices of the pushed tensors, packed in place: the swap in the pause
+    repacked nothing), greedy tokens equal transformers on `new`, and so does the checksum."""
     for rank, packed in enumerate(llm.collective_rpc("packed_by_the_update")):
         for i in range(model.config.num_hidden_layers):
             assert f"model.layers.{i}.self_attn.o_proj.weight" in packed, (rank, packed)
@@ -138,6 +127,22 @@ def test_tp2_push_lands_on_every_shard_and_a_bad_one_on_none(tiny_tp2):
     # the head's panels meanwhile), then the checksum, which unpacks them
     compare(name, prompts[:3], refs, llm.generate(prompts[:3], PARAMS, use_tqdm=False))
     assert llm.weights_checksum() == weights_checksum(new.items())
+
+
+def test_tp2_push_lands_on_every_shard_and_a_bad_one_on_none(tiny_tp2):
+    """Full HF tensors in; each rank keeps its slice; a wrong shape changes no rank."""
+    name, model, llm, prompts, _ = tiny_tp2
+    state = {k: v.clone() for k, v in hf_state(model).items()}
+    before = llm.weights_checksum()
+    bad = dict(state)
+    bad["model.layers.1.mlp.down_proj.weight"] = bad["model.layers.1.mlp.down_proj.weight"][:, :-1]
+    with pytest.raises(InvalidRequestError, match="shape"):
+        llm.update_weights_from_tensors(bad.items(), version=5)
+    assert llm.weights_checksum() == before and llm.get_weight_version() == 0
+    g = torch.Generator().manual_seed(7)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    llm.update_weights_from_tensors(new.items(), version=1)
+    assert_packed_and_serving(llm, name, model, prompts, new)  # (each rank packed its shards as they arrived)
     with SharedWeights() as shared:  # back through shared memory, read by each rank for its slices
         llm.update_weights_from_ipc(shared.share(state.items()), version=2)
     assert llm.weights_checksum() == before
@@ -167,17 +172,7 @@ def test_tp2_trainer_writes_each_ranks_slices_into_its_spare(tiny_tp2):
     handles = writer.write(llm.lease_weight_spare("trainer", writer.layouts), new.items())
     assert [len(h["tensors"]) for h in handles["ranks"]] == [len(new)] * 2
     llm.update_weights_from_ipc(handles, version=version + 1)
-    for rank, packed in enumerate(llm.collective_rpc("packed_by_the_update")):  # (swapped in, not repacked)
-        for i in range(model.config.num_hidden_layers):
-            assert f"model.layers.{i}.self_attn.o_proj.weight" in packed, (rank, packed)
-            assert f"model.layers.{i}.mlp.down_proj.weight" in packed, (rank, packed)
-    reference = AutoModelForCausalLM.from_config(model.config, attn_implementation="eager").eval()
-    reference.load_state_dict(new, strict=False)
-    if model.config.tie_word_embeddings:
-        reference.tie_weights()
-    refs = [hf_greedy(reference, p) for p in prompts[:3]]
-    compare(name, prompts[:3], refs, llm.generate(prompts[:3], PARAMS, use_tqdm=False))
-    assert llm.weights_checksum() == weights_checksum(new.items())
+    assert_packed_and_serving(llm, name, model, prompts, new)  # (the trainer packed them: swapped in)
     handles = writer.write(llm.lease_weight_spare("trainer", writer.layouts), state.items())
     llm.update_weights_from_ipc(handles, version=version + 2)  # (back, for the module's other tests)
     writer.close()
