@@ -115,7 +115,6 @@ def main():
             ours.append(("panels", packed, ext.f32_panel_linear))
     copies = [torch.empty_like(w) for w in weights]
     copy_ms = timed_pack(lambda: [c.copy_(w) for c, w in zip(copies, weights)])[1]
-    del copies
     print(f"pack 121 weights ({sum(w.nbytes for w in weights) / 1e6:.0f} MB): oneDNN reorder {onednn_ms:.1f} ms, "
           f"ours in place {pack_ms:.1f} ms (one call a weight), {one_call_ms:.1f} ms (all in one call)"
           + (f", {cast_ms:.1f} ms from float32 (cast on the way)" if dtype == torch.bfloat16 else "")

@@ -43,7 +43,8 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp", _CSRC / "invariant_ops.cpp",
             _CSRC / "vnni_linear.cpp", _CSRC / "amx_linear.cpp", _CSRC / "f32_linear.cpp", _CSRC / "spare_write.cpp",
             _CSRC / "moe.cpp", _CSRC / "shm_comm.cpp", _CSRC / "decode_layers.cpp", _CSRC / "bindings.cpp"]
-_HEADERS = [_CSRC / "ops.h", _CSRC / "vec.h", _CSRC / "pack_ahead.h", _CSRC / "bf16_round.h"]  # included by the sources: part of the hash
+# included by the sources: part of the hash
+_HEADERS = [_CSRC / "ops.h", _CSRC / "vec.h", _CSRC / "pack_ahead.h", _CSRC / "bf16_round.h"]
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 _STALE_LOCK_S = 600  # a build lock this old was left by a killed build

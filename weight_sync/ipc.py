@@ -190,7 +190,11 @@ class SpareWriter:
         pairs = [(n, t.detach()) for n, t in named_tensors]
         named = dict(pairs)
         parts = lease.get("ranks", [lease])  # (a replica of several tensor-parallel ranks: a lease each)
-        if len(named) != len(pairs) or not all(self._fits(part, named, dtype) for part in parts):
+        tied = parts[0].get("tied", {})  # (dropped by the engine after checking they are the embedding)
+        if len(named) != len(pairs) or any(to not in named or not _same_values(named[n], named[to])
+                                           for n, to in tied.items() if n in named):
+            return None
+        if not all(self._fits(part, named, dtype) for part in parts):
             return None
         wanted = [name for part in parts for name in part["segments"]]
         try:
@@ -211,12 +215,9 @@ class SpareWriter:
         return {"kind": "spare", "ranks": handles} if "ranks" in lease else dict(handles[0], kind="spare")
 
     def _fits(self, lease: dict, named: dict[str, torch.Tensor], dtype: torch.dtype | None) -> bool:
-        slots = {m["name"]: m for m in lease["tensors"]}
+        slots, tied = {m["name"]: m for m in lease["tensors"]}, lease.get("tied", {})
         for name, t in named.items():
-            tied_to = lease.get("tied", {}).get(name)
-            if tied_to is not None:  # dropped by the engine after checking it is the embedding
-                if tied_to not in named or not _same_values(t, named[tied_to]):
-                    return False
+            if name in tied:
                 continue
             slot = slots.get(name)
             if slot is None or t.device.type != "cpu" or not t.is_floating_point() or list(t.shape) != slot["shape"] \

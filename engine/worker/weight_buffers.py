@@ -172,8 +172,8 @@ class WeightBuffers:
         where: {"lease": token, "segments": [shared-memory names], "tensors": [{"name", "dtype",
         "shape", "stride", "segment", "offset" (bytes)}], "tied": {pushed name: the name it is
         checked against and dropped for}}; a tensor-parallel rank's entries carry the full tensor's
-        shape and the "slice" it holds (_as_pushed). `layouts`: the pack functions of the kernels the trainer
-        can run (kernels.cpu_ext; e.g. "bf16_vnni_pack"): a tensor whose storage takes one of them
+        shape and the "slice" it holds (_as_pushed). `layouts`: the pack functions of the kernels
+        the trainer can run (kernels.cpu_ext; e.g. "bf16_vnni_pack"): a tensor whose storage takes one of them
         comes as {"name", "dtype", "shape", "pack": function, "packed_shape", "segment", "offset"},
         to be packed there (the module's doc). The same holder may lease again (a retry); another
         is refused (EngineStateError) while a lease younger than LEASE_TTL_S is out."""

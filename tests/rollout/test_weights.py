@@ -421,7 +421,7 @@ def test_a_server_with_one_replica_elsewhere_gets_its_part_over_the_group(tmp_pa
     from tests.rollout.conftest import start_server, stop_server, tiny_model_folder
 
     folder = tiny_model_folder(tmp_path, default_model_path)
-    server = start_server(folder, "--max-model-len", "256", "--data-parallel-size", "2",  # (4 ranks on 2 cores: on purpose)
+    server = start_server(folder, "--max-model-len", "256", "--data-parallel-size", "2",  # (tp 2: 4 ranks, 2 cores)
                           "--tensor-parallel-size", str(tp), "--max-data-parallel-size", "2")
     here = weight_sync.host_key()
     try:
