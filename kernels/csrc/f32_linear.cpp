@@ -52,6 +52,7 @@
 #define ROLLOUT_F32_PANEL 256
 #endif
 
+#include "bf16_round.h"
 #include "ops.h"
 #include "pack_ahead.h"
 
@@ -266,11 +267,23 @@ inline void transpose8x8_epi16(__m256i r[8]) {
 }  // namespace
 #endif
 
-void bf16_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1) {
 #if ROLLOUT_F32_PANEL
+namespace {
+
+// a source row's 16 values from k on as bf16 (a float32 one rounded as torch's cast rounds), and one value
+inline __m256i load16(const uint16_t* row) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)); }
+inline __m256i load16(const float* row) {
+  return _mm256_set_m128i(rollout_bf16::round8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 8))),
+                          rollout_bf16::round8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row))));
+}
+inline uint16_t bits(uint16_t v) { return v; }
+inline uint16_t bits(float v) { return rollout_bf16::round_bits(v); }
+
+template <typename T>
+void pack_bf16_panels(const T* src, uint16_t* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t cols = std::min(kPanel, N - p * kPanel);
-    const uint16_t* rows = src + p * kPanel * ld;
+    const T* rows = src + p * kPanel * ld;
     uint16_t* d = dst + p * K * kPanel;
     int64_t k = 0;
     if (cols == kPanel && reinterpret_cast<uintptr_t>(dst) % 32 == 0) {
@@ -279,14 +292,15 @@ void bf16_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, 
       // not read again soon; a store that skips the cache skips reading the line first)
       alignas(64) uint16_t block[16][kPanel];
       __m256i r[8];
-      rollout_pack::PanelAhead ahead(src, 2, N, K, ld, p, p1, K / 16);
+      rollout_pack::PanelAhead ahead(src, sizeof(T), N, K, ld, p, p1, K / 16);
       for (; k + 16 <= K; k += 16) {
         ahead.step();
         for (int64_t q = 0; q < kPanel; q += 8) {
           for (int64_t i = 0; i < 8; ++i) {
-            const uint16_t* row = rows + kBf16Col[q + i] * ld + k;
-            r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-            __builtin_prefetch(row + 128);  // 32 rows read side by side: more streams than the prefetcher follows
+            const T* row = rows + kBf16Col[q + i] * ld + k;
+            r[i] = load16(row);
+            // 32 rows read side by side: more streams than the prefetcher follows
+            __builtin_prefetch(reinterpret_cast<const char*>(row) + 256);
           }
           transpose8x8_epi16(r);
           for (int64_t j = 0; j < 8; ++j) {
@@ -302,8 +316,25 @@ void bf16_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, 
       _mm_sfence();
     }
     for (; k < K; ++k)  // (the rest: scalar; columns past N are zeros)
-      for (int64_t q = 0; q < kPanel; ++q) d[k * kPanel + q] = kBf16Col[q] < cols ? rows[kBf16Col[q] * ld + k] : 0;
+      for (int64_t q = 0; q < kPanel; ++q)
+        d[k * kPanel + q] = kBf16Col[q] < cols ? bits(rows[kBf16Col[q] * ld + k]) : 0;
   }
+}
+
+}  // namespace
+#endif
+
+void bf16_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1) {
+#if ROLLOUT_F32_PANEL
+  pack_bf16_panels(src, dst, N, K, ld, p0, p1);
+#else
+  TORCH_CHECK(false, "bf16_panel_pack: this CPU has neither AVX-512 nor AVX2 + FMA (see f32_panel_supported)");
+#endif
+}
+
+void bf16_pack_panels(const float* src, uint16_t* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1) {
+#if ROLLOUT_F32_PANEL
+  pack_bf16_panels(src, dst, N, K, ld, p0, p1);
 #else
   TORCH_CHECK(false, "bf16_panel_pack: this CPU has neither AVX-512 nor AVX2 + FMA (see f32_panel_supported)");
 #endif

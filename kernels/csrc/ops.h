@@ -83,6 +83,8 @@ at::Tensor bf16_panel_pack(const at::Tensor& weight, const std::optional<at::Ten
 // into dst (the whole packed tensor)
 void f32_pack_panels(const float* src, float* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1);
 void bf16_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1);
+// the same of a float32 src, each value rounded to bf16 as torch's cast rounds (a trainer's master weights)
+void bf16_pack_panels(const float* src, uint16_t* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1);
 at::Tensor bf16_panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                              const std::optional<at::Tensor>& bias);
 }  // namespace rollout_f32

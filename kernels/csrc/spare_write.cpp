@@ -89,6 +89,17 @@ void cast_bf16(const float* src, uint16_t* dst, int64_t n, bool stream = false) 
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), v);
     }
   }
+#elif defined(__AVX2__)
+  for (; i + 16 <= n; i += 16) {
+    const __m256i v = _mm256_set_m128i(
+        rollout_bf16::round8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 8))),
+        rollout_bf16::round8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+    if (stream && reinterpret_cast<uintptr_t>(dst + i) % 32 == 0) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), v);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), v);
+    }
+  }
 #endif
   for (; i < n; ++i) dst[i] = rollout_bf16::round_bits(src[i]);
 }
@@ -162,7 +173,6 @@ void write_many(const std::vector<at::Tensor>& srcs, const std::vector<at::Tenso
     return std::lower_bound(start.begin(), start.end() - 1, total * t / threads) - start.begin();
   };
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<uint16_t> rows;  // a cast panel's rows for bf16_pack_panels (L2-sized: 32 rows of K)
     for (int64_t u = first_unit_from(t0), last = first_unit_from(t1); u < last; ++u) {
       Unit x = units[u];
       if (kinds[x.job] != kCopy)  // a pack's panels in one call (it reads ahead into the next panel)
@@ -177,14 +187,8 @@ void write_many(const std::vector<at::Tensor>& srcs, const std::vector<at::Tenso
         const int64_t N = s.size(0), K = s.size(1), ld = s.stride(0);
         if (kinds[x.job] == kVnni) {  // (cast in the pack's registers)
           rollout_vnni::vnni_pack_panels(s.data_ptr<float>(), out, N, K, ld, x.begin, x.end);
-          continue;
-        }
-        rows.resize(kPanel * K);
-        for (int64_t p = x.begin; p < x.end; ++p) {
-          const int64_t n = std::min(kPanel, N - p * kPanel);
-          const float* from = s.data_ptr<float>() + p * kPanel * ld;
-          for (int64_t i = 0; i < n; ++i) cast_bf16(from + i * ld, rows.data() + i * K, K);
-          rollout_f32::bf16_pack_panels(rows.data(), out + p * K * kPanel, n, K, K, 0, 1);
+        } else {
+          rollout_f32::bf16_pack_panels(s.data_ptr<float>(), out, N, K, ld, x.begin, x.end);
         }
         continue;
       }
