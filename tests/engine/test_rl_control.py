@@ -507,7 +507,7 @@ async def _late_push(llm, seed: int = 0, dtype: str | None = None, world_size: i
 
     port = find_free_port()
     trainer = start_trainer(port, "late", world_size, seed=seed, dtype=dtype)
-    await llm.init_weight_transfer("127.0.0.1", port, world_size, timeout_s=20)
+    await llm.init_weight_transfer("127.0.0.1", port, world_size, timeout_s=60)
     trace = UpdateTrace()
     update = asyncio.ensure_future(llm.update_weights_from("broadcast", [], trace=trace, **kwargs))
     return trainer, trace, update
@@ -613,7 +613,7 @@ async def _wait_pause_past_deadline():
         await _until(lambda: "long" in seen)
         port = find_free_port()
         trainer = start_trainer(port, "full")
-        await llm.init_weight_transfer("127.0.0.1", port, 2, timeout_s=20)
+        await llm.init_weight_transfer("127.0.0.1", port, 2, timeout_s=60)
         from engine.process.utility import UpdateTrace
 
         trace = UpdateTrace()

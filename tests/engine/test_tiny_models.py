@@ -177,7 +177,11 @@ def test_sliding_window_is_exercised():
     assert (a[:, 16:] - b[:, 16:]).abs().max() > 1e-2  # beyond it: different
 
 
-@pytest.mark.slow  # the interpreter: ~25-40 s a model family
+# The families whose features these kernels see: Qwen3's q/k norms (rotary + KV write), Mistral's
+# sliding window and chunked prefill (both attentions). The others differ in what the kernels do
+# not touch (biases, rope frequencies, MoE, ties) and cost 30-70 s each in the interpreter.
+@pytest.mark.slow
+@pytest.mark.parametrize("tiny", ["qwen3", "mistral"], indirect=True)
 def test_triton_kernels_in_the_engine_match_hf(tiny, monkeypatch):
     """The CUDA path's Triton kernels (paged decode and varlen prefill attention, residual +
     RMSNorm, rotary + KV write with Qwen3's q/k norms; here in Triton's interpreter on CPU
