@@ -21,8 +21,8 @@ float32 (--dtype float32):
 Each run also times packing the 121 weights (best of --reps): oneDNN's reorder (fresh memory each
 time) against ours rewriting the memory it packed before, as a weight update does, one call a
 weight and all in one call (write_many, a trainer's write into a leased spare; in bf16 also from
-float32 masters, cast on the way), beside a Tensor.copy_ of the same bytes into touched memory
-(a pack reads and writes every byte once, as a copy does).
+float32 masters, cast on the way, packed and plain beside torch's cast), beside a Tensor.copy_ of
+the same bytes into touched memory (a pack reads and writes every byte once, as a copy does).
 
 Run from the repo root:  .venv/bin/python benchmarks/kernels_matmul.py [--dtype float32] [--rows 1 4 16 32 128]
 The weights (~270 MB per bf16 copy) do not fit in cache: each step streams them from memory, as a
@@ -86,7 +86,7 @@ def main():
         print(f"oneDNN's prepacked linear is not available here: {str(e).splitlines()[0]}")
         onednn, onednn_ms = None, float("nan")
     # ours: (column name, packed weights or None for the plain ones, kernel) where this CPU has them
-    ours, pack_ms, one_call_ms, cast_ms = [], float("nan"), float("nan"), float("nan")
+    ours, pack_ms, one_call_ms, cast_ms, cast_copy_ms = [], float("nan"), float("nan"), float("nan"), (float("nan"),) * 2
 
     def our_pack(fn: str):  # (packed weights, ms one call a weight, ms all in one call)
         pack = getattr(ext, fn)
@@ -94,19 +94,26 @@ def main():
         packed, ms = timed_pack(lambda: [pack(w, p) for w, p in zip(weights, packed)])
         return packed, ms, timed_pack(lambda: ext.write_many(weights, packed, [fn] * len(weights)))[1]
 
+    masters = [w.float() for w in weights] if dtype == torch.bfloat16 else []
+
     def cast_pack(fn: str, packed) -> float:  # ms: float32 masters cast on the way, all in one call
-        masters = [w.float() for w in weights]
         return timed_pack(lambda: ext.write_many(masters, packed, [fn] * len(weights)))[1]
+
+    def cast_copy() -> tuple[float, float]:  # ms: the masters cast into plain bf16 tensors, write_many / torch
+        plain = [torch.empty_like(w).view(-1) for w in weights]
+        flat = [m.view(-1) for m in masters]
+        return (timed_pack(lambda: ext.write_many(flat, plain, [""] * len(flat)))[1],
+                timed_pack(lambda: [p.copy_(m) for p, m in zip(plain, flat)])[1])
 
     if ext is not None and dtype == torch.bfloat16 and ext.bf16_vnni_supported():
         packed, pack_ms, one_call_ms = our_pack("bf16_vnni_pack")
-        cast_ms = cast_pack("bf16_vnni_pack", packed)
+        cast_ms, cast_copy_ms = cast_pack("bf16_vnni_pack", packed), cast_copy()
         ours.append(("dot", packed, ext.bf16_vnni_linear))
         if ext.bf16_amx_supported():
             ours.append(("AMX", packed, ext.bf16_amx_linear))
     elif ext is not None and dtype == torch.bfloat16 and ext.f32_panel_supported():
         packed, pack_ms, one_call_ms = our_pack("bf16_panel_pack")
-        cast_ms = cast_pack("bf16_panel_pack", packed)
+        cast_ms, cast_copy_ms = cast_pack("bf16_panel_pack", packed), cast_copy()
         ours.append(("panels", packed, ext.bf16_panel_linear))
     if ext is not None and dtype == torch.float32:
         ours.append(("rows", None, lambda x, w, n: ext.invariant_linear(x, w, None)))
@@ -117,7 +124,8 @@ def main():
     copy_ms = timed_pack(lambda: [c.copy_(w) for c, w in zip(copies, weights)])[1]
     print(f"pack 121 weights ({sum(w.nbytes for w in weights) / 1e6:.0f} MB): oneDNN reorder {onednn_ms:.1f} ms, "
           f"ours in place {pack_ms:.1f} ms (one call a weight), {one_call_ms:.1f} ms (all in one call)"
-          + (f", {cast_ms:.1f} ms from float32 (cast on the way)" if dtype == torch.bfloat16 else "")
+          + (f", {cast_ms:.1f} ms from float32 (cast on the way; a cast copy {cast_copy_ms[0]:.1f} ms, "
+             f"torch's {cast_copy_ms[1]:.1f})" if dtype == torch.bfloat16 else "")
           + f"; Tensor.copy_ of the same bytes {copy_ms:.1f} ms")
     # the engine's path where ours is missing: oneDNN's prepacked linear, else F.linear
     baselines = [("F.linear", None, lambda x, w, n: F.linear(x, w))]
