@@ -264,12 +264,6 @@ inline void transpose8x8_epi16(__m256i r[8]) {
   }
 }
 
-}  // namespace
-#endif
-
-#if ROLLOUT_F32_PANEL
-namespace {
-
 // a source row's 16 values from k on as bf16 (a float32 one rounded as torch's cast rounds), and one value
 inline __m256i load16(const uint16_t* row) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)); }
 inline __m256i load16(const float* row) {
@@ -279,8 +273,15 @@ inline __m256i load16(const float* row) {
 inline uint16_t bits(uint16_t v) { return v; }
 inline uint16_t bits(float v) { return rollout_bf16::round_bits(v); }
 
+}  // namespace
+#endif
+
+namespace {
+
+// bf16_pack_panels of a bfloat16 source, or of a float32 one cast on the way
 template <typename T>
 void pack_bf16_panels(const T* src, uint16_t* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1) {
+#if ROLLOUT_F32_PANEL
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t cols = std::min(kPanel, N - p * kPanel);
     const T* rows = src + p * kPanel * ld;
@@ -319,25 +320,19 @@ void pack_bf16_panels(const T* src, uint16_t* dst, int64_t N, int64_t K, int64_t
       for (int64_t q = 0; q < kPanel; ++q)
         d[k * kPanel + q] = kBf16Col[q] < cols ? bits(rows[kBf16Col[q] * ld + k]) : 0;
   }
+#else
+  TORCH_CHECK(false, "bf16_panel_pack: this CPU has neither AVX-512 nor AVX2 + FMA (see f32_panel_supported)");
+#endif
 }
 
 }  // namespace
-#endif
 
 void bf16_pack_panels(const uint16_t* src, uint16_t* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1) {
-#if ROLLOUT_F32_PANEL
   pack_bf16_panels(src, dst, N, K, ld, p0, p1);
-#else
-  TORCH_CHECK(false, "bf16_panel_pack: this CPU has neither AVX-512 nor AVX2 + FMA (see f32_panel_supported)");
-#endif
 }
 
 void bf16_pack_panels(const float* src, uint16_t* dst, int64_t N, int64_t K, int64_t ld, int64_t p0, int64_t p1) {
-#if ROLLOUT_F32_PANEL
   pack_bf16_panels(src, dst, N, K, ld, p0, p1);
-#else
-  TORCH_CHECK(false, "bf16_panel_pack: this CPU has neither AVX-512 nor AVX2 + FMA (see f32_panel_supported)");
-#endif
 }
 
 at::Tensor bf16_panel_pack(const at::Tensor& weight, const std::optional<at::Tensor>& out) {
